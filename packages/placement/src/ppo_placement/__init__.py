@@ -1,0 +1,3 @@
+"""Ray placement for PPO roles: GPU layout math, placement groups, bundle order."""
+
+__version__ = "0.1.0"
