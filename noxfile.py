@@ -18,6 +18,11 @@ nox.options.reuse_existing_virtualenvs = False
 ROOT = Path(__file__).parent
 PYTHON = "3.11"
 
+# Ray 2.60 starts its workers through `uv run` when the driver runs under it (it does here, through
+# `uv run nox`), which repackages the working tree for every worker; the sessions' venvs already hold
+# everything, so switch that off.
+TEST_ENV = {"PYTHONHASHSEED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+
 # folder under packages/ -> (distribution name, extras its tests need)
 PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "placement": ("ppo-placement", ()),
@@ -51,11 +56,11 @@ def _pytest(session: nox.Session, where: Path, *extra: str) -> None:
     # pytest exits 5 when it collects nothing; nox treats every non-zero exit as a failure,
     # so an empty or mis-collected suite fails the session instead of passing silently.
     session.chdir(where)
-    session.run("python", "-m", "pytest", *extra, *session.posargs, env={"PYTHONHASHSEED": "0"})
+    session.run("python", "-m", "pytest", *extra, *session.posargs, env=TEST_ENV)
 
 
 @nox.session(python=PYTHON)
-@nox.parametrize("package", list(PACKAGES))
+@nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
     """One package's tests, in an environment holding only that package and what it declares."""
     dist, extras = PACKAGES[package]
