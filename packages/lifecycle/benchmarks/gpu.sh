@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU tests and the sleep/wake benchmark of ppo-lifecycle, in one go (about 2-3 minutes on an H200).
+# Run from the repository root or anywhere: bash packages/lifecycle/benchmarks/gpu.sh
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+for src in "$ROOT"/packages/*/src; do PYTHONPATH="$src:${PYTHONPATH:-}"; done
+export PYTHONPATH
+PY="${PYTHON:-python}"
+cd "$HERE"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+"$PY" -c "import torch_memory_saver" 2>/dev/null && echo "torch_memory_saver: installed" \
+  || echo "torch_memory_saver: NOT installed (its tests and benchmark rows will be skipped/failed)"
+
+echo "== GPU tests (4 GiB of state per backend)"
+if "$PY" -c "import pytest" 2>/dev/null; then
+  "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider -o addopts="" -s
+else
+  "$PY" tests/gpu_checks.py
+fi
+
+echo "== sleep/wake benchmark, 16 GiB of state"
+"$PY" benchmarks/sleep_wake.py --gib 16 --cycles 3 --tms-default-gib 16 --tms-default-cycles 2

@@ -1,0 +1,247 @@
+"""Process groups that can be destroyed to free their buffers and rebuilt exactly as they were.
+
+Rebuilding needs a rendezvous whose keys are fresh: the keys the previous default group wrote
+in the store are still there, and a new group reading them would connect to dead peers. So the
+store from ``init_method`` is created once and kept alive by this object, and each generation of
+groups runs under its own ``PrefixStore("ppo_lifecycle/gen<N>", store)``. Every rank counts
+generations the same way (one per ``destroy``), so the prefixes agree without talking.
+
+The default group and every subgroup made through ``new_group`` are rebuilt with their recorded
+backend, timeout and options, subgroups in creation order (collective over all ranks, as
+``torch.distributed.new_group`` requires).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class ProcessGroupSet(Protocol):
+    """What ``Lifecycle`` needs from the process groups: destroy, rebuild, and whether they exist."""
+
+    def destroy(self) -> None: ...
+
+    def reload(self) -> None: ...
+
+    @property
+    def is_alive(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class DefaultGroupSpec:
+    backend: str
+    init_method: str
+    world_size: int
+    rank: int
+    timeout: timedelta
+    pg_options: Any = None
+    device_id: torch.device | None = None
+
+
+@dataclass(frozen=True)
+class SubgroupSpec:
+    ranks: tuple[int, ...] | None
+    backend: str | None
+    timeout: timedelta | None
+    pg_options: Any = None
+
+
+class GroupHandle:
+    """A stable reference to a group that is rebuilt on reload; ``.group`` is the live one."""
+
+    def __init__(self, owner: ReloadableProcessGroups, index: int | None, spec: SubgroupSpec) -> None:
+        self._owner = owner
+        self._index = index  # None: the default group
+        self.spec = spec
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The live group (changes after each reload: never cache it)."""
+        return self._owner._live_group(self._index)
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """The timeout it was created with (None: the default group's)."""
+        return self.spec.timeout
+
+    def __repr__(self) -> str:
+        which = "default" if self._index is None else f"subgroup {self._index}"
+        return f"GroupHandle({which}, ranks={self.spec.ranks}, backend={self.spec.backend})"
+
+
+class ReloadableProcessGroups:
+    """Owns the default process group and its subgroups; ``destroy()``/``reload()`` are idempotent."""
+
+    def __init__(self) -> None:
+        self._default: DefaultGroupSpec | None = None
+        self._subgroups: list[SubgroupSpec] = []
+        self._live: list[dist.ProcessGroup] = []
+        self._store: dist.Store | None = None
+        self._generation = 0
+        self._alive = False
+        self._default_built = False
+        self._lock = threading.RLock()
+
+    # -- creation --------------------------------------------------------------------------
+    def init_default(
+        self,
+        backend: str,
+        init_method: str,
+        world_size: int,
+        rank: int,
+        timeout: timedelta,
+        *,
+        pg_options: Any = None,
+        device_id: torch.device | None = None,
+    ) -> None:
+        """Create the default group (like ``init_process_group``) and remember how."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        with self._lock:
+            if self._default is not None:
+                raise RuntimeError("init_default() was already called on this object")
+            if dist.is_initialized():
+                raise RuntimeError(
+                    "torch.distributed is already initialized; ReloadableProcessGroups must create the "
+                    "default group itself to be able to rebuild it"
+                )
+            store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+            self._store = store
+            self._default = DefaultGroupSpec(
+                backend, init_method, world_size, rank, timeout, pg_options, device_id
+            )
+            self._build()
+
+    def new_group(
+        self,
+        ranks: Sequence[int] | None = None,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+        *,
+        pg_options: Any = None,
+    ) -> GroupHandle:
+        """Create a subgroup (collective: every rank calls it in the same order) and record it."""
+        with self._lock:
+            if not self._alive:
+                raise RuntimeError("new_group(): the groups are not alive; call init_default() or reload()")
+            spec = SubgroupSpec(tuple(ranks) if ranks is not None else None, backend, timeout, pg_options)
+            self._live.append(self._make_subgroup(spec))
+            self._subgroups.append(spec)
+            return GroupHandle(self, len(self._subgroups) - 1, spec)
+
+    @property
+    def default(self) -> GroupHandle:
+        """Handle of the default group."""
+        spec = self._require_default()
+        return GroupHandle(self, None, SubgroupSpec(None, spec.backend, spec.timeout, spec.pg_options))
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self._alive
+
+    @property
+    def generation(self) -> int:
+        """How many times the groups were destroyed."""
+        return self._generation
+
+    def destroy(self) -> None:
+        """Destroy every group (a no-op when already destroyed or never created)."""
+        with self._lock:
+            if not self._alive and not self._default_built:
+                return
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._live = []
+            self._alive = False
+            self._default_built = False
+            self._generation += 1
+
+    def reload(self) -> None:
+        """Rebuild the default group and every subgroup (a no-op when alive or never created)."""
+        with self._lock:
+            if self._alive:
+                return
+            if self._default is None:
+                log.debug("reload(): init_default() was never called; nothing to rebuild")
+                return
+            self._build()
+
+    # -- internals -------------------------------------------------------------------------
+    def _build(self) -> None:
+        spec = self._require_default()
+        assert self._store is not None  # set together with _default
+        if not self._default_built:
+            kwargs: dict[str, Any] = {}
+            if spec.pg_options is not None:
+                kwargs["pg_options"] = spec.pg_options
+            if spec.device_id is not None:
+                kwargs["device_id"] = spec.device_id
+            dist.init_process_group(
+                spec.backend,
+                store=dist.PrefixStore(f"ppo_lifecycle/gen{self._generation}", self._store),
+                world_size=spec.world_size,
+                rank=spec.rank,
+                timeout=spec.timeout,
+                **kwargs,
+            )
+            self._default_built = True
+        # A retried build keeps the subgroups made before the failure.
+        for sub in self._subgroups[len(self._live) :]:
+            self._live.append(self._make_subgroup(sub))
+        self._alive = True
+        log.debug("process groups built, generation %d, %d subgroups", self._generation, len(self._live))
+
+    @staticmethod
+    def _make_subgroup(spec: SubgroupSpec) -> dist.ProcessGroup:
+        kwargs: dict[str, Any] = {}
+        if spec.pg_options is not None:
+            kwargs["pg_options"] = spec.pg_options
+        group = dist.new_group(
+            ranks=list(spec.ranks) if spec.ranks is not None else None,
+            timeout=spec.timeout,
+            backend=spec.backend,
+            **kwargs,
+        )
+        return group  # type: ignore[return-value]  # -100 (not a member) is kept as is
+
+    def _live_group(self, index: int | None) -> dist.ProcessGroup:
+        with self._lock:
+            if not self._alive:
+                raise RuntimeError("the process groups are destroyed; wake up (reload()) before using them")
+            if index is None:
+                world = dist.group.WORLD
+                assert world is not None
+                return world
+            return self._live[index]
+
+    def _require_default(self) -> DefaultGroupSpec:
+        if self._default is None:
+            raise RuntimeError("init_default() was never called")
+        return self._default
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta:
+    """The timeout a live group runs with, read from its backend's options.
+
+    There is no public getter; this reads ``ProcessGroup._get_backend(device).options._timeout``
+    (private, present for gloo and NCCL in torch 2.4 to 2.15).
+    """
+    backend = dist.get_backend(group)
+    device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+    timeout = group._get_backend(device).options._timeout
+    return timedelta(seconds=timeout.total_seconds()) if isinstance(timeout, timedelta) else timeout

@@ -1,0 +1,63 @@
+"""One rank of the multi-process test: all-reduce, sleep, wake, all-reduce, for N cycles.
+
+Run as ``python _pg_worker.py RANK WORLD_SIZE PORT CYCLES OUT_JSON``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ppo_lifecycle import HostMemoryBackend, Lifecycle, ReloadableProcessGroups, group_timeout
+
+DEFAULT_TIMEOUT = timedelta(seconds=123)
+SUB_TIMEOUT = timedelta(seconds=45)
+
+
+def main() -> None:
+    rank, world, port, cycles = (int(a) for a in sys.argv[1:5])
+    out = sys.argv[5]
+    torch.set_num_threads(1)
+    groups = ReloadableProcessGroups()
+    groups.init_default("gloo", f"tcp://127.0.0.1:{port}", world, rank, DEFAULT_TIMEOUT)
+    pair = groups.new_group(ranks=[0, 1], timeout=SUB_TIMEOUT)
+    weights = torch.full((1000,), float(rank))
+    memory = HostMemoryBackend()
+    memory.track("weights", lambda: [weights])
+    lifecycle = Lifecycle(memory, groups, name=f"rank{rank}")
+    record: dict[str, list] = {"world": [], "pair": [], "timeouts": [], "alive_asleep": [], "weights_ok": []}
+    for cycle in range(cycles):
+        t = torch.tensor([float(rank + cycle)])
+        dist.all_reduce(t, group=groups.default.group)
+        record["world"].append(t.item())
+        if rank in (0, 1):
+            p = torch.tensor([1.0])
+            dist.all_reduce(p, group=pair.group)
+            record["pair"].append(p.item())
+        lifecycle.sleep()
+        record["alive_asleep"].append(
+            [groups.is_alive, dist.is_initialized(), weights.untyped_storage().nbytes()]
+        )
+        lifecycle.wake_up()
+        record["weights_ok"].append(bool(torch.equal(weights, torch.full((1000,), float(rank)))))
+        record["timeouts"].append(
+            [
+                group_timeout(groups.default.group).total_seconds(),
+                group_timeout(pair.group).total_seconds() if rank in (0, 1) else None,
+            ]
+        )
+    t = torch.tensor([1.0])
+    dist.all_reduce(t, group=groups.default.group)
+    record["final"] = [t.item()]
+    record["generation"] = [groups.generation]
+    groups.destroy()
+    with open(out, "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ppo_lifecycle import ReloadableProcessGroups, group_timeout
+
+WORKER = Path(__file__).with_name("_pg_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [3])
+def test_gloo_ranks_all_reduce_sleep_wake_for_ten_cycles(tmp_path: Path, world: int) -> None:
+    cycles, port = 10, _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                str(r),
+                str(world),
+                str(port),
+                str(cycles),
+                str(tmp_path / f"{r}.json"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=150)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{outputs[r][-3000:]}"
+    records = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
+    for r, rec in enumerate(records):
+        # sum over ranks of (rank + cycle)
+        assert rec["world"] == [sum(range(world)) + world * c for c in range(cycles)]
+        assert rec["final"] == [float(world)]
+        assert rec["generation"] == [cycles]
+        assert rec["alive_asleep"] == [[False, False, 0]] * cycles
+        assert rec["weights_ok"] == [True] * cycles
+        if r in (0, 1):
+            assert rec["pair"] == [2.0] * cycles
+            assert rec["timeouts"] == [[123.0, 45.0]] * cycles
+        else:
+            assert rec["pair"] == []
+            assert rec["timeouts"] == [[123.0, None]] * cycles
+
+
+@pytest.fixture
+def single(tmp_path: Path):  # type: ignore[no-untyped-def]
+    groups = ReloadableProcessGroups()
+    groups.init_default("gloo", f"file://{tmp_path / 'store'}", 1, 0, timedelta(seconds=77))
+    yield groups
+    groups.destroy()
+
+
+def test_destroy_and_reload_are_idempotent_and_keep_options(single: ReloadableProcessGroups) -> None:
+    sub = single.new_group(ranks=[0], timeout=timedelta(seconds=31))
+    first = sub.group
+    single.destroy()
+    single.destroy()
+    assert not single.is_alive
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        _ = sub.group
+    single.reload()
+    single.reload()
+    assert single.is_alive
+    assert single.generation == 1
+    assert sub.group is not first
+    assert group_timeout(sub.group) == timedelta(seconds=31)
+    assert group_timeout(single.default.group) == timedelta(seconds=77)
+    assert dist.get_backend(sub.group) == "gloo"
+    t = torch.ones(3)
+    dist.all_reduce(t, group=sub.group)
+    assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_misuse_is_reported(single: ReloadableProcessGroups, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="already called"):
+        single.init_default("gloo", "file:///nowhere", 1, 0, timedelta(seconds=1))
+    other = ReloadableProcessGroups()
+    with pytest.raises(RuntimeError, match="already initialized"):
+        other.init_default("gloo", f"file://{tmp_path / 'other'}", 1, 0, timedelta(seconds=1))
+    other.reload()  # never initialised: nothing to rebuild
+    assert not other.is_alive
+    with pytest.raises(ValueError, match="rank must be in"):
+        other.init_default("gloo", "file:///x", 2, 2, timedelta(seconds=1))
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        other.init_default("gloo", "file:///x", 1, 0, 5)  # type: ignore[arg-type]
+    single.destroy()
+    with pytest.raises(RuntimeError, match="not alive"):
+        single.new_group([0])
