@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -174,8 +175,10 @@ def main() -> None:
     if args.gib <= 0 or args.cycles < 1:
         ap.error("--gib must be > 0 and --cycles >= 1")
     if args.one:
-        print(json.dumps(run_case(args.one, args.gib, args.cycles, args.device)))
-        return
+        print(json.dumps(run_case(args.one, args.gib, args.cycles, args.device)), flush=True)
+        # torch_memory_saver 0.0.10 can abort in its free hook while the interpreter tears down CUDA
+        # ("only support interesting region"); the measurement is complete by then, so skip teardown.
+        os._exit(0)
     known = CUDA_CASES if args.device == "cuda" else CPU_CASES
     cases = args.cases.split(",") if args.cases else list(known)
     if unknown := [c for c in cases if c not in known]:

@@ -1,3 +1,32 @@
-"""Critic values to actor ranks through the Ray object store, as one flat buffer per payload."""
+"""Critic values to actor ranks through the Ray object store, as one flat buffer per payload.
+
+Inputs are torch tensors or numpy arrays; outputs are always torch tensors.
+"""
+
+from ppo_value_transport._box import Box
+from ppo_value_transport._codec import pack, pack_fields, unpack, unpack_fields
+from ppo_value_transport._dtypes import TORCH_DTYPES
+from ppo_value_transport._pairing import Topology, pair_ranks, pair_values
+from ppo_value_transport._routing import MissingValuesError, dispatch, gather, require_values, route
 
 __version__ = "0.1.0"
+
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(TORCH_DTYPES)
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "Box",
+    "MissingValuesError",
+    "Topology",
+    "__version__",
+    "dispatch",
+    "gather",
+    "pack",
+    "pack_fields",
+    "pair_ranks",
+    "pair_values",
+    "require_values",
+    "route",
+    "unpack",
+    "unpack_fields",
+]
