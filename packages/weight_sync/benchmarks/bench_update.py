@@ -1,0 +1,277 @@
+"""GB/s of a full weight update, trainer process -> engine process, against raw broadcasts.
+
+Trainer: this process (GPU 0 with NCCL, or CPU with gloo). Engine: a second process running a
+TensorEngine behind SGLang's HTTP routes (GPU 1 with NCCL). Weights are bf16, shaped like a Llama
+model (embeddings, per-layer attention/MLP/norms, head) scaled to each target size. Modes, same run:
+
+- ``stream``: this package's default with its own receiver (one call per update, flat 512 MiB buckets,
+  bucket k+1 packed while k is on the wire);
+- ``flattened_bucket``: one call and one flat buffer per bucket (SGLang's load_format of that name);
+- ``per_tensor``: one call per bucket and one broadcast per tensor, the way slime drives SGLang;
+- ``raw``: one pre-packed contiguous buffer of the same size, broadcast in ``--bucket-mb`` messages
+  back to back, with no metadata, packing or loading (the upper bound).
+
+``update GB/s`` counts the whole ``WeightSender.update`` (pause, flush, transfer, continue); ``transfer
+GB/s`` only the transfer (metadata call, broadcasts, engine reply). Median of ``--reps`` after a warm-up.
+
+    python benchmarks/bench_update.py --backend nccl --sizes-gb 1 4 16      # 2 GPUs
+    python benchmarks/bench_update.py --backend gloo --sizes-gb 0.0625 0.25  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import selectors
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ppo_weight_sync import HttpEngineEndpoint, WeightSender
+from ppo_weight_sync.endpoints import RECEIVER_LOAD_FORMATS
+from ppo_weight_sync.testing import TensorEngine, llama_like_spec
+from ppo_weight_sync.testing.http_engine import EngineHTTPServer
+
+GB = 1e9
+# (hidden, intermediate, vocab): from small to Llama-3-8B.
+CONFIGS = [
+    (512, 1408, 8000),
+    (1024, 2816, 32000),
+    (2048, 8192, 32000),
+    (4096, 14336, 32000),
+    (4096, 14336, 128256),
+]
+
+
+def spec_for(target_gb: float) -> dict[str, tuple[str, list[int]]]:
+    """A bf16 Llama-shaped spec of about ``target_gb`` GB: the largest config whose embeddings and head
+    stay under 40% of the target, with as many layers as fill the rest."""
+    target = target_gb * GB
+    chosen = CONFIGS[0]
+    for hidden, inter, vocab in CONFIGS:
+        if 2 * vocab * hidden * 2 <= 0.4 * target:
+            chosen = (hidden, inter, vocab)
+    hidden, inter, vocab = chosen
+    edges = 2 * vocab * hidden * 2
+    per_layer = 2 * (2 * hidden * hidden + 2 * (hidden // 4) * hidden + 3 * inter * hidden + 2 * hidden)
+    layers = max(1, round((target - edges) / per_layer))
+    return llama_like_spec(layers=layers, hidden=hidden, intermediate=inter, vocab=vocab, dtype="bfloat16")
+
+
+# ------------------------------------------------------------------------------ engine process
+
+
+def engine_main(device: str) -> None:
+    torch.set_num_threads(2)
+    engine = TensorEngine({}, seed=None, device=device, timeout_s=300)
+    raw_buffers: dict[int, torch.Tensor] = {}
+
+    def set_spec(body: dict[str, Any]) -> dict[str, Any]:
+        raw_buffers.clear()
+        engine.set_spec(body["spec"], seed=None)
+        return {"success": True, "message": f"{len(body['spec'])} tensors"}
+
+    def raw(body: dict[str, Any]) -> dict[str, Any]:
+        group = engine.receiver.group(body["group_name"])
+        if group is None:
+            return {"success": False, "message": "no such group"}
+        nbytes, chunk = int(body["bytes"]), int(body["chunk"])
+        buf = raw_buffers.get(nbytes)
+        if buf is None:
+            buf = raw_buffers.setdefault(nbytes, torch.empty(nbytes, dtype=torch.uint8, device=engine.device))
+        with torch.cuda.device(engine.device) if engine.device.type == "cuda" else contextlib.nullcontext():
+            works = [group.broadcast(buf[o : o + chunk]) for o in range(0, nbytes, chunk)]
+            for w in works:
+                w.wait()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        return {"success": True, "message": "received"}
+
+    server = EngineHTTPServer(engine, "127.0.0.1", 0, {"/bench_set_spec": set_spec, "/bench_raw": raw})
+    print(f"READY {server.url}", flush=True)
+    server.serve_forever()
+
+
+def start_engine(device: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--role", "engine", "--device", device]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine process exited with {proc.returncode}")
+        if sel.select(timeout=0.2):
+            line = proc.stdout.readline()
+            if line.startswith("READY "):
+                return proc, line.split()[1]
+    proc.kill()
+    raise TimeoutError("engine process did not start within 120 s")
+
+
+# ------------------------------------------------------------------------------ trainer process
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_size(
+    ep: HttpEngineEndpoint, backend: str, device: torch.device, gb: float, bucket_bytes: int, reps: int
+) -> list[dict[str, Any]]:
+    spec = spec_for(gb)
+    ep.request("POST", "/bench_set_spec", {"spec": spec})
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = [
+        (
+            name,
+            torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16),
+        )
+        for name, (_, shape) in spec.items()
+    ]
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    rows: list[dict[str, Any]] = []
+    raw_sender: WeightSender | None = None
+    for mode in ("stream", "flattened_bucket", "per_tensor"):
+        sender = WeightSender(backend=backend, bucket_bytes=bucket_bytes, load_format=mode, timeout_s=300)
+        sender.connect([ep])
+        sender.update(weights, "warmup")
+        sender.pop_metrics()
+        walls = []
+        for r in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            sender.update(weights, f"v{r}")
+            walls.append(time.perf_counter() - t0)
+        m = sender.pop_metrics()
+        rows.append(
+            {
+                "size_gb": nbytes / GB,
+                "tensors": len(weights),
+                "mode": mode,
+                "update_gbps": nbytes / statistics.median(walls) / GB,
+                "transfer_gbps": m["weight_sync/gb_per_s"],
+                "buckets": m["weight_sync/buckets"] / reps,
+            }
+        )
+        if mode == "stream":
+            raw_sender = sender  # keep its group for the raw broadcasts
+        else:
+            sender.disconnect()
+    assert raw_sender is not None
+    assert raw_sender.group is not None
+    group = raw_sender.group
+    del weights
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    times = []
+    for r in range(reps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        fut = pool.submit(
+            ep.request,
+            "POST",
+            "/bench_raw",
+            {"group_name": raw_sender.active_group_name, "bytes": nbytes, "chunk": bucket_bytes},
+        )
+        works = [group.broadcast(buf[o : o + bucket_bytes]) for o in range(0, nbytes, bucket_bytes)]
+        for w in works:
+            w.wait()
+        sync(device)
+        reply = fut.result(timeout=300)
+        if r:
+            times.append(time.perf_counter() - t0)
+        assert reply["success"], reply
+    pool.shutdown()
+    raw_sender.disconnect()
+    raw_gbps = nbytes / statistics.median(times) / GB
+    rows.append(
+        {
+            "size_gb": nbytes / GB,
+            "tensors": 1,
+            "mode": "raw",
+            "update_gbps": raw_gbps,
+            "transfer_gbps": raw_gbps,
+            "buckets": -(-nbytes // bucket_bytes),
+        }
+    )
+    for row in rows:
+        row["vs_raw_update"] = row["update_gbps"] / raw_gbps
+        row["vs_raw_transfer"] = row["transfer_gbps"] / raw_gbps
+    del buf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], title: str) -> None:
+    print(f"\n{title}")
+    print(
+        "| size GB | tensors | mode | update GB/s | transfer GB/s | update / raw | transfer / raw | buckets |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['size_gb']:.2f} | {r['tensors']} | {r['mode']} | {r['update_gbps']:.2f} | "
+            f"{r['transfer_gbps']:.2f} | {r['vs_raw_update']:.0%} | {r['vs_raw_transfer']:.0%} | "
+            f"{r['buckets']:.0f} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="weight update GB/s vs raw broadcast")
+    parser.add_argument("--role", choices=["trainer", "engine"], default="trainer")
+    parser.add_argument(
+        "--backend", choices=["nccl", "gloo"], default="nccl" if torch.cuda.is_available() else "gloo"
+    )
+    parser.add_argument("--device", default="cpu", help="engine role: its device")
+    parser.add_argument("--sizes-gb", type=float, nargs="+", default=None)
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", default="", help="also write the rows to this file")
+    args = parser.parse_args()
+    if args.role == "engine":
+        engine_main(args.device)
+        return
+    torch.set_num_threads(2)
+    gpu = args.backend == "nccl"
+    sizes = args.sizes_gb or ([1, 4, 16] if gpu else [0.0625, 0.25])
+    if gpu:
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("the NCCL benchmark needs 2 GPUs (trainer on GPU 0, engine on GPU 1)")
+        torch.cuda.set_device(0)
+        # The engine sees both GPUs and uses the second, so NCCL can pick its peer-to-peer path.
+        proc, url = start_engine("cuda:1", {})
+        device = torch.device("cuda", 0)
+    else:
+        proc, url = start_engine("cpu", {})
+        device = torch.device("cpu")
+    ep = HttpEngineEndpoint(url, name="engine", timeout_s=600, load_formats=RECEIVER_LOAD_FORMATS)
+    rows: list[dict[str, Any]] = []
+    try:
+        for gb in sizes:
+            rows += bench_size(ep, args.backend, device, gb, args.bucket_mb << 20, args.reps)
+            print_table(
+                [r for r in rows if abs(r["size_gb"] - rows[-1]["size_gb"]) < 1e-9], f"{gb} GB target"
+            )
+    finally:
+        proc.kill()
+        proc.wait()
+    name = torch.cuda.get_device_name(0) if gpu else "CPU"
+    print_table(rows, f"backend={args.backend} device={name} bucket={args.bucket_mb} MiB reps={args.reps}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

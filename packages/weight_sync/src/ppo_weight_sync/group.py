@@ -1,0 +1,119 @@
+"""The weight-update process group: built the way SGLang builds its side, never the default group.
+
+SGLang's engine joins with ``PrefixStore(group_name, TCPStore(master_address, master_port))`` handed to
+torch's ``_new_process_group_helper``; the trainer must use the same store layout, or the two sides
+look for each other's keys under different prefixes and hang. We never call ``init_process_group``
+and never touch the default group, so a trainer's own groups are unaffected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+__all__ = ["WeightGroup", "free_port", "local_address"]
+
+
+def free_port(address: str = "") -> int:
+    """A TCP port that is free on ``address`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return int(sock.getsockname()[1])
+
+
+def local_address() -> str:
+    """This host's address as other hosts see it (the interface of the default route), else 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            # connect() on UDP sends nothing; it only selects the outgoing interface.
+            sock.connect(("10.255.255.255", 1))
+            return str(sock.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+class WeightGroup:
+    """One member's handle on a weight-update group (rank 0 is the trainer, hosting the store)."""
+
+    def __init__(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.rank = rank
+        self.world_size = world_size
+        self.group_name = group_name
+        self.backend = backend
+        self.timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(
+            master_address,
+            master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=self.timeout,
+            # The group's own rendezvous waits for every rank (bounded by the timeout); a store that
+            # also waited here would block before the engines have even been asked to join.
+            wait_for_workers=False,
+        )
+        self._store: dist.TCPStore | None = store
+        prefixed = dist.PrefixStore(group_name, store)
+        options_kw = (
+            "backend_options"
+            if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters
+            else "pg_options"
+        )
+        kwargs: dict[str, Any] = {options_kw: None, "timeout": self.timeout, "group_name": group_name}
+        pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, prefixed, **kwargs)
+        # Ranks in this group are their own global ranks for torch's bookkeeping (as SGLang does).
+        c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        self._pg: Any = pg
+        if backend == "gloo":
+            # gloo connects lazily on the first collective; a tiny one now makes join failures show up
+            # in connect rather than in the first update.
+            self.broadcast(torch.zeros(1)).wait(self.timeout)
+
+    def broadcast(self, tensor: torch.Tensor) -> Any:
+        """Start a broadcast from rank 0 of ``tensor`` (in place on receivers); returns the work handle."""
+        if self._pg is None:
+            raise RuntimeError(f"weight group {self.group_name!r} is destroyed")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        opts.timeout = self.timeout
+        return self._pg.broadcast([tensor], opts)
+
+    @property
+    def alive(self) -> bool:
+        return self._pg is not None
+
+    def destroy(self, abort: bool = False) -> None:
+        """Leave the group; idempotent. ``abort`` tears NCCL communicators down without waiting for peers."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        if abort and self.backend == "nccl":
+            aborter = getattr(c10d, "_abort_process_group", None)
+            if aborter is not None:
+                with contextlib.suppress(Exception):
+                    aborter(pg)
+        # Already unregistered (an abort above removes it): nothing left to free.
+        with contextlib.suppress(ValueError, RuntimeError):
+            dist.destroy_process_group(pg)
+        self._store = None

@@ -1,0 +1,157 @@
+"""TensorEngine: an engine that only holds weights, with SGLang's weight operations.
+
+It stands in for a rollout engine wherever the weights, not generation, are what is tested: as a plain
+object, as a Ray actor (``ray.remote(TensorEngine).options(max_concurrency=4)``), or behind
+:mod:`ppo_weight_sync.testing.http_engine`. ``pause_generation`` and friends only record state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ppo_weight_sync.buckets import checksum, dtype_from_name
+from ppo_weight_sync.receiver import WeightReceiver
+
+__all__ = ["Spec", "TensorEngine", "llama_like_spec", "make_weights"]
+
+Spec = Mapping[str, tuple[str, Sequence[int]]]  # name -> (dtype name, shape); JSON-friendly
+
+
+def make_weights(spec: Spec, seed: int | None, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Deterministic weights for ``spec``: the same seed gives the same bytes in every process.
+
+    ``seed=None`` gives zeros, allocated straight on ``device`` (fast for large specs).
+    """
+    out: dict[str, torch.Tensor] = {}
+    if seed is None:
+        for name, (dtype, shape) in spec.items():
+            out[name] = torch.zeros(tuple(shape), dtype=dtype_from_name(dtype), device=device)
+        return out
+    gen = torch.Generator().manual_seed(seed)
+    for name, (dtype, shape) in spec.items():
+        t = torch.randn(tuple(shape), generator=gen, dtype=torch.float32)
+        out[name] = t.to(dtype_from_name(dtype)).to(device)
+    return out
+
+
+def llama_like_spec(
+    layers: int, hidden: int, intermediate: int, vocab: int, dtype: str = "bfloat16", kv_heads_ratio: int = 4
+) -> dict[str, tuple[str, list[int]]]:
+    """Hugging Face Llama names and shapes: embeddings, per-layer attention/MLP/norms, final norm, head."""
+    kv = hidden // kv_heads_ratio
+    spec: dict[str, tuple[str, list[int]]] = {"model.embed_tokens.weight": (dtype, [vocab, hidden])}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        spec[p + "input_layernorm.weight"] = (dtype, [hidden])
+        spec[p + "self_attn.q_proj.weight"] = (dtype, [hidden, hidden])
+        spec[p + "self_attn.k_proj.weight"] = (dtype, [kv, hidden])
+        spec[p + "self_attn.v_proj.weight"] = (dtype, [kv, hidden])
+        spec[p + "self_attn.o_proj.weight"] = (dtype, [hidden, hidden])
+        spec[p + "post_attention_layernorm.weight"] = (dtype, [hidden])
+        spec[p + "mlp.gate_proj.weight"] = (dtype, [intermediate, hidden])
+        spec[p + "mlp.up_proj.weight"] = (dtype, [intermediate, hidden])
+        spec[p + "mlp.down_proj.weight"] = (dtype, [hidden, intermediate])
+    spec["model.norm.weight"] = (dtype, [hidden])
+    spec["lm_head.weight"] = (dtype, [vocab, hidden])
+    return spec
+
+
+class TensorEngine:
+    """Holds ``spec``'s weights (initialised from ``seed``) and receives updates through a WeightReceiver."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        *,
+        seed: int | None = 0,
+        device: str = "cpu",
+        timeout_s: float = 60.0,
+        load_delay_s: float = 0.0,
+    ) -> None:
+        """``load_delay_s``: sleep this long per loaded batch, so tests can interrupt an update midway."""
+        torch.set_num_threads(1)
+        self.load_delay_s = load_delay_s
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.weights = make_weights(spec, seed, self.device)
+        self.paused = False
+        self.flushes = 0
+        self.receiver = WeightReceiver(
+            self._load, self._expected, self.device, on_flush_cache=self._on_flush, timeout_s=timeout_s
+        )
+
+    def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
+        for name, tensor in named:
+            self.weights[name].copy_(tensor)
+
+    def _expected(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {n: (t.dtype, tuple(t.shape)) for n, t in self.weights.items()}
+
+    def _on_flush(self) -> None:
+        self.flushes += 1
+
+    # SGLang's operations -------------------------------------------------------------------
+
+    def init_weights_update_group(self, **kwargs: Any) -> dict[str, Any]:
+        return self.receiver.init_weights_update_group(**kwargs)
+
+    def update_weights_from_distributed(self, **kwargs: Any) -> dict[str, Any]:
+        return self.receiver.update_weights_from_distributed(**kwargs)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return self.receiver.destroy_weights_update_group(group_name)
+
+    def get_weight_version(self) -> str | None:
+        return self.receiver.get_weight_version()
+
+    def pause_generation(self) -> dict[str, Any]:
+        self.paused = True
+        return {"success": True, "message": "Generation paused successfully."}
+
+    def continue_generation(self) -> dict[str, Any]:
+        self.paused = False
+        return {"success": True, "message": "Generation continued successfully."}
+
+    def flush_cache(self) -> dict[str, Any]:
+        self._on_flush()
+        return {"success": True, "message": "Cache flushed."}
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return {"success": True, "message": "nothing to release: this engine only holds weights"}
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return {"success": True, "message": "nothing to resume: this engine only holds weights"}
+
+    def set_spec(self, spec: Spec, seed: int | None = None) -> None:
+        """Hold ``spec``'s weights from now on (``seed=None``: zeros); the group membership is kept."""
+        self.weights = {}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.weights = make_weights(spec, seed, self.device)
+
+    def set_load_delay(self, seconds: float) -> None:
+        """Sleep ``seconds`` per loaded batch from now on (tests interrupt updates midway with it)."""
+        self.load_delay_s = seconds
+
+    # Inspection (not part of the engine protocol) -------------------------------------------
+
+    def checksum(self) -> str:
+        return checksum(self.weights.items())
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "paused": self.paused,
+            "flushes": self.flushes,
+            "weight_version": self.receiver.weight_version,
+            "checksum": self.checksum(),
+        }
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: t.detach().cpu().clone() for n, t in self.weights.items()}

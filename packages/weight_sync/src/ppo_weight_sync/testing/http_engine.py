@@ -1,0 +1,215 @@
+"""An HTTP server on 127.0.0.1 that serves SGLang's weight routes for a :class:`TensorEngine`.
+
+Routes (SGLang's paths and JSON bodies): ``POST /init_weights_update_group``,
+``/update_weights_from_distributed``, ``/destroy_weights_update_group`` (reply ``{"success",
+"message"}``, HTTP 400 on failure), ``POST /pause_generation``, ``/continue_generation``,
+``GET|POST /flush_cache``, ``GET /get_weight_version`` (``{"weight_version": ...}``), ``GET /health``,
+``POST /release_memory_occupation``, ``/resume_memory_occupation``; plus, for tests, ``GET /state``
+(paused, flushes, weight_version, checksum) and ``POST /set_load_delay`` (``{"seconds": s}``).
+
+In a process: ``server = serve(engine)``; ``server.url``; ``server.shutdown()``.
+As its own process: ``proc, url = start_process(spec, seed=0)`` runs
+``python -m ppo_weight_sync.testing.http_engine --spec JSON --seed N`` and waits for its ``READY <url>`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from ppo_weight_sync.testing.engine import Spec, TensorEngine
+
+__all__ = ["EngineHTTPServer", "serve", "start_process"]
+
+_WEIGHT_ROUTES = {
+    "/init_weights_update_group": "init_weights_update_group",
+    "/update_weights_from_distributed": "update_weights_from_distributed",
+    "/destroy_weights_update_group": "destroy_weights_update_group",
+}
+
+
+class EngineHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(
+        self,
+        engine: TensorEngine,
+        host: str,
+        port: int,
+        extra_routes: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None,
+    ) -> None:
+        super().__init__((host, port), _Handler)
+        self.engine = engine
+        self.extra_routes = dict(extra_routes or {})
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: EngineHTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read stdout
+        return
+
+    def _send(self, status: int, body: Any) -> None:
+        raw = (json.dumps(body) if not isinstance(body, str) else body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json" if not isinstance(body, str) else "text/plain")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        if not length:
+            return {}
+        data = json.loads(self.rfile.read(length))
+        return data if isinstance(data, dict) else {}
+
+    def do_GET(self) -> None:
+        engine = self.server.engine
+        if self.path == "/get_weight_version":
+            self._send(200, {"weight_version": engine.get_weight_version()})
+        elif self.path == "/health":
+            self._send(200, "")
+        elif self.path == "/flush_cache":
+            engine.flush_cache()
+            self._send(200, "Cache flushed.\n")
+        elif self.path == "/state":
+            self._send(200, engine.state())
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        engine = self.server.engine
+        try:
+            body = self._body()
+        except ValueError as exc:
+            self._send(400, {"success": False, "message": f"bad JSON: {exc}"})
+            return
+        if self.path in _WEIGHT_ROUTES:
+            try:
+                reply = getattr(engine, _WEIGHT_ROUTES[self.path])(**body)
+            except TypeError as exc:  # an unknown or missing field
+                reply = {"success": False, "message": str(exc)}
+            self._send(200 if reply["success"] else 400, reply)
+        elif self.path in ("/pause_generation", "/continue_generation"):
+            reply = getattr(engine, self.path.strip("/"))()
+            self._send(200, {"message": reply["message"], "status": "ok"})
+        elif self.path == "/flush_cache":
+            engine.flush_cache()
+            self._send(200, "Cache flushed.\n")
+        elif self.path in self.server.extra_routes:
+            try:
+                self._send(200, self.server.extra_routes[self.path](body))
+            except Exception as exc:
+                self._send(400, {"success": False, "message": f"{type(exc).__name__}: {exc}"})
+        elif self.path == "/set_load_delay":
+            engine.set_load_delay(float(body.get("seconds", 0.0)))
+            self._send(200, {"success": True, "message": "ok"})
+        elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            self._send(200, getattr(engine, self.path.strip("/"))(body.get("tags")))
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+
+def serve(
+    engine: TensorEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    extra_routes: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None,
+) -> EngineHTTPServer:
+    """Serve ``engine`` on a background thread; returns the server (``.url``, ``.shutdown()``).
+
+    ``extra_routes`` maps more POST paths to functions of the JSON body (their return value is the reply).
+    """
+    server = EngineHTTPServer(engine, host, port, extra_routes)
+    threading.Thread(target=server.serve_forever, name="http-engine", daemon=True).start()
+    return server
+
+
+def start_process(
+    spec: Spec,
+    seed: int | None = 0,
+    *,
+    device: str = "cpu",
+    timeout_s: float = 60.0,
+    group_timeout_s: float = 60.0,
+    load_delay_s: float = 0.0,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[str], str]:
+    """Start a server process for a TensorEngine of ``spec``; returns ``(process, base_url)``.
+
+    ``env`` is added to this process's environment (e.g. ``{"CUDA_VISIBLE_DEVICES": "1"}``). The caller
+    owns the process: ``proc.kill(); proc.wait()`` when done.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "ppo_weight_sync.testing.http_engine",
+        "--spec",
+        json.dumps(dict(spec)),
+        "--seed",
+        str(-1 if seed is None else seed),
+        "--device",
+        device,
+        "--group-timeout",
+        str(group_timeout_s),
+        "--load-delay",
+        str(load_delay_s),
+    ]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env)
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"http engine process exited with {proc.returncode} before it was ready")
+        if sel.select(timeout=0.1):
+            line = proc.stdout.readline()
+            if line.startswith("READY "):
+                return proc, line.split()[1]
+    proc.kill()
+    raise TimeoutError(f"http engine process printed no READY line within {timeout_s:g} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--spec", required=True, help='JSON {name: [dtype, shape]}, e.g. {"w": ["float32", [4, 4]]}'
+    )
+    parser.add_argument("--seed", type=int, default=0, help="-1: zeros")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--group-timeout", type=float, default=60.0)
+    parser.add_argument("--load-delay", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    engine = TensorEngine(
+        json.loads(args.spec),
+        seed=None if args.seed < 0 else args.seed,
+        device=args.device,
+        timeout_s=args.group_timeout,
+        load_delay_s=args.load_delay,
+    )
+    server = EngineHTTPServer(engine, args.host, args.port)
+    print(f"READY {server.url}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
