@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks of ppo-rollout, in one go (under 4 minutes on an H200).
+# Run from the repository root: bash packages/rollout/benchmarks/gpu.sh
+set -uo pipefail
+status=0
+export PYTHONUNBUFFERED=1
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../../.." && pwd)"
+for src in "$ROOT"/packages/*/src; do PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}"; done
+export PYTHONPATH
+PY="${PYTHON:-python3}"
+cd "$ROOT/packages/rollout"
+echo "== GPU tests"
+timeout 150 "$PY" -m pytest tests/test_gpu.py -q -s -m gpu -p no:cacheprovider || status=1
+echo "== bench_generate: tiny model on GPU (float32)"
+timeout 60 "$PY" benchmarks/bench_generate.py --device cuda --preset tiny --repeats 3 || status=1
+echo "== bench_generate: small model on GPU (bfloat16)"
+timeout 120 "$PY" benchmarks/bench_generate.py --device cuda --preset small --dtype bfloat16 --repeats 3 || status=1
+exit $status

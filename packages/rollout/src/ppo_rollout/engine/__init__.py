@@ -1,0 +1,1 @@
+"""Rollout engines: the built-in torch/transformers engine and the SGLang adapter."""

@@ -1,0 +1,257 @@
+"""The built-in rollout engine: generation, weight updates and memory release in one object.
+
+:class:`BuiltinEngine` is a plain class (tests and benchmarks use it directly);
+:data:`BuiltinEngineActor` is the same class as a Ray actor. Create the actor with
+``max_concurrency >= 2`` so that the weight operations run while a ``generate`` call is in flight:
+``pause_generation`` holds the generation between two decode steps (SGLang's in-place pause), the
+update loads the new weights, ``continue_generation`` lets it go on with them.
+
+Memory: the model's tensors are tracked under SGLang's tag ``"weights"`` by a ppo_lifecycle memory
+backend (host copies on CPU; pinned copies or torch_memory_saver on CUDA). ``"kv_cache"`` is accepted
+too; the KV cache lives only inside one ``generate`` call, so nothing is held under it between calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from ppo_lifecycle import default_backend
+from ppo_weight_sync import WeightReceiver, checksum
+
+from ..config import SamplingConfig
+from .core import GenerationCore, GenerationOutput
+
+__all__ = ["MEMORY_TAGS", "BuiltinEngine", "BuiltinEngineActor"]
+
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+
+
+def _reply(success: bool, message: str) -> dict[str, Any]:
+    return {"success": success, "message": message}
+
+
+class BuiltinEngine:
+    """Generates with a Hugging Face causal LM and receives weight updates through ``WeightReceiver``."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        device: str = "cpu",
+        dtype: str = "float32",
+        *,
+        name: str = "builtin-engine",
+        timeout_s: float = 300.0,
+        torch_threads: int | None = None,
+    ) -> None:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        self.name = name
+        self.timeout_s = timeout_s
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            # Inside a Ray actor the assigned GPU is the only visible one.
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self._memory = default_backend(dev)
+        with self._memory.region("weights"):
+            self._core = GenerationCore(model_path, device=dev, dtype=dtype)
+        self._memory.track("weights", lambda: list(self._core.model.state_dict().values()))
+        self._memory.track("kv_cache", list)
+        self._released: set[str] = set()
+        # _step_lock is held for each forward pass and each weight load: a load never lands mid-step.
+        self._step_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._paused = False
+        self._active = 0
+        self._receiver = WeightReceiver(self._load_weights, self._expected, dev, timeout_s=timeout_s)
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int | None = None
+    ) -> list[GenerationOutput]:
+        """See :meth:`GenerationCore.generate`."""
+        with self._cond:
+            if "weights" in self._released:
+                raise RuntimeError(
+                    f"engine {self.name}: weights are released; "
+                    "call resume_memory_occupation() before generate"
+                )
+            self._active += 1
+        try:
+            return self._core.generate(prompts, sampling, seed=seed, step_guard=self._step)
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[None]:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while self._paused:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"engine {self.name}: generation stayed paused for {self.timeout_s:.0f} s "
+                        "waiting for "
+                        "continue_generation"
+                    )
+                self._cond.wait(left)
+        with self._step_lock:
+            yield
+
+    def pause_generation(self) -> dict[str, Any]:
+        """Holds in-flight generation before its next decode step; returns once no step is running."""
+        with self._cond:
+            self._paused = True
+        with self._step_lock:  # the step in progress, if any, has finished
+            pass
+        return _reply(True, "Generation paused.")
+
+    def continue_generation(self) -> dict[str, Any]:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+        return _reply(True, "Generation continued.")
+
+    def flush_cache(self) -> dict[str, Any]:
+        # No prefix cache is kept between requests; the KV cache of a call dies with the call.
+        return _reply(True, "Cache flushed (the built-in engine holds no cache between requests).")
+
+    def is_paused(self) -> bool:
+        with self._cond:
+            return self._paused
+
+    # -- weights -------------------------------------------------------------------------------------
+    def _expected(self) -> Mapping[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {n: (t.dtype, tuple(t.shape)) for n, t in self._core.named_tensors()}
+
+    def _load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if "weights" in self._released:
+            raise RuntimeError(f"engine {self.name}: weights are released; resume them before an update")
+        with self._step_lock:
+            self._core.load_weights(list(named))
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        return self._receiver.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        load_format: str | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        return self._receiver.update_weights_from_distributed(
+            names,
+            dtypes,
+            shapes,
+            group_name=group_name,
+            flush_cache=flush_cache,
+            weight_version=weight_version,
+            load_format=load_format,
+            **extra,
+        )
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return self._receiver.destroy_weights_update_group(group_name)
+
+    def get_weight_version(self) -> str | None:
+        return self._receiver.get_weight_version()
+
+    def weights_checksum(self) -> str:
+        """``ppo_weight_sync.checksum`` of the weights held (the trainer computes it the same way)."""
+        with self._step_lock:
+            # Hash copies: checksum() reads bytes through numpy, which pins a CPU tensor's storage as
+            # non-resizable, and the memory backend must still be able to release the live weights.
+            return checksum([(n, t.detach().clone()) for n, t in self._core.named_tensors()])
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """A CPU copy of the weights (tests, debugging)."""
+        with self._step_lock:
+            return [(n, t.detach().to("cpu", copy=True)) for n, t in self._core.named_tensors()]
+
+    # -- memory --------------------------------------------------------------------------------------
+    def _tags(self, tags: Sequence[str] | None) -> list[str]:
+        chosen = list(MEMORY_TAGS) if tags is None else list(tags)
+        unknown = [t for t in chosen if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; the engine knows {list(MEMORY_TAGS)}")
+        return chosen
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """Moves the tagged memory off the device (idempotent per tag). Refused while generating."""
+        try:
+            chosen = self._tags(tags)
+        except ValueError as exc:
+            return _reply(False, str(exc))
+        with self._cond:
+            if self._active:
+                return _reply(
+                    False, f"engine {self.name}: {self._active} generate call(s) in flight; wait for them"
+                )
+            with self._step_lock:
+                stats = self._memory.release(chosen)
+                if self.device.type == "cuda":
+                    # Hand the freed blocks (and the last call's KV cache) back to the driver, so
+                    # that training on the same GPU can use them.
+                    torch.cuda.empty_cache()
+            self._released.update(chosen)
+        return _reply(True, f"Released {chosen}: {stats.bytes} bytes in {stats.seconds:.3f} s.")
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """Brings the tagged memory back (idempotent per tag)."""
+        try:
+            chosen = self._tags(tags)
+        except ValueError as exc:
+            return _reply(False, str(exc))
+        with self._cond, self._step_lock:
+            stats = self._memory.restore(chosen)
+            self._released.difference_update(chosen)
+        return _reply(True, f"Resumed {chosen}: {stats.bytes} bytes in {stats.seconds:.3f} s.")
+
+    def released_tags(self) -> list[str]:
+        with self._cond:
+            return sorted(self._released)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "device": str(self.device),
+            "vocab_size": self._core.vocab_size,
+            "eos_token_ids": list(self._core.eos_token_ids),
+            "pad_token_id": self._core.pad_token_id,
+            "max_positions": self._core.max_positions,
+            # Physical GPUs this process sees (Ray narrows CUDA_VISIBLE_DEVICES for GPU actors).
+            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
+    def ready(self) -> bool:
+        return True
+
+
+# The same class as a Ray actor; create with .options(max_concurrency>=2, ...).
+BuiltinEngineActor = ray.remote(BuiltinEngine)

@@ -1,0 +1,234 @@
+"""How the rollout manager holds an engine: one interface over the built-in Ray actor and SGLang."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
+
+import ray
+
+from ppo_weight_sync import EngineEndpoint, HttpEngineEndpoint, RayEngineEndpoint
+
+from ..config import SamplingConfig
+from .builtin import BuiltinEngineActor
+from .core import GenerationOutput
+from .sglang import SGLangClient, SGLangError, SGLangServer, SGLangServerSpec, free_port
+
+__all__ = ["BuiltinEngineHandle", "EngineHandle", "SGLangEngineHandle", "SGLangServerActor", "Waiter"]
+
+Waiter = Callable[[float], list[GenerationOutput]]
+
+
+class EngineHandle(Protocol):
+    """One engine as the rollout manager drives it. Every wait is bounded by the timeout it is given."""
+
+    name: str
+
+    def wait_ready(self, timeout_s: float) -> None: ...
+    def submit_generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+    ) -> Waiter: ...
+    def endpoint(self) -> EngineEndpoint: ...
+    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]: ...
+    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]: ...
+    def weights_checksum(self, timeout_s: float) -> str: ...
+    def shutdown(self) -> None: ...
+
+
+def _ray_get(ref: Any, timeout_s: float, engine: str, what: str) -> Any:
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"engine {engine}: {what} did not finish within {timeout_s:.0f} s") from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if exc.cause is not None else exc
+        if isinstance(cause, ValueError):
+            raise ValueError(f"engine {engine}: {what}: {cause}") from exc
+        raise RuntimeError(f"engine {engine}: {what} failed: {cause!r}") from exc
+    except ray.exceptions.RayActorError as exc:
+        raise RuntimeError(f"engine {engine}: {what}: the engine actor died ({exc})") from exc
+
+
+class BuiltinEngineHandle:
+    """A :class:`~ppo_rollout.engine.builtin.BuiltinEngine` Ray actor."""
+
+    def __init__(
+        self,
+        name: str,
+        model_path: str,
+        device: str,
+        dtype: str,
+        gpus: int,
+        actor_options: dict[str, Any],
+        timeout_s: float,
+    ) -> None:
+        self.name = name
+        self._gpus = max(1, gpus)
+        # Typed Any: Ray's stubs do not see the actor's methods' .remote.
+        self.actor: Any = (
+            cast(Any, BuiltinEngineActor)
+            .options(name=None, max_concurrency=4, **actor_options)
+            .remote(
+                model_path,
+                device,
+                dtype,
+                name=name,
+                timeout_s=timeout_s,
+                torch_threads=1 if device == "cpu" else None,
+            )
+        )
+        self._ready = self.actor.ready.remote()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        _ray_get(self._ready, timeout_s, self.name, "loading the model")
+
+    def submit_generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+    ) -> Waiter:
+        ref = self.actor.generate.remote([list(p) for p in prompts], sampling, seed)
+        name = self.name
+
+        def wait(timeout_s: float) -> list[GenerationOutput]:
+            out: list[GenerationOutput] = _ray_get(ref, timeout_s, name, "generate")
+            return out
+
+        return wait
+
+    def endpoint(self) -> EngineEndpoint:
+        return RayEngineEndpoint(self.actor, num_gpus=self._gpus, name=self.name)
+
+    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]:
+        return _ray_get(
+            self.actor.release_memory_occupation.remote(tags), timeout_s, self.name, "release memory"
+        )
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]:
+        return _ray_get(
+            self.actor.resume_memory_occupation.remote(tags), timeout_s, self.name, "resume memory"
+        )
+
+    def weights_checksum(self, timeout_s: float) -> str:
+        return _ray_get(self.actor.weights_checksum.remote(), timeout_s, self.name, "weights checksum")
+
+    def shutdown(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+
+class _SGLangServerHost:
+    """Owns one SGLang server subprocess on the node of the engine's slot (run as a Ray actor)."""
+
+    def __init__(
+        self, spec_args: dict[str, Any], startup_timeout_s: float, stop_grace_s: float, name: str
+    ) -> None:
+        spec = _spec_on_node(spec_args)  # here, so that a free port is picked on the server's node
+        self.server = SGLangServer(
+            spec, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s, name=name
+        )
+
+    def start(self) -> str:
+        self.server.start()
+        return self.server.url
+
+    def stop(self) -> int | None:
+        return self.server.stop()
+
+    def pid(self) -> int | None:
+        return self.server.pid
+
+
+SGLangServerActor = ray.remote(_SGLangServerHost)
+
+
+class SGLangEngineHandle:
+    """An SGLang server launched by a Ray actor on the engine's slot; driven over HTTP from here."""
+
+    def __init__(
+        self,
+        name: str,
+        spec_args: dict[str, Any],
+        actor_options: dict[str, Any],
+        *,
+        startup_timeout_s: float,
+        stop_grace_s: float,
+        request_timeout_s: float,
+    ) -> None:
+        self.name = name
+        self._gpus = int(spec_args["tp_size"])
+        self._request_timeout_s = request_timeout_s
+        # max_concurrency 2: stop() must be able to run while a start() is still waiting for health.
+        self._host_actor: Any = (
+            cast(Any, SGLangServerActor)
+            .options(max_concurrency=2, **actor_options)
+            .remote(spec_args, startup_timeout_s, stop_grace_s, name)
+        )
+        self._started = self._host_actor.start.remote()
+        self._client: SGLangClient | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"gen-{name}")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if self._client is None:
+            url = _ray_get(self._started, timeout_s, self.name, "starting the SGLang server")
+            self._client = SGLangClient(
+                url, timeout_s=self._request_timeout_s, name=self.name, num_gpus=self._gpus
+            )
+
+    @property
+    def client(self) -> SGLangClient:
+        if self._client is None:
+            raise RuntimeError(
+                f"engine {self.name}: the SGLang server is not started; call wait_ready() first"
+            )
+        return self._client
+
+    @property
+    def url(self) -> str:
+        return self.client.base_url
+
+    def submit_generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+    ) -> Waiter:
+        future = self._pool.submit(self.client.generate, prompts, sampling, seed)
+
+        def wait(timeout_s: float) -> list[GenerationOutput]:
+            try:
+                return future.result(timeout=timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise TimeoutError(
+                    f"engine {self.name}: generate did not finish within {timeout_s:.0f} s"
+                ) from None
+
+        return wait
+
+    def endpoint(self) -> EngineEndpoint:
+        return HttpEngineEndpoint(self.url, num_gpus=self._gpus, name=self.name)
+
+    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]:
+        return self.client.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]:
+        return self.client.resume_memory_occupation(tags)
+
+    def weights_checksum(self, timeout_s: float) -> str:
+        raise SGLangError(
+            f"engine {self.name}: weights checksums are not available from an SGLang "
+            "server through this adapter"
+        )
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            ray.get(self._host_actor.stop.remote(), timeout=120)
+        finally:
+            ray.kill(self._host_actor, no_restart=True)
+
+
+def _spec_on_node(spec_args: dict[str, Any]) -> SGLangServerSpec:
+    """The spec, with a free port picked here when none was given (the actor runs on the same node)."""
+    args = dict(spec_args)
+    env = dict(args.pop("env", {}))
+    if args.get("port") is None:
+        args["port"] = free_port(args.get("host", "127.0.0.1"))
+    return SGLangServerSpec(env=env, **args)

@@ -1,0 +1,297 @@
+"""The rollout manager: engines, prompts, sampling, rewards, and the training batch per rank."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ppo_value_transport import Box, pack_fields
+from ppo_weight_sync import EngineEndpoint
+
+from .batch import Sample, rank_fields, split_samples
+from .config import RolloutConfig, SamplingConfig
+from .data import JsonlPrompts, PromptSource, TaskPrompts
+from .engine.builtin import MEMORY_TAGS
+from .engine.core import GenerationOutput
+from .engine.handles import BuiltinEngineHandle, EngineHandle, SGLangEngineHandle, Waiter
+from .rewards import RewardInput, compute_rewards, resolve_reward
+from .slots import EngineSlots, actor_options
+from .tasks import get_task
+
+__all__ = ["RolloutBatch", "RolloutManager"]
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One step's training batch: a ``pack_fields`` Box per data-parallel rank, and metrics."""
+
+    boxes: list[Box]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _seed(base: int, step: int, engine: int, stream: int = 0) -> int:
+    # A fixed function of (seed, step, engine): a resumed run samples exactly as the original did.
+    return (base * 1_000_003 + step * 7_919 + engine * 104_729 + stream * 15_485_863) % (2**62)
+
+
+class RolloutManager:
+    """Owns ``config.num_engines`` engines on ``slots`` (``None``: anywhere on the local Ray instance)."""
+
+    def __init__(self, config: RolloutConfig, slots: EngineSlots | None, *, dp_size: int) -> None:
+        from transformers import AutoTokenizer
+
+        if dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+        if config.prompts_per_step % dp_size:
+            raise ValueError(
+                f"rollout.prompts_per_step ({config.prompts_per_step}) must be a multiple of the "
+                "data-parallel "
+                f"size ({dp_size}): the samples of one prompt stay on one rank and ranks get equal shares"
+            )
+        per_engine = max(1, config.gpus_per_engine)
+        if slots is not None and len(slots.bundle_indices) < config.num_engines * per_engine:
+            raise ValueError(
+                f"rollout needs {config.num_engines * per_engine} bundles ({config.num_engines} engines x "
+                f"{per_engine}), the placement gave {len(slots.bundle_indices)}"
+            )
+        self.config = config
+        self.dp_size = dp_size
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.source: PromptSource
+        if config.task is not None:
+            self.source = TaskPrompts(config.task, config.seed)
+            reward_spec = config.reward or get_task(config.task).reward
+        else:
+            assert config.dataset is not None  # guaranteed by RolloutConfig
+            self.source = JsonlPrompts(config.dataset, config.prompt_field, config.seed)
+            if config.reward is None:
+                raise ValueError(
+                    "rollout.reward is required with a dataset (a registered name or 'module:function')"
+                )
+            reward_spec = config.reward
+        self.reward_fn = resolve_reward(reward_spec)
+        self.reward_name = reward_spec
+        self.engines: list[EngineHandle] = []
+        try:
+            for i in range(config.num_engines):
+                self.engines.append(self._make_engine(i, slots))
+            # Created first, waited for together: engines load in parallel.
+            wait = config.sglang.startup_timeout_s + 60 if config.engine == "sglang" else config.timeout_s
+            for engine in self.engines:
+                engine.wait_ready(wait)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._offloaded = False
+
+    # -- engines -----------------------------------------------------------------------------------
+    def _make_engine(self, i: int, slots: EngineSlots | None) -> EngineHandle:
+        cfg = self.config
+        per_engine = max(1, cfg.gpus_per_engine)
+        share = float(slots.gpu_share) if slots is not None else (1.0 if cfg.device == "cuda" else 0.0)
+        name = f"rollout-{i}"
+        if cfg.engine == "builtin":
+            return BuiltinEngineHandle(
+                name,
+                cfg.model_path,
+                cfg.device,
+                cfg.dtype,
+                cfg.gpus_per_engine,
+                actor_options(slots, i * per_engine, share),
+                cfg.timeout_s,
+            )
+        gpu_ids = tuple(slots.gpu_ids) if slots is not None else ()
+        base_gpu = gpu_ids[i * per_engine] if gpu_ids else i * per_engine
+        spec_args = {
+            "model_path": cfg.model_path,
+            "port": None,
+            "tp_size": cfg.gpus_per_engine,
+            "base_gpu_id": base_gpu,
+            "host": cfg.sglang.host,
+            # Sharing GPUs with training (a fractional share) means the server must release its memory.
+            "enable_memory_saver": slots is not None and 0.0 < share < 1.0,
+            "random_seed": cfg.seed + i,
+            "extra_args": cfg.sglang.extra_args,
+            **({"command": cfg.sglang.command} if cfg.sglang.command else {}),
+        }
+        # The launching actor holds no GPU: the server takes its GPUs by id.
+        return SGLangEngineHandle(
+            name,
+            spec_args,
+            actor_options(slots, i * per_engine, 0.0),
+            startup_timeout_s=cfg.sglang.startup_timeout_s,
+            stop_grace_s=cfg.sglang.stop_grace_s,
+            request_timeout_s=cfg.sglang.request_timeout_s,
+        )
+
+    def endpoints(self) -> list[EngineEndpoint]:
+        """The engines as ppo_weight_sync endpoints, for ``WeightSender.connect``."""
+        return [e.endpoint() for e in self.engines]
+
+    # -- prompts -------------------------------------------------------------------------------------
+    def _encode(self, rows: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+        field_name = self.source.prompt_field
+        out = []
+        for row in rows:
+            text = row.get(field_name)
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(
+                    f"prompt {field_name!r} of row {dict(row)!r} is empty; every row needs a non-empty prompt"
+                )
+            ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+            if len(ids) > self.config.max_prompt_length:
+                raise ValueError(
+                    f"prompt {text[:60]!r} is too long: {len(ids)} tokens > rollout.max_prompt_length "
+                    f"{self.config.max_prompt_length}; shorten it or raise max_prompt_length"
+                )
+            out.append(ids)
+        return out
+
+    def _run(
+        self, prompts: list[list[int]], sampling: SamplingConfig, step: int, stream: int
+    ) -> list[GenerationOutput]:
+        """Contiguous, near-equal chunks of prompts to each engine; outputs in prompt order."""
+        k = len(self.engines)
+        bounds = [round(j * len(prompts) / k) for j in range(k + 1)]
+        waits: list[tuple[int, Waiter]] = []
+        for j, engine in enumerate(self.engines):
+            chunk = prompts[bounds[j] : bounds[j + 1]]
+            if chunk:
+                waits.append(
+                    (
+                        bounds[j],
+                        engine.submit_generate(chunk, sampling, _seed(sampling.seed, step, j, stream)),
+                    )
+                )
+        outputs: list[GenerationOutput] = []
+        for start, wait in waits:
+            for out in wait(self.config.timeout_s):
+                outputs.append(replace(out, prompt_position=out.prompt_position + start))
+        return outputs
+
+    def _score(self, rows: Sequence[Mapping[str, Any]], outputs: Sequence[GenerationOutput]) -> list[float]:
+        field_name = self.source.prompt_field
+        inputs = [
+            RewardInput(
+                prompt=rows[o.prompt_position][field_name],
+                response=str(self.tokenizer.decode(list(o.token_ids), skip_special_tokens=True)),
+                response_token_ids=o.token_ids,
+                finish_reason=o.finish_reason,
+                row=rows[o.prompt_position],
+                prompt_index=o.prompt_position,
+            )
+            for o in outputs
+        ]
+        return compute_rewards(self.reward_fn, inputs)
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def generate(self, step: int) -> RolloutBatch:
+        """Sample ``prompts_per_step`` prompts x ``n_samples_per_prompt`` and pack one Box per dp rank."""
+        if self._offloaded:
+            raise RuntimeError("rollout engines are offloaded; call onload() before generate()")
+        cfg = self.config
+        t0 = time.perf_counter()
+        rows = self.source.next_rows(cfg.prompts_per_step)
+        prompts = self._encode(rows)
+        outputs = self._run(prompts, cfg.sampling, step, stream=0)
+        t_gen = time.perf_counter() - t0
+        rewards = self._score(rows, outputs)
+        samples = [
+            Sample(
+                prompt_index=o.prompt_position,
+                prompt_tokens=tuple(prompts[o.prompt_position]),
+                response_tokens=o.token_ids,
+                rollout_log_probs=o.log_probs,
+                reward=r,
+                finish_reason=o.finish_reason,
+            )
+            for o, r in zip(outputs, rewards, strict=True)
+        ]
+        parts = split_samples(samples, self.dp_size)
+        boxes = [pack_fields(rank_fields(part)) for part in parts]
+        lengths = [len(s.response_tokens) for s in samples]
+        new_tokens = sum(lengths)
+        metrics = {
+            "rollout/reward_mean": statistics.fmean(rewards),
+            "rollout/reward_std": statistics.pstdev(rewards),
+            "rollout/response_length_mean": statistics.fmean(lengths),
+            "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "rollout/samples": float(len(samples)),
+            "rollout/generate_seconds": t_gen,
+            "rollout/tokens_per_second": new_tokens / t_gen if t_gen > 0 else 0.0,
+            "rollout/seconds": time.perf_counter() - t0,
+        }
+        return RolloutBatch(boxes=boxes, metrics=metrics)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Mean reward on ``eval_prompts`` fixed prompts (greedy unless ``eval_sampling`` says otherwise)."""
+        cfg = self.config
+        if cfg.eval_prompts == 0:
+            return {}
+        if self._offloaded:
+            raise RuntimeError("rollout engines are offloaded; call onload() before evaluate()")
+        sampling = cfg.eval_sampling or SamplingConfig(
+            temperature=0.0,
+            max_new_tokens=cfg.sampling.max_new_tokens,
+            stop_token_ids=cfg.sampling.stop_token_ids,
+            n_samples_per_prompt=1,
+            seed=cfg.sampling.seed,
+        )
+        rows = self.source.eval_rows(cfg.eval_prompts)
+        outputs = self._run(self._encode(rows), sampling, step, stream=1)
+        rewards = self._score(rows, outputs)
+        return {
+            "eval/reward_mean": statistics.fmean(rewards),
+            "eval/response_length_mean": statistics.fmean(len(o.token_ids) for o in outputs),
+            "eval/samples": float(len(outputs)),
+        }
+
+    # -- colocated runs --------------------------------------------------------------------------------
+    def _memory(self, op: str, tags: Sequence[str] | None) -> None:
+        failures = []
+        for engine in self.engines:
+            call = engine.release_memory_occupation if op == "release" else engine.resume_memory_occupation
+            reply = call(tags, self.config.timeout_s)
+            if not reply.get("success", False):
+                failures.append(f"{engine.name}: {reply.get('message')}")
+        if failures:
+            raise RuntimeError(f"{op} of rollout memory failed on " + "; ".join(failures))
+
+    def offload(self) -> None:
+        """Every engine releases its weights and KV cache (idempotent); colocated runs, driver's command."""
+        self._memory("release", list(MEMORY_TAGS))
+        self._offloaded = True
+
+    def onload(self) -> None:
+        """Every engine takes its weights and KV cache back (idempotent)."""
+        self._memory("resume", list(MEMORY_TAGS))
+        self._offloaded = False
+
+    @property
+    def is_offloaded(self) -> bool:
+        return self._offloaded
+
+    def weights_checksums(self) -> list[str]:
+        """``ppo_weight_sync.checksum`` of each engine's weights (built-in engines only)."""
+        return [e.weights_checksum(self.config.timeout_s) for e in self.engines]
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The data position. Sampling seeds are a function of (seed, step, engine): no RNG state to keep."""
+        return {"version": 1, "data": self.source.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != 1 or "data" not in state:
+            raise ValueError(f"not a rollout state (expected version 1 with 'data'): keys {sorted(state)}")
+        self.source.load_state_dict(state["data"])
+
+    def shutdown(self) -> None:
+        engines, self.engines = self.engines, []
+        for engine in engines:
+            # Best effort: one engine failing to stop must not leave the others running.
+            with contextlib.suppress(Exception):
+                engine.shutdown()

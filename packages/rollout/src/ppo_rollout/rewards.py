@@ -1,0 +1,172 @@
+"""Reward functions: a registry by name, ``module:function`` strings, and the result check.
+
+A reward function takes the whole batch of finished samples and returns one float per sample::
+
+    @register_reward("my_reward")
+    def my_reward(samples: Sequence[RewardInput]) -> Sequence[float]: ...
+
+Batching lets a function call a judge or a verifier once per step. The result is checked: it must
+hold exactly one finite real number per sample, else a ``RewardError`` names the sample and the
+function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "RewardError",
+    "RewardFn",
+    "RewardInput",
+    "char_match",
+    "check_rewards",
+    "compute_rewards",
+    "exact_match",
+    "register_reward",
+    "registered_rewards",
+    "resolve_reward",
+]
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """One generated sample as a reward function sees it."""
+
+    prompt: str  # prompt text (as in the dataset row)
+    response: str  # decoded response, special tokens (eos) removed
+    response_token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" | "length"
+    row: Mapping[str, Any] = field(default_factory=dict)  # the dataset row: labels, metadata
+    prompt_index: int = 0  # the prompt's index in this step (samples of one prompt share it)
+
+
+RewardFn = Callable[[Sequence[RewardInput]], Sequence[float]]
+
+
+class RewardError(ValueError):
+    """A reward function returned something other than one finite float per sample."""
+
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: register ``fn`` under ``name``.
+
+    Names are unique; registering the same function again is a no-op.
+    """
+    if not name or ":" in name:
+        raise ValueError(
+            f"reward name {name!r} must be non-empty and hold no ':' (that form means module:function)"
+        )
+
+    def deco(fn: RewardFn) -> RewardFn:
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing is not fn:
+            raise ValueError(
+                f"a reward named {name!r} is already registered ({_describe(existing)}); pick another name"
+            )
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def registered_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_reward(spec: str) -> RewardFn:
+    """A registered name, or ``package.module:function``."""
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        if not module_name or not attr:
+            raise ValueError(f"reward {spec!r}: write 'package.module:function'")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+        fn = getattr(module, attr, None)
+        if fn is None or not callable(fn):
+            raise ValueError(f"reward {spec!r}: module {module_name!r} has no callable {attr!r}")
+        return fn
+    try:
+        return _REGISTRY[spec]
+    except KeyError:
+        raise ValueError(
+            f"reward {spec!r} is not registered; registered: {registered_rewards()}, "
+            "or give 'package.module:function'"
+        ) from None
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def check_rewards(values: Any, samples: Sequence[RewardInput], fn_name: str) -> list[float]:
+    """One finite real per sample, else ``RewardError`` naming the sample and the function."""
+    try:
+        items = list(values)
+    except TypeError:
+        raise RewardError(
+            f"reward function {fn_name} returned {type(values).__name__}, expected a sequence of "
+            f"{len(samples)} floats (one per sample)"
+        ) from None
+    if len(items) != len(samples):
+        raise RewardError(
+            f"reward function {fn_name} returned {len(items)} values for {len(samples)} samples; "
+            "return exactly one float per sample"
+        )
+    out: list[float] = []
+    for i, (value, sample) in enumerate(zip(items, samples, strict=True)):
+        where = f"sample {i} (prompt_index {sample.prompt_index}, prompt {sample.prompt!r})"
+        # bool is an int subclass; a True/False reward is almost always a bug in the function.
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardError(
+                f"reward function {fn_name} returned {value!r} ({type(value).__name__}) for {where}; "
+                "expected a float"
+            )
+        as_float = float(value)
+        if not math.isfinite(as_float):
+            raise RewardError(
+                f"reward function {fn_name} returned {as_float} for {where}; rewards must be finite"
+            )
+        out.append(as_float)
+    return out
+
+
+def compute_rewards(fn: RewardFn, samples: Sequence[RewardInput]) -> list[float]:
+    """Call ``fn`` on the batch and check its result."""
+    return check_rewards(fn(samples), samples, _describe(fn))
+
+
+def _label(sample: RewardInput) -> str:
+    label = sample.row.get("label")
+    if not isinstance(label, str):
+        raise ValueError(
+            f"this reward needs a string 'label' field in each dataset row; prompt {sample.prompt!r} has "
+            f"{label!r}"
+        )
+    return label
+
+
+@register_reward("char_match")
+def char_match(samples: Sequence[RewardInput]) -> list[float]:
+    """Partial credit: matching characters at the same position / max(len(label), len(response))."""
+    out = []
+    for s in samples:
+        label = _label(s)
+        denom = max(len(label), len(s.response), 1)
+        out.append(sum(a == b for a, b in zip(label, s.response, strict=False)) / denom)
+    return out
+
+
+@register_reward("exact_match")
+def exact_match(samples: Sequence[RewardInput]) -> list[float]:
+    """1.0 when the response equals the label (after stripping whitespace), else 0.0."""
+    return [1.0 if s.response.strip() == _label(s).strip() else 0.0 for s in samples]

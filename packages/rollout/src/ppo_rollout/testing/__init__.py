@@ -1,0 +1,1 @@
+"""Test helpers: a stand-in for an SGLang server (the same routes, served by the built-in engine)."""

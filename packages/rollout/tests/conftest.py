@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from ppo_rollout import make_tiny_model
+
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("copy", tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    ray.init(
+        num_cpus=4,
+        num_gpus=0,
+        object_store_memory=256 * 1024**2,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+@dataclass(frozen=True)
+class Slots:
+    """What ppo_placement.RoleSlots carries, built here from a real placement group."""
+
+    placement_group: Any
+    bundle_indices: tuple[int, ...]
+    gpu_ids: tuple[int, ...] = ()
+    gpu_share: float = 0.0
+
+
+@pytest.fixture(scope="session")
+def slots(ray_session: None) -> Iterator[Slots]:
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
+    ray.get(pg.ready(), timeout=120)
+    # Reversed on purpose: engine i must land on bundle_indices[i], not on bundle i.
+    yield Slots(pg, (1, 0))
+    remove_placement_group(pg)
+
+
+@pytest.fixture(scope="session")
+def manager(slots: Slots, tiny_model: Path) -> Iterator[object]:
+    """Two built-in engines on a placement group's bundles, the copy task, dp_size 2."""
+    from ppo_rollout import RolloutConfig, RolloutManager, SamplingConfig
+
+    config = RolloutConfig(
+        model_path=str(tiny_model),
+        task="copy",
+        num_engines=2,
+        prompts_per_step=4,
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, n_samples_per_prompt=3, seed=7),
+        eval_prompts=4,
+        seed=3,
+        timeout_s=120.0,
+    )
+    mgr = RolloutManager(config, slots, dp_size=2)
+    yield mgr
+    mgr.shutdown()

@@ -1,0 +1,75 @@
+"""The training batch table and the per-rank split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ppo_rollout import FIELDS, Sample, balanced_split, rank_fields, split_samples
+
+
+@given(
+    st.integers(1, 4).flatmap(
+        lambda d: st.tuples(
+            st.just(d),
+            st.lists(st.integers(1, 200), min_size=d, max_size=8 * d).filter(lambda xs: len(xs) % d == 0),
+        )
+    )
+)
+def test_balanced_split_equal_counts_each_group_once(case: tuple[int, list[int]]) -> None:
+    dp, tokens = case
+    parts = balanced_split(tokens, dp)
+    assert len(parts) == dp
+    assert sorted(g for p in parts for g in p) == list(range(len(tokens)))
+    assert {len(p) for p in parts} == {len(tokens) // dp}
+    loads = [sum(tokens[g] for g in p) for p in parts]
+    # greedy longest-first: the spread is at most the largest group
+    assert max(loads) - min(loads) <= max(tokens)
+
+
+def test_balanced_split_rejects_uneven_counts() -> None:
+    with pytest.raises(ValueError, match="5 prompts cannot be split evenly over 2"):
+        balanced_split([1] * 5, 2)
+
+
+def _sample(i: int, plen: int, rlen: int) -> Sample:
+    return Sample(
+        prompt_index=i,
+        prompt_tokens=tuple(range(1, plen + 1)),
+        response_tokens=tuple(range(10, 10 + rlen)),
+        rollout_log_probs=tuple(-0.5 for _ in range(rlen)),
+        reward=float(i),
+        finish_reason="length",
+    )
+
+
+def test_fields_follow_the_table() -> None:
+    fields = rank_fields([_sample(3, 2, 4), _sample(3, 2, 1)])
+    assert tuple(fields) == FIELDS
+    assert fields["tokens"][0].tolist() == [1, 2, 10, 11, 12, 13]
+    assert fields["tokens"][0].dtype == torch.int64
+    assert fields["response_length"][1].tolist() == [1]
+    assert fields["loss_mask"][0].dtype == torch.float32
+    assert fields["loss_mask"][0].tolist() == [1.0] * 4
+    assert fields["reward"][0].tolist() == [3.0]
+    assert fields["rollout_log_probs"][0].shape == (4,)
+    assert fields["prompt_index"][1].tolist() == [3]
+
+
+def test_split_keeps_groups_together_and_consecutive() -> None:
+    samples = [_sample(i, 2 + i, 1 + (i * 3) % 5) for i in range(6) for _ in range(3)]
+    parts = split_samples(samples, 3)
+    assert sorted(s.prompt_index for p in parts for s in p) == sorted(s.prompt_index for s in samples)
+    for part in parts:
+        ids = [s.prompt_index for s in part]
+        assert len(ids) == 6
+        # each prompt's samples are consecutive
+        assert ids == sorted(ids)
+        assert all(ids.count(i) == 3 for i in set(ids))
+
+
+def test_sample_checks_log_prob_count() -> None:
+    with pytest.raises(ValueError, match="3 response tokens but 2 log-probs"):
+        Sample(0, (1,), (1, 2, 3), (0.0, 0.0), 0.0, "stop")

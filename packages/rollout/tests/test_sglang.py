@@ -1,0 +1,300 @@
+"""The SGLang adapter against a stand-in server (SGLang's routes, served by the built-in engine)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from ppo_rollout import (
+    FIELDS,
+    GenerationCore,
+    RolloutConfig,
+    RolloutManager,
+    SamplingConfig,
+    SGLangClient,
+    SGLangError,
+    SGLangOptions,
+    SGLangServer,
+    SGLangServerSpec,
+)
+from ppo_rollout.engine.handles import SGLangEngineHandle
+from ppo_rollout.engine.sglang import _ok, free_port
+from ppo_value_transport import unpack_fields
+from ppo_weight_sync import EngineUnavailableError, WeightSender
+
+pytestmark = pytest.mark.timeout(300)
+
+STANDIN = (sys.executable, "-m", "ppo_rollout.testing.sglang_standin")
+
+
+def test_argv_holds_the_derived_arguments() -> None:
+    spec = SGLangServerSpec(
+        model_path="/m",
+        port=31000,
+        tp_size=2,
+        base_gpu_id=4,
+        enable_memory_saver=True,
+        random_seed=9,
+        extra_args=("--mem-fraction-static", "0.7"),
+    )
+    argv = spec.argv()
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    pairs = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert pairs["--model-path"] == "/m"
+    assert pairs["--tp-size"] == "2"
+    assert pairs["--base-gpu-id"] == "4"
+    assert pairs["--host"] == "127.0.0.1"
+    assert pairs["--port"] == "31000"
+    assert "--enable-memory-saver" in argv
+    assert "--skip-server-warmup" in argv
+    assert argv[-4:] == ["--random-seed", "9", "--mem-fraction-static", "0.7"]
+    assert "--enable-memory-saver" not in SGLangServerSpec(model_path="/m", port=1).argv()
+    with pytest.raises(ValueError, match="tp_size"):
+        SGLangServerSpec(model_path="/m", port=1, tp_size=0)
+
+
+def test_reply_shapes_are_normalised() -> None:
+    assert _ok(None, "released") == {"success": True, "message": "released"}
+    assert _ok({"success": False, "message": "no"}, "") == {"success": False, "message": "no"}
+    assert _ok({"message": "Generation paused successfully.", "status": "ok"}, "")["success"]
+    assert _ok({"error": {"message": "boom"}}, "") == {"success": False, "message": "boom"}
+    assert _ok({"object": "error", "message": "bad", "code": 400}, "") == {"success": False, "message": "bad"}
+    assert _ok("Cache flushed.\n", "") == {"success": True, "message": "Cache flushed."}
+
+
+@pytest.fixture(scope="module")
+def sglang_manager(
+    ray_session: None, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RolloutManager, Path]]:
+    """A rollout manager whose one SGLang engine is the stand-in, launched through the adapter's code path."""
+    record = tmp_path_factory.mktemp("standin") / "requests.jsonl"
+    config = RolloutConfig(
+        model_path=str(tiny_model),
+        engine="sglang",
+        gpus_per_engine=1,
+        task="copy",
+        prompts_per_step=2,
+        sampling=SamplingConfig(max_new_tokens=5, n_samples_per_prompt=2, seed=1),
+        sglang=SGLangOptions(
+            command=STANDIN, extra_args=("--standin-record", str(record)), startup_timeout_s=240
+        ),
+    )
+    manager = RolloutManager(config, None, dp_size=1)
+    yield manager, record
+    manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def standin(sglang_manager: tuple[RolloutManager, Path]) -> tuple[SGLangClient, Path]:
+    manager, record = sglang_manager
+    handle = manager.engines[0]
+    assert isinstance(handle, SGLangEngineHandle)
+    return handle.client, record
+
+
+def _requests(record: Path) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def test_generate_sends_sglang_payload_and_parses_logprobs(
+    standin: tuple[SGLangClient, Path], tiny_model: Path
+) -> None:
+    client, record = standin
+    prompts = [[1, 5, 6, 14], [1, 7, 14]]
+    sampling = SamplingConfig(temperature=0.8, top_k=5, max_new_tokens=5, n_samples_per_prompt=2, seed=3)
+    outs = client.generate(prompts, sampling)
+    assert [o.prompt_position for o in outs] == [0, 0, 1, 1]
+    body = [r for r in _requests(record) if r["path"] == "/generate"][-1]["body"]
+    assert body["input_ids"] == [prompts[0], prompts[0], prompts[1], prompts[1]]
+    assert body["return_logprob"] is True
+    sp = body["sampling_params"]
+    assert len(sp) == 4
+    assert len({p["sampling_seed"] for p in sp}) == 4
+    assert sp[0]["temperature"] == 0.8
+    assert sp[0]["top_k"] == 5
+    assert sp[0]["max_new_tokens"] == 5
+    assert sp[0]["top_p"] == 1.0
+    assert "stop_token_ids" not in sp[0]
+    # What the server's engine produced for each request, token for token and log-prob for log-prob.
+    core = GenerationCore(tiny_model)
+    for k, out in enumerate(outs):
+        cfg = SamplingConfig(temperature=0.8, top_k=5, max_new_tokens=5)
+        (ref,) = core.generate([body["input_ids"][k]], cfg, seed=sp[k]["sampling_seed"])
+        assert out.token_ids == ref.token_ids
+        assert out.finish_reason == ref.finish_reason
+        assert out.log_probs == pytest.approx(ref.log_probs, abs=1e-6)
+    assert client.generate(prompts, sampling) == outs  # seeded: deterministic
+
+
+def test_manager_batch_from_sglang_engine(sglang_manager: tuple[RolloutManager, Path]) -> None:
+    manager, _ = sglang_manager
+    (box,) = manager.generate(step=0).boxes
+    fields = unpack_fields(box)
+    assert set(fields) == set(FIELDS)
+    assert len(fields["tokens"]) == 4
+    assert [int(i) for i in fields["prompt_index"]] == [0, 0, 1, 1]
+    for k in range(4):
+        n = int(fields["response_length"][k])
+        assert fields["rollout_log_probs"][k].shape == (n,)
+        assert fields["loss_mask"][k].tolist() == [1.0] * n
+    with pytest.raises(SGLangError, match="checksums are not available"):
+        manager.weights_checksums()
+
+
+def test_weight_update_over_http_changes_generations(
+    sglang_manager: tuple[RolloutManager, Path], standin: tuple[SGLangClient, Path], tmp_path: Path
+) -> None:
+    from ppo_rollout import make_tiny_model
+
+    manager, _ = sglang_manager
+    client, record = standin
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    prompts = [[1, 5, 6, 14]]
+    before = client.generate(prompts, greedy)
+    other = make_tiny_model("copy", tmp_path / "other", seed=2)
+    named = [(n, t.clone()) for n, t in AutoModelForCausalLM.from_pretrained(other).state_dict().items()]
+    sender = WeightSender(backend="gloo", master_address="127.0.0.1", timeout_s=60.0)
+    sender.connect(manager.endpoints())  # HttpEngineEndpoint: SGLang's routes
+    try:
+        sender.update(named, version="v7")
+    finally:
+        sender.disconnect()
+    assert client.get_weight_version() == "v7"
+    after = client.generate(prompts, greedy)
+    assert after == GenerationCore(other).generate(prompts, greedy)
+    assert after != before
+    paths = [r["path"] for r in _requests(record)]
+    for route in (
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+    ):
+        assert route in paths
+    update = next(r for r in _requests(record) if r["path"] == "/update_weights_from_distributed")["body"]
+    assert update["weight_version"] == "v7"
+    assert update["names"]
+    assert len(update["names"]) == len(update["shapes"])
+
+
+def test_control_and_memory_routes(
+    sglang_manager: tuple[RolloutManager, Path], standin: tuple[SGLangClient, Path]
+) -> None:
+    manager, _ = sglang_manager
+    client, record = standin
+    assert client.pause_generation()["success"]
+    assert client.continue_generation()["success"]
+    assert client.flush_cache()["success"]
+    assert client.release_memory_occupation(["weights", "kv_cache"]) == {
+        "success": True,
+        "message": "released",
+    }
+    with pytest.raises(SGLangError, match=r"refused /generate: RuntimeError: engine .*weights are released"):
+        client.generate([[1, 5]], SamplingConfig(max_new_tokens=2))
+    assert client.resume_memory_occupation(None)["success"]
+    assert _requests(record)[-1]["body"] == {"tags": None}
+    manager.offload()  # the manager's path: both tags on every engine
+    assert _requests(record)[-1] == {
+        "method": "POST",
+        "path": "/release_memory_occupation",
+        "body": {"tags": ["weights", "kv_cache"]},
+    }
+    manager.onload()
+    refused = client.release_memory_occupation(["bogus"])
+    assert not refused["success"]
+    assert "unknown memory tags" in refused["message"]
+    assert _requests(record)[-1]["body"] == {"tags": ["bogus"]}
+    assert client.health()
+
+
+def test_client_errors(standin: tuple[SGLangClient, Path]) -> None:
+    client, _ = standin
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        client.generate([[1], []], SamplingConfig())
+    with pytest.raises(SGLangError, match="refused /generate: ValueError: prompt 0 has token ids outside"):
+        client.generate([[1, 999]], SamplingConfig(max_new_tokens=2))
+    dead = SGLangClient(f"http://127.0.0.1:{free_port()}", timeout_s=5, name="nobody")
+    with pytest.raises(EngineUnavailableError, match="nobody"):
+        dead.pause_generation()
+    assert not dead.health()
+
+
+def test_failed_start_names_the_server_and_its_exit_code(tmp_path: Path) -> None:
+    spec = SGLangServerSpec(
+        model_path="/m",
+        port=free_port(),
+        command=(sys.executable, "-c", "import sys; print('bad flag'); sys.exit(3)"),
+    )
+    server = SGLangServer(spec, startup_timeout_s=60, name="engine-7", log_path=tmp_path / "log")
+    with pytest.raises(
+        SGLangError, match=r"(?s)engine-7 exited with code 3 before /health answered.*bad flag"
+    ):
+        server.start()
+
+
+def test_health_timeout_then_sigkill_when_sigterm_is_ignored(tmp_path: Path) -> None:
+    script = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+        "time.sleep(120)"
+    )
+    spec = SGLangServerSpec(model_path="/m", port=free_port(), command=(sys.executable, "-c", script))
+    server = SGLangServer(spec, startup_timeout_s=3, stop_grace_s=1, name="stuck", log_path=tmp_path / "log")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="SGLang server stuck did not answer /health with 200 within 3 s"):
+        server.start()
+    assert not server.is_running()
+    assert server.stop() == -9  # SIGTERM was ignored: killed
+    assert time.monotonic() - t0 < 30
+
+
+def test_shutdown_stops_the_server(
+    sglang_manager: tuple[RolloutManager, Path], standin: tuple[SGLangClient, Path]
+) -> None:
+    # Last in this module: it ends the module's server.
+    manager, _ = sglang_manager
+    client, _ = standin
+    assert client.health()
+    manager.shutdown()
+    manager.shutdown()  # idempotent
+    assert not SGLangClient(client.base_url, timeout_s=5).health()
+
+
+def test_stop_sends_sigterm_to_the_process_group(tmp_path: Path) -> None:
+    # The server's child must go too: stop() signals the whole group.
+    script = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "open(sys.argv[-1], 'w').write(str(child.pid)); time.sleep(120)"
+    )
+    pid_file = tmp_path / "child.pid"
+    spec = SGLangServerSpec(
+        model_path="/m", port=free_port(), command=(sys.executable, "-c", script), extra_args=(str(pid_file),)
+    )
+    server = SGLangServer(spec, startup_timeout_s=2, stop_grace_s=5, log_path=tmp_path / "log")
+    with pytest.raises(TimeoutError):
+        server.start()  # it never serves /health; start() stops it
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except OSError:
+        return False

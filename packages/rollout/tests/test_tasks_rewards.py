@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ppo_rollout import (
+    TASKS,
+    RewardError,
+    RewardInput,
+    build_char_tokenizer,
+    compute_rewards,
+    get_task,
+    register_reward,
+    resolve_reward,
+)
+from ppo_rollout.rewards import char_match, exact_match
+
+
+def _inp(response: str, label: str, i: int = 0) -> RewardInput:
+    return RewardInput(
+        prompt=label + ">",
+        response=response,
+        response_token_ids=(),
+        finish_reason="stop",
+        row={"label": label},
+        prompt_index=i,
+    )
+
+
+def test_char_tokenizer_round_trip_and_specials() -> None:
+    tok = build_char_tokenizer()
+    ids = tok("12>")["input_ids"]
+    assert ids[0] == tok.bos_token_id == 1
+    assert len(ids) == 4
+    assert tok.decode([*ids, tok.eos_token_id], skip_special_tokens=True) == "12>"
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 2, 3)
+    assert tok("x")["input_ids"] == [1, tok.unk_token_id]
+    with pytest.raises(ValueError, match="repeated"):
+        build_char_tokenizer("11")
+
+
+def test_tiny_model_folder_loads_with_auto_classes(tiny_model: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert tok("3>")["input_ids"] == build_char_tokenizer()("3>")["input_ids"]
+    assert model.config.vocab_size == len(tok)
+    assert model.config.eos_token_id == tok.eos_token_id
+    assert 50_000 < sum(p.numel() for p in model.parameters()) < 500_000
+
+
+def test_tasks_are_deterministic_and_correct() -> None:
+    rev = get_task("reverse")
+    assert rev.row(3, 7) == rev.row(3, 7)
+    assert rev.row(3, 7) != rev.row(4, 7)
+    for i in range(20):
+        row = rev.row(i, 1)
+        digits = row["prompt"][:-1]
+        assert row["prompt"].endswith(">")
+        assert 3 <= len(digits) <= 4
+        assert row["label"] == digits[::-1]
+    small = TASKS["copy_small"].row(0, 0)
+    assert set(small["label"]) <= set("0123")
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        get_task("nope")
+
+
+def test_char_match_partial_credit() -> None:
+    assert char_match([_inp("1234", "1234")]) == [1.0]
+    assert char_match([_inp("1299", "1234")]) == [0.5]
+    assert char_match([_inp("12345678", "1234")]) == [0.5]  # extra characters cost credit
+    assert char_match([_inp("", "1234")]) == [0.0]
+    assert exact_match([_inp(" 12 ", "12"), _inp("13", "12")]) == [1.0, 0.0]
+
+
+@given(st.text("0123456789", max_size=6), st.text("0123456789", min_size=1, max_size=6))
+def test_char_match_is_bounded_and_one_only_when_equal(response: str, label: str) -> None:
+    (r,) = char_match([_inp(response, label)])
+    assert 0.0 <= r <= 1.0
+    assert (r == 1.0) == (response == label)
+
+
+def test_registry_and_module_function() -> None:
+    @register_reward("test_const_half")
+    def half(samples):  # type: ignore[no-untyped-def]
+        return [0.5] * len(samples)
+
+    assert resolve_reward("test_const_half") is half
+    register_reward("test_const_half")(half)  # the same function again: fine
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("test_const_half")(lambda s: [0.0] * len(s))
+    mod = types.ModuleType("rollout_test_rewards_mod")
+    mod.score = lambda samples: [1.0] * len(samples)  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    assert resolve_reward("rollout_test_rewards_mod:score") is mod.score  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="no callable 'missing'"):
+        resolve_reward("rollout_test_rewards_mod:missing")
+    with pytest.raises(ValueError, match="cannot import module"):
+        resolve_reward("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="not registered"):
+        resolve_reward("nope")
+
+
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        ([1.0], "returned 1 values for 2 samples"),
+        ([1.0, math.nan], r"returned nan for sample 1 \(prompt_index 1"),
+        ([1.0, math.inf], "returned inf for sample 1"),
+        ([True, 1.0], r"returned True \(bool\) for sample 0"),
+        (["1", 1.0], r"returned '1' \(str\) for sample 0"),
+        (None, "returned NoneType, expected a sequence"),
+    ],
+)
+def test_bad_reward_results_name_sample_and_function(result: object, message: str) -> None:
+    def bad_reward(samples):  # type: ignore[no-untyped-def]
+        return result
+
+    samples = [_inp("1", "1", 0), _inp("2", "2", 1)]
+    with pytest.raises(RewardError, match=message) as info:
+        compute_rewards(bad_reward, samples)
+    assert "bad_reward" in str(info.value)
+
+
+def test_good_reward_results_are_floats() -> None:
+    import numpy as np
+
+    out = compute_rewards(lambda s: np.array([1, 0.25]), [_inp("1", "1"), _inp("2", "2")])
+    assert out == [1.0, 0.25]
+    assert all(type(x) is float for x in out)
