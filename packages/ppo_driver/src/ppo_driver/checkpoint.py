@@ -1,0 +1,183 @@
+"""Checkpoint folders: written to a temporary folder, renamed into place, found again on resume.
+
+Layout of one checkpoint, ``<dir>/step_000010/``::
+
+    driver.json          step, config digest, rollout state (data position), RNG seeds and states
+    driver.safetensors   tensors of the driver state (torch RNG state, tensors of the rollout state)
+    actor/  critic/      written by ``TrainGroup.save`` (model, optimizer, RNG of each worker)
+    COMPLETE             written last, before the rename; a folder without it is ignored
+
+Nothing here unpickles: JSON for structure, safetensors for tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+MARKER = "COMPLETE"
+FORMAT_VERSION = 1
+
+
+def step_folder(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of each complete checkpoint under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_complete(root: Path) -> tuple[int, Path] | None:
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def write_checkpoint(
+    root: Path, step: int, write: Callable[[Path], None], *, keep: int | None = None
+) -> Path:
+    """Call ``write(tmp)`` to fill a temporary folder, mark it complete, rename it to ``step_N``.
+
+    A crash anywhere before the rename leaves only a ``.tmp-`` folder, which discovery ignores and
+    the next save of the same step removes. ``keep`` prunes older complete checkpoints afterwards.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    final = step_folder(root, step)
+    tmp = root / f".tmp-{final.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    write(tmp)
+    (tmp / MARKER).write_text(json.dumps({"step": step, "format": FORMAT_VERSION}) + "\n")
+    if final.exists():  # a re-run of the same step replaces its checkpoint
+        old = root / f".old-{final.name}"
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    if keep is not None:
+        for _, folder in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(folder, ignore_errors=True)
+    return final
+
+
+# --- driver state: JSON + safetensors ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DriverState:
+    step: int  # last completed step
+    rollout: Mapping[str, Any]  # RolloutManager.state_dict()
+    extra: Mapping[str, Any]  # e.g. the config digest, wall time
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python, numpy and torch RNG states of the driver process."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # legacy=True always returns the tuple form
+    return {
+        "python": {"version": py_version, "state": list(py_state), "gauss": py_gauss},
+        "numpy": {
+            "kind": np_state[0],
+            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.uint32).view(np.int32).copy()),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    npy = state["numpy"]
+    keys = npy["keys"].numpy().view(np.uint32)
+    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+
+
+def save_driver_state(folder: Path, state: DriverState) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    doc = {
+        "format": FORMAT_VERSION,
+        "step": state.step,
+        "rollout": _split(state.rollout, "rollout", tensors),
+        "rng": _split(capture_rng(), "rng", tensors),
+        "extra": _split(state.extra, "extra", tensors),
+    }
+    (folder / "driver.json").write_text(json.dumps(doc, indent=1) + "\n")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "driver.safetensors"))
+
+
+def load_driver_state(folder: Path, *, restore_driver_rng: bool = True) -> DriverState:
+    doc = json.loads((folder / "driver.json").read_text())
+    if doc.get("format") != FORMAT_VERSION:
+        raise ValueError(
+            f"checkpoint {folder} has format {doc.get('format')!r}, this driver reads {FORMAT_VERSION}; "
+            "resume it with the driver version that wrote it, or start a new run (checkpoint.resume=false)"
+        )
+    tensors = load_file(str(folder / "driver.safetensors"))
+    if restore_driver_rng:
+        restore_rng(_join(doc["rng"], tensors))
+    return DriverState(
+        step=int(doc["step"]), rollout=_join(doc["rollout"], tensors), extra=_join(doc["extra"], tensors)
+    )
+
+
+# Tensors are replaced in the JSON tree by {"__tensor__": key} and stored in safetensors; tuples
+# come back as lists. Anything else that JSON cannot hold is an error, never a pickle.
+def _split(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().cpu()
+        return {"__tensor__": path}
+    if isinstance(obj, np.ndarray):
+        tensors[path] = torch.from_numpy(obj.copy())
+        return {"__tensor__": path, "numpy": True}
+    if isinstance(obj, Mapping):
+        out = {}
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise TypeError(f"checkpoint state {path}: key {key!r} is not a string")
+            out[key] = _split(value, f"{path}.{key}", tensors)
+        return out
+    if isinstance(obj, list | tuple):
+        return [_split(value, f"{path}.{i}", tensors) for i, value in enumerate(obj)]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    raise TypeError(f"checkpoint state {path}: {type(obj).__name__} is not JSON or a tensor")
+
+
+def _join(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            tensor = tensors[obj["__tensor__"]]
+            return tensor.numpy() if obj.get("numpy") else tensor
+        return {key: _join(value, tensors) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_join(value, tensors) for value in obj]
+    return obj

@@ -1,0 +1,208 @@
+"""``ppo-driver``: train, validate a config, plot a run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from rich.console import Console
+
+from ppo_driver import __version__
+from ppo_driver.config import ConfigError, RunConfig, dump_config, load_config
+
+DESCRIPTION = """\
+PPO post-training for LLMs: actor and critic share the training devices by taking turns,
+rollout engines generate, new actor weights are broadcast to the engines each step.
+
+With no config, `ppo-driver train` runs the embedded default: a tiny model learning a built-in
+task on CPU under a local Ray instance, in a few minutes."""
+
+EPILOG = """\
+examples:
+  ppo-driver train                                  # the embedded CPU default, run folder runs/<time>
+  ppo-driver train --run-dir runs/demo --set train.steps=10
+  ppo-driver train --config configs/2gpu-colocate.yaml
+  ppo-driver train --config my.yaml --ray-address auto   # join a running Ray cluster
+  ppo-driver validate configs/2gpu-disaggregate.yaml
+  ppo-driver plot runs/demo                         # writes runs/demo/curves.png
+
+--set takes dotted names and YAML values: --set algorithm.estimator=grpo --set placement.critic=none
+Config sections: model, placement, rollout, algorithm, train, offload, checkpoint, logging, ray;
+every field with its default: ppo-driver validate configs/cpu-default.yaml
+A run folder that holds a complete checkpoint resumes from it (checkpoint.resume=false starts over)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ppo-driver",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ppo-driver {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add_config_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override one config field, e.g. --set train.steps=10 (repeatable; YAML values)",
+        )
+
+    train = sub.add_parser(
+        "train",
+        help="run PPO training",
+        description="Run PPO training; prints progress per step and a summary at the end.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Files in the run folder: config.yaml, metrics.jsonl, summary.json, checkpoints/, "
+        "tensorboard/ (when tensorboard is installed), model/ (the built-in tiny model).",
+    )
+    train.add_argument(
+        "--config", type=Path, metavar="FILE", help="YAML config (default: the embedded CPU default)"
+    )
+    add_config_args(train)
+    train.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="join an existing Ray cluster (e.g. 'auto' or 'ray://host:10001') instead of starting one",
+    )
+    train.add_argument(
+        "--run-dir",
+        type=Path,
+        metavar="DIR",
+        help="run folder for metrics and checkpoints (default: logging.run_dir, else runs/<date-time>)",
+    )
+
+    validate = sub.add_parser(
+        "validate",
+        help="check a config; print it resolved, and the placement layout",
+        description="Validate CONFIG (plus --set overrides) without starting anything; print the "
+        "resolved config and the placement layout. Exit code 2 on an invalid config.",
+    )
+    validate.add_argument("config", type=Path, metavar="CONFIG", help="YAML config file")
+    add_config_args(validate)
+
+    plot = sub.add_parser(
+        "plot",
+        help="plot reward, loss, KL and step time of a run to a PNG",
+        description="Read RUN_DIR/metrics.jsonl and write the curves as a PNG.",
+    )
+    plot.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder written by `train`")
+    plot.add_argument("-o", "--output", type=Path, help="PNG path (default: RUN_DIR/curves.png)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(soft_wrap=True)
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        if args.command == "train":
+            return _train(args, console)
+        if args.command == "validate":
+            return _validate(args, console)
+        if args.command == "plot":
+            from ppo_driver.plot import plot_run
+
+            path = plot_run(args.run_dir, args.output)
+            console.print(f"wrote {path}", highlight=False)
+            return 0
+    except ConfigError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        if args.command == "train":
+            raise  # an error of the run itself: keep the traceback
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 1
+    raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
+
+
+def resolve(args: argparse.Namespace) -> RunConfig:
+    """The config of ``train``/``validate``: file, then --set, then the CLI's own flags."""
+    overrides = list(args.overrides)
+    if getattr(args, "ray_address", None):
+        overrides.append(f"ray.address={json.dumps(args.ray_address)}")  # a JSON string is YAML
+    if getattr(args, "run_dir", None):
+        overrides.append(f"logging.run_dir={json.dumps(str(args.run_dir))}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = load_config(args.config, overrides)
+    for w in caught:
+        Console(stderr=True, soft_wrap=True).print(f"[yellow]warning:[/] {w.message}", highlight=False)
+    return config
+
+
+def _validate(args: argparse.Namespace, console: Console) -> int:
+    config = resolve(args)
+    console.print(dump_config(config), highlight=False, markup=False)
+    console.print(describe_layout(config), highlight=False, markup=False)
+    console.print("config OK", style="bold green")
+    return 0
+
+
+def describe_layout(config: RunConfig) -> str:
+    """The placement layout as text: bundles, each role's bundles and device share, the offload plan."""
+    from ppo_driver import build
+    from ppo_placement import plan_layout
+
+    spec = build.placement_spec(config)
+    layout = plan_layout(spec)
+    unit = "GPU" if spec.use_gpus else "CPU bundle"
+    lines = [
+        "placement layout:",
+        f"  mode={config.placement.mode} device={config.placement.device} "
+        f"critic={config.placement.critic} bundles={layout.num_bundles} ({unit}s) "
+        f"engines={layout.engine_count} x {spec.gpus_per_engine} {unit}",
+    ]
+    for role, part in layout.roles.items():
+        lines.append(
+            f"  {role:<8} bundles [{part.offset}, {part.offset + part.count}) "
+            f"gpu_share={part.gpu_share:g} cpu_share={part.cpu_share:g}"
+        )
+    try:
+        plan = build.offload_plan(config)
+    except ImportError:  # the lifecycle package is not installed
+        return "\n".join(lines)
+    lines.append("offload plan (resident roles per phase):")
+    for phase in ("generate", "critic_train", "actor_train", "save", "weight_update"):
+        lines.append(f"  {phase:<14} {', '.join(sorted(plan.resident(phase))) or '-'}")
+    return "\n".join(lines)
+
+
+def _train(args: argparse.Namespace, console: Console) -> int:
+    config = resolve(args)
+    logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
+    run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    from ppo_driver.loop import train
+    from ppo_driver.metrics import summary_table
+
+    console.print(
+        f"ppo-driver {__version__}: {config.algorithm.estimator} on "
+        f"{config.model.path or 'the built-in tiny model'} "
+        f"({config.rollout.task or config.rollout.dataset}), {config.train.steps} steps, "
+        f"{config.placement.mode} on {config.placement.device}; run folder {run_dir}",
+        highlight=False,
+    )
+    result = train(config, run_dir, console=console)
+    if result.history:
+        console.print(summary_table(result.history, run_dir))
+    status = "match" if result.weights_match else "DIFFER"
+    console.print(
+        f"engines hold the actor's final weights: {status} (actor {result.actor_checksum[:12]})",
+        highlight=False,
+    )
+    return 0 if result.weights_match else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

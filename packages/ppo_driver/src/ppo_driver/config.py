@@ -1,0 +1,471 @@
+"""The run configuration: one YAML file plus ``--set a.b=c`` overrides, validated once at load.
+
+Every model is frozen and forbids unknown keys, so a typo is an error that names the key, and no
+code downstream can edit the configuration in place. Rules that span several fields (a critic needs
+the ppo estimator, a shared critic needs offload, batch divisibility, ...) live in
+``RunConfig._check_rules``: each raises a ``ValueError`` that names the field and the fix, or logs
+the decision it takes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names each bad field and how to fix it."""
+
+
+class SharedCriticResidentWarning(UserWarning):
+    """A shared critic kept resident next to the actor (debug only: both models stay in memory)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class TinyModelConfig(_Section):
+    """Size of the built-in tiny model (used when ``model.path`` is null)."""
+
+    hidden_size: int = Field(default=64, ge=8, description="width of the transformer")
+    num_layers: int = Field(default=2, ge=1, description="number of transformer blocks")
+    num_heads: int = Field(default=4, ge=1, description="attention heads; must divide hidden_size")
+    intermediate_size: int = Field(default=128, ge=8, description="MLP width")
+    max_positions: int = Field(default=64, ge=8, description="longest prompt + response, in tokens")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.tiny.hidden_size ({self.hidden_size}) must be divisible by model.tiny.num_heads "
+                f"({self.num_heads}); pick a num_heads that divides it"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(
+        default=None, description="Hugging Face model folder; null: the built-in tiny model"
+    )
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="compute dtype; auto: bfloat16 on cuda, float32 on cpu"
+    )
+
+
+class PlacementConfig(_Section):
+    mode: Literal["colocate", "disaggregate"] = Field(
+        default="colocate",
+        description="colocate: engines share the training devices; disaggregate: own devices",
+    )
+    device: Literal["cpu", "cuda"] = "cpu"
+    actor_gpus: int = Field(
+        default=1, ge=1, description="actor data-parallel size (GPUs, or CPU workers on cpu)"
+    )
+    rollout_gpus: int | None = Field(
+        default=None, ge=1, description="devices of all engines together; null: same as actor_gpus"
+    )
+    gpus_per_engine: int = Field(default=1, ge=1)
+    critic: Literal["none", "shared", "dedicated"] = Field(
+        default="shared", description="shared: time-shares the actor's devices; dedicated: own devices"
+    )
+    critic_gpus: int | None = Field(
+        default=None, ge=1, description="dedicated critic only; null: same as actor"
+    )
+    cpus_per_bundle: float = Field(default=1.0, gt=0, description="CPUs per placement bundle on CPU runs")
+
+    @property
+    def colocate(self) -> bool:
+        return self.mode == "colocate"
+
+    @property
+    def resolved_rollout_gpus(self) -> int:
+        return self.actor_gpus if self.rollout_gpus is None else self.rollout_gpus
+
+    @property
+    def num_engines(self) -> int:
+        return self.resolved_rollout_gpus // self.gpus_per_engine
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(default=1.0, ge=0, description="0: greedy")
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0, description="0: no top-k")
+    max_new_tokens: int = Field(default=4, ge=1)
+    n_samples_per_prompt: int = Field(default=8, ge=1)
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class RolloutSection(_Section):
+    engine: Literal["builtin", "sglang"] = "builtin"
+    task: str | None = Field(default="copy_small", description="built-in task name; null when dataset is set")
+    dataset: str | None = Field(default=None, description="JSONL file of prompts (instead of task)")
+    prompt_field: str = "prompt"
+    reward: str | None = Field(
+        default=None, description="reward name or 'module:function'; null: the task's own"
+    )
+    prompts_per_step: int = Field(default=8, ge=1)
+    sampling: SamplingConfig = SamplingConfig()
+    eval_prompts: int = Field(default=16, ge=0, description="prompts of each evaluation (greedy)")
+    max_prompt_length: int = Field(default=256, ge=2, description="in tokens")
+    eval_interval: int = Field(
+        default=0, ge=0, description="evaluate every N steps; 0: only at the last step"
+    )
+
+    @model_validator(mode="after")
+    def _task_xor_dataset(self) -> RolloutSection:
+        if (self.task is None) == (self.dataset is None):
+            raise ValueError(
+                "set exactly one of rollout.task (a built-in task) and rollout.dataset (a JSONL path); "
+                f"got task={self.task!r}, dataset={self.dataset!r}"
+            )
+        return self
+
+
+class AlgorithmSection(_Section):
+    estimator: Literal["ppo", "grpo"] = "ppo"
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda")
+    eps_clip: float = Field(default=0.2, gt=0, lt=1)
+    eps_clip_high: float | None = Field(default=None, gt=0, description="null: same as eps_clip")
+    eps_clip_c: float | None = Field(default=None, gt=1, description="dual-clip constant; null: off")
+    value_clip: float = Field(default=0.2, gt=0)
+    kl_coef: float = Field(default=0.0, ge=0, description="reward-level KL penalty")
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(default=0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    entropy_coef: float = Field(default=0.0, ge=0)
+    normalize_advantages: bool = True
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    ppo_epochs: int = Field(default=1, ge=1, description="passes over each step's batch")
+    num_mini_batches: int = Field(default=4, ge=1, description="optimizer steps per pass")
+
+
+class TrainSection(_Section):
+    steps: int = Field(default=60, ge=1)
+    seed: int = 1234
+    global_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="samples per step; null: rollout.prompts_per_step x n_samples_per_prompt",
+    )
+    micro_batch_size: int = Field(default=8, ge=1)
+    actor_lr: float = Field(default=3e-3, gt=0)
+    critic_lr: float = Field(default=3e-3, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    num_critic_only_steps: int = Field(default=0, ge=0, description="first steps train the critic only")
+
+
+class OffloadSection(_Section):
+    enabled: bool = True
+    backend: Literal["auto", "host", "pinned", "torch_memory_saver"] = "auto"
+    allow_resident_shared_critic: bool = Field(
+        default=False, description="debug: keep a shared critic resident next to the actor (offload off)"
+    )
+
+
+class CheckpointSection(_Section):
+    dir: str | None = Field(default=None, description="null: <run_dir>/checkpoints")
+    interval: int = Field(default=30, ge=0, description="save every N steps; 0: only at the end")
+    save_final: bool = True
+    resume: bool = Field(default=True, description="resume from the latest complete checkpoint in dir")
+    keep: int = Field(default=2, ge=1, description="complete checkpoints kept; older ones are deleted")
+
+
+class LoggingSection(_Section):
+    run_dir: str | None = Field(default=None, description="null: runs/<date-time>; --run-dir overrides")
+    tensorboard: bool = Field(
+        default=True, description="write TensorBoard events when tensorboard is installed"
+    )
+    progress: bool = True
+    worker_logs: bool = Field(default=False, description="print the Ray workers' output in the console")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+
+
+class RayConfig(_Section):
+    address: str | None = Field(
+        default=None, description="join this Ray cluster; null: start a local instance"
+    )
+    num_cpus: int = Field(default=4, ge=1, description="logical CPUs of the local instance")
+    object_store_memory_mb: int = Field(default=256, ge=64)
+    timeout_s: float = Field(default=600.0, gt=0, description="limit on each cross-process wait")
+
+
+class RunConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    placement: PlacementConfig = PlacementConfig()
+    rollout: RolloutSection = RolloutSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    train: TrainSection = TrainSection()
+    offload: OffloadSection = OffloadSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingSection = LoggingSection()
+    ray: RayConfig = RayConfig()
+
+    @property
+    def use_critic(self) -> bool:
+        return self.placement.critic != "none"
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.sampling.n_samples_per_prompt
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> RunConfig:
+        p, a, t, r, o = self.placement, self.algorithm, self.train, self.rollout, self.offload
+        # The critic and the estimator: GAE needs values, and only GAE uses them.
+        if self.use_critic and a.estimator != "ppo":
+            raise ValueError(
+                f"placement.critic={p.critic!r} needs algorithm.estimator='ppo' (got {a.estimator!r}); "
+                "set placement.critic=none for grpo, or algorithm.estimator=ppo"
+            )
+        if not self.use_critic and a.estimator == "ppo":
+            raise ValueError(
+                "algorithm.estimator='ppo' needs a critic (GAE uses its values); "
+                "set placement.critic=shared or dedicated, or algorithm.estimator=grpo"
+            )
+        if p.critic == "shared":
+            if a.kl_coef != 0:
+                raise ValueError(
+                    f"algorithm.kl_coef={a.kl_coef} (reward-level KL) cannot be used with "
+                    "placement.critic='shared': the critic would need the actor's log-probs to compute "
+                    "the KL-shaped rewards it trains on; set algorithm.kl_coef=0 and use KL as a loss "
+                    "term (algorithm.use_kl_loss=true, algorithm.kl_loss_coef>0), or a dedicated critic"
+                )
+            if not o.enabled:
+                if not o.allow_resident_shared_critic:
+                    raise ValueError(
+                        "placement.critic='shared' needs offload.enabled=true (actor and critic take "
+                        "turns on the same devices); set offload.enabled=true, or "
+                        "offload.allow_resident_shared_critic=true to debug with both resident"
+                    )
+                warnings.warn(
+                    "offload.allow_resident_shared_critic=true: the shared critic stays resident next "
+                    "to the actor; both models occupy memory at once (debug only)",
+                    SharedCriticResidentWarning,
+                    stacklevel=2,
+                )
+        if p.critic_gpus is not None and p.critic != "dedicated":
+            raise ValueError(
+                f"placement.critic_gpus={p.critic_gpus} only applies to placement.critic='dedicated' "
+                f"(got {p.critic!r}); remove placement.critic_gpus"
+            )
+        if t.num_critic_only_steps:
+            if not self.use_critic:
+                raise ValueError(
+                    "train.num_critic_only_steps needs a critic; set it to 0 or set placement.critic"
+                )
+            if t.num_critic_only_steps >= t.steps:
+                raise ValueError(
+                    f"train.num_critic_only_steps ({t.num_critic_only_steps}) must be below train.steps "
+                    f"({t.steps}), or the actor never trains; lower it or raise train.steps"
+                )
+        if a.use_kl_loss and a.kl_loss_coef == 0:
+            raise ValueError(
+                "algorithm.use_kl_loss=true with algorithm.kl_loss_coef=0 has no effect; "
+                "set algorithm.kl_loss_coef>0 or algorithm.use_kl_loss=false"
+            )
+        # Devices and engines.
+        if p.colocate and p.rollout_gpus is not None and p.rollout_gpus != p.actor_gpus:
+            raise ValueError(
+                f"placement.mode='colocate' runs the engines on the actor's devices, so "
+                f"placement.rollout_gpus ({p.rollout_gpus}) must equal placement.actor_gpus "
+                f"({p.actor_gpus}); remove placement.rollout_gpus or use mode=disaggregate"
+            )
+        if p.resolved_rollout_gpus % p.gpus_per_engine:
+            raise ValueError(
+                f"placement.rollout_gpus ({p.resolved_rollout_gpus}) must be divisible by "
+                f"placement.gpus_per_engine ({p.gpus_per_engine})"
+            )
+        if p.device == "cpu" and p.gpus_per_engine != 1:
+            raise ValueError("placement.gpus_per_engine must be 1 when placement.device='cpu'")
+        if self.model.path is None and r.task is None:
+            raise ValueError(
+                "model.path is null (the built-in tiny model, whose tokenizer is made for a built-in "
+                "task) but rollout.task is null; set rollout.task, or model.path to a Hugging Face model"
+            )
+        if r.task is not None:
+            _check_task(r.task)
+        if r.engine == "sglang":
+            if p.device != "cuda":
+                raise ValueError("rollout.engine='sglang' needs placement.device='cuda'")
+            if self.model.path is None:
+                raise ValueError(
+                    "rollout.engine='sglang' needs model.path (a Hugging Face model folder); "
+                    "the built-in tiny model runs on rollout.engine='builtin' only"
+                )
+        if o.backend in ("pinned", "torch_memory_saver") and p.device != "cuda":
+            raise ValueError(
+                f"offload.backend={o.backend!r} needs placement.device='cuda'; use 'host' or 'auto' on cpu"
+            )
+        if p.critic == "dedicated" and p.colocate:
+            raise ValueError(
+                "placement.critic='dedicated' with placement.mode='colocate': a colocated run shares "
+                "every device; use placement.critic=shared, or placement.mode=disaggregate"
+            )
+        # Batch sizes: one optimizer step per rollout step, split evenly over data-parallel ranks.
+        samples = self.samples_per_step
+        if t.global_batch_size is not None and t.global_batch_size != samples:
+            raise ValueError(
+                f"train.global_batch_size ({t.global_batch_size}) must equal rollout.prompts_per_step x "
+                f"rollout.sampling.n_samples_per_prompt ({r.prompts_per_step} x "
+                f"{r.sampling.n_samples_per_prompt} = {samples}); remove it or change those two"
+            )
+        if r.prompts_per_step % p.actor_gpus:
+            raise ValueError(
+                f"rollout.prompts_per_step ({r.prompts_per_step}) must be divisible by placement.actor_gpus "
+                f"({p.actor_gpus}): the samples of one prompt stay on one data-parallel rank"
+            )
+        dp_sizes = {"placement.actor_gpus": p.actor_gpus}
+        if p.critic == "dedicated" and p.critic_gpus is not None:
+            dp_sizes["placement.critic_gpus"] = p.critic_gpus
+        for name, dp in dp_sizes.items():
+            if samples % dp:
+                raise ValueError(
+                    f"the global batch ({samples} samples = rollout.prompts_per_step x "
+                    f"n_samples_per_prompt) must be divisible by {name} ({dp}), the data-parallel size"
+                )
+            per_rank = samples // dp
+            if per_rank % a.num_mini_batches:
+                raise ValueError(
+                    f"algorithm.num_mini_batches ({a.num_mini_batches}) must divide the samples per "
+                    f"data-parallel rank ({samples} / {name} {dp} = {per_rank})"
+                )
+            per_mini = per_rank // a.num_mini_batches
+            if per_mini % t.micro_batch_size:
+                raise ValueError(
+                    f"train.micro_batch_size ({t.micro_batch_size}) must divide the samples per "
+                    f"data-parallel rank and mini-batch ({samples} / {name} {dp} / "
+                    f"algorithm.num_mini_batches {a.num_mini_batches} = {per_mini})"
+                )
+        if a.estimator == "grpo" and r.sampling.n_samples_per_prompt < 2:
+            raise ValueError(
+                "algorithm.estimator='grpo' compares samples of one prompt: "
+                "set rollout.sampling.n_samples_per_prompt >= 2"
+            )
+        return self
+
+
+def _check_task(name: str) -> None:
+    try:
+        from ppo_rollout.tasks import TASKS
+    except ImportError:  # the rollout package checks the name itself when it starts
+        return
+    if name not in TASKS:
+        raise ValueError(f"rollout.task={name!r} is not a built-in task; use one of {sorted(TASKS)}")
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"a.b=c"`` -> (["a", "b"], c) with ``c`` parsed as a YAML scalar (``1e-3``, ``true``, ``null``...)."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, for example --set train.steps=10")
+    parts = key.split(".")
+    if any(not part for part in parts):
+        raise ConfigError(f"--set {item!r}: empty name in the key {key!r}; use dotted names like a.b.c")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({exc})") from None
+    # YAML 1.1 reads "1e-3" (no dot) as a string; on the command line it is meant as a number.
+    if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        value = float(value)
+    return parts, value
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A new nested dict: ``data`` with each ``a.b=c`` applied in order (``data`` is not modified)."""
+    result = _deep_copy(data)
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = result
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"--set {item!r}: {where} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections at the top level")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read ``path`` (or the embedded default when None), apply ``--set`` overrides, validate."""
+    data = read_yaml(path) if path is not None else {}
+    return validate_config(apply_overrides(data, overrides))
+
+
+def validate_config(data: Mapping[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc)) from None
+
+
+def format_errors(exc: ValidationError) -> str:
+    lines = [f"invalid config ({exc.error_count()} error{'s' if exc.error_count() > 1 else ''}):"]
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field {loc!r}" + _suggest(err["loc"])
+        elif loc:
+            msg = f"{loc}: {msg}"
+            if err["type"] not in ("value_error", "assertion_error") and "input" in err:
+                msg += f" (got {err['input']!r})"
+        lines.append(f"  - {msg}")
+    return "\n".join(lines)
+
+
+def _suggest(loc: tuple[int | str, ...]) -> str:
+    """'; did you mean ...' from the fields of the section that holds the unknown key."""
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return ""
+        model = ann
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; valid fields here: {', '.join(names)}"
+
+
+def dump_config(config: RunConfig) -> str:
+    """The resolved config as YAML (every field, defaults included)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,304 @@
+"""The PPO loop, top to bottom.
+
+Setup: Ray, placement groups, the rollout manager and its engines, the actor (and critic) groups,
+resume from the latest complete checkpoint, the first weight update. Then each step:
+
+1. generate (engines resident);
+2. the critic trains first and returns its values (colocated engines offloaded before it);
+3. the critic sleeps, the actor trains with the critic's values;
+4. save when due (the plan's ``save`` residency: wake, save, sleep);
+5. update the engines' weights (the actor reconnects to the engines if it slept);
+6. onload the engines, evaluate when due.
+
+Every sleep and wake is the driver's, taken from ``OffloadPlan.transitions`` between phases; the
+workers only carry them out. A critic-only warm-up step (``train.num_critic_only_steps``) skips 3 and
+5; a GRPO run has no critic and skips 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from rich.console import Console
+
+from ppo_driver import build, checkpoint
+from ppo_driver.config import RunConfig, dump_config
+from ppo_driver.metrics import MetricsLog, StepProgress
+from ppo_driver.phases import PhaseTimer, PhaseTracker
+from ppo_driver.roles import RoleFactory, Roles, create_roles, shutdown_roles
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    first_step: int  # first step this invocation ran (resumed runs start after their checkpoint)
+    last_step: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+    actor_checksum: str = ""
+    engine_checksums: list[str] = field(default_factory=list)
+
+    @property
+    def weights_match(self) -> bool:
+        return bool(self.engine_checksums) and all(c == self.actor_checksum for c in self.engine_checksums)
+
+
+def train(
+    config: RunConfig,
+    run_dir: Path,
+    *,
+    console: Console | None = None,
+    roles_factory: RoleFactory = create_roles,
+) -> RunResult:
+    console = console or Console()
+    # Absolute paths: the Ray workers that read the model and write checkpoints run in other folders.
+    run_dir = run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    ckpt_root = Path(config.checkpoint.dir).resolve() if config.checkpoint.dir else run_dir / "checkpoints"
+    timeout_s = config.ray.timeout_s
+    with ExitStack() as stack:
+        stack.enter_context(_ray_session(config))
+        seed_everything(config.train.seed)
+        model_path = _model_path(config, run_dir)
+        roles = roles_factory(config, model_path, timeout_s)
+        stack.callback(shutdown_roles, roles)
+        rollout, actor, critic = roles.rollout, roles.actor, roles.critic
+        plan = build.offload_plan(config)
+        phases = PhaseTracker(plan, roles)
+
+        # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint.
+        start = 0
+        found = checkpoint.latest_complete(ckpt_root) if config.checkpoint.resume else None
+        if found is not None:
+            start, folder = found
+            phases.enter("save")
+            actor.load(folder / "actor")
+            if critic is not None:
+                critic.load(folder / "critic")
+            state = checkpoint.load_driver_state(folder)
+            rollout.load_state_dict(dict(state.rollout))
+            console.print(f"resumed from {folder} (step {start})", highlight=False)
+            changed = changed_fields(state.extra.get("config", {}), config)
+            if changed:
+                console.print(
+                    f"[yellow]warning:[/] resuming with a config that differs from the checkpoint's in "
+                    f"{', '.join(changed)}; the run will not match an uninterrupted one",
+                    highlight=False,
+                )
+        if start >= config.train.steps:
+            console.print(f"nothing to do: the checkpoint is at step {start} >= train.steps", highlight=False)
+
+        # First weight update: the engines start from the actor's weights (the loaded ones on resume).
+        phases.enter("weight_update")
+        actor.connect_engines(rollout.endpoints())
+        actor.update_weights(version=str(start))
+        phases.enter("generate")
+
+        log = MetricsLog(run_dir, tensorboard=config.logging.tensorboard, start_step=start)
+        stack.callback(log.close)
+        progress = stack.enter_context(
+            StepProgress(config.train.steps, start, console=console, enabled=config.logging.progress)
+        )
+        for step in range(start + 1, config.train.steps + 1):
+            phases.start_step()
+            timer = PhaseTimer()
+            trains_actor = step > config.train.num_critic_only_steps
+
+            with timer("generate"):
+                phases.enter("generate")
+                batch = rollout.generate(step)
+            metrics: dict[str, Any] = dict(batch.metrics)
+
+            values = None
+            if critic is not None:
+                with timer("critic_train"):
+                    phases.enter("critic_train")  # offloads colocated engines, wakes the critic
+                    result = critic.train(step, batch.boxes)
+                values = result.values
+                if values is None or len(values) == 0:
+                    raise RuntimeError(f"step {step}: the critic returned no values for the actor")
+                metrics.update(_prefixed("critic", result.metrics))
+                metrics["handoff/value_boxes"] = len(values)
+
+            if trains_actor:
+                with timer("actor_train"):
+                    phases.enter("actor_train")  # the critic sleeps, the actor wakes
+                    result = actor.train(step, batch.boxes, values)
+                metrics.update(_prefixed("actor", result.metrics))
+                if values is not None:
+                    metrics["handoff/values_used"] = 1
+
+            if _due(step, config.checkpoint.interval, config.train.steps, config.checkpoint.save_final):
+                with timer("save"):
+                    phases.enter("save")
+                    save_checkpoint(ckpt_root, step, roles, config)
+
+            if trains_actor:
+                with timer("weight_update"):
+                    phases.enter("weight_update")  # the actor reconnects to the engines if it slept
+                    metrics.update(_prefixed("weight_sync", actor.update_weights(version=str(step))))
+
+            phases.enter("generate")  # onload the engines
+            if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
+                with timer("eval"):
+                    metrics.update(_prefixed("eval", rollout.evaluate(step)))
+
+            metrics.update(_prefixed("actor", actor.pop_metrics()))
+            if critic is not None:
+                metrics.update(_prefixed("critic", critic.pop_metrics()))
+            metrics.update(phases.step_metrics())
+            metrics.update(timer.metrics())
+            metrics["actor_trained"] = int(trains_actor)
+            log.log(step, metrics)
+            progress.update(step, metrics)
+
+        actor_checksum = actor.weights_checksum()
+        engine_checksums = list(rollout.weights_checksums())
+        result_ = RunResult(
+            run_dir=run_dir,
+            first_step=start + 1,
+            last_step=max(start, config.train.steps),
+            history=log.history,
+            actor_checksum=actor_checksum,
+            engine_checksums=engine_checksums,
+        )
+        (run_dir / "summary.json").write_text(
+            json.dumps(
+                {
+                    "first_step": result_.first_step,
+                    "last_step": result_.last_step,
+                    "actor_checksum": actor_checksum,
+                    "engine_checksums": engine_checksums,
+                    "weights_match": result_.weights_match,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        return result_
+    raise AssertionError("unreachable")  # ExitStack does not swallow exceptions
+
+
+def save_checkpoint(root: Path, step: int, roles: Roles, config: RunConfig) -> Path:
+    def write(folder: Path) -> None:
+        roles.actor.save(folder / "actor")
+        if roles.critic is not None:
+            roles.critic.save(folder / "critic")
+        state = checkpoint.DriverState(
+            step=step,
+            rollout=roles.rollout.state_dict(),
+            extra={
+                "config": config.model_dump(mode="json"),
+                "config_sha256": config_digest(config),
+                "time": time.time(),
+            },
+        )
+        checkpoint.save_driver_state(folder, state)
+
+    return checkpoint.write_checkpoint(root, step, write, keep=config.checkpoint.keep)
+
+
+# Fields a resumed run may change without changing what it computes.
+RESUME_FREE = ("train.steps", "checkpoint.", "logging.", "ray.", "rollout.eval_interval")
+
+
+def changed_fields(saved: Mapping[str, Any], config: RunConfig) -> list[str]:
+    """Dotted names whose value differs between a checkpoint's saved config and ``config``."""
+    if not saved:  # a checkpoint that recorded no config: nothing to compare
+        return []
+    now = _flatten(config.model_dump(mode="json"))
+    before = _flatten(saved)
+    names = sorted(set(now) | set(before))
+    return [
+        n
+        for n in names
+        if now.get(n) != before.get(n) and not any(n == f or n.startswith(f) for f in RESUME_FREE)
+    ]
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def config_digest(config: RunConfig) -> str:
+    return hashlib.sha256(dump_config(config).encode()).hexdigest()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _prefixed(role: str, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    return {k if k.startswith(f"{role}/") else f"{role}/{k}": v for k, v in metrics.items()}
+
+
+def _due(step: int, interval: int, last: int, final: bool) -> bool:
+    return (interval > 0 and step % interval == 0) or (final and step == last)
+
+
+def _model_path(config: RunConfig, run_dir: Path) -> Path:
+    if config.model.path is not None:
+        local = Path(config.model.path).expanduser()
+        return local.resolve() if local.exists() else local  # else a name the workers resolve
+    if config.rollout.task is None:
+        raise ValueError("model.path is null (the built-in tiny model) but rollout.task is not set")
+    from transformers.utils import logging as hf_logging
+
+    from ppo_rollout import make_tiny_model
+
+    hf_logging.disable_progress_bar()  # one tiny shard: a progress bar is noise in the run's output
+    tiny = config.model.tiny
+    return make_tiny_model(
+        config.rollout.task,
+        run_dir / "model",
+        config.train.seed,
+        hidden_size=tiny.hidden_size,
+        num_layers=tiny.num_layers,
+        num_heads=tiny.num_heads,
+        intermediate_size=tiny.intermediate_size,
+        max_positions=tiny.max_positions,
+    )
+
+
+@contextmanager
+def _ray_session(config: RunConfig) -> Iterator[None]:
+    """Join ``ray.address`` when given; otherwise start (and later stop) a local Ray instance."""
+    if ray.is_initialized():
+        yield
+        return
+    if config.ray.address:
+        ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
+    else:
+        ray.init(
+            num_cpus=config.ray.num_cpus,
+            num_gpus=0 if config.placement.device == "cpu" else None,
+            object_store_memory=config.ray.object_store_memory_mb * 1024**2,
+            include_dashboard=False,
+            log_to_driver=config.logging.worker_logs,
+        )
+    try:
+        yield
+    finally:
+        ray.shutdown()

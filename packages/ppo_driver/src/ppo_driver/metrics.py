@@ -1,0 +1,173 @@
+"""Per-step metrics: ``metrics.jsonl`` in the run folder, TensorBoard when installed, a progress bar.
+
+One JSON object per line and step: ``{"step": 3, "reward/mean": 0.4, "actor/loss": ..., ...}``.
+Numbers are logged to TensorBoard too; lists (the sleep/wake transitions of the step) only to JSONL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+METRICS_FILE = "metrics.jsonl"
+
+# What the progress line shows, in order, when the step has it.
+SHOWN = (
+    ("rollout/reward_mean", "reward"),
+    ("actor/loss", "actor loss"),
+    ("critic/loss", "critic loss"),
+    ("actor/ppo_kl", "kl"),
+    ("time/step", "step s"),
+)
+
+
+class _Scalars(Protocol):
+    def add_scalar(self, tag: str, value: float, step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _tensorboard_writer(folder: Path) -> _Scalars | None:
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+    except ImportError:
+        return None
+    writer: _Scalars = SummaryWriter(log_dir=str(folder))
+    return writer
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass the run folder that `ppo-driver train` wrote")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLog:
+    """Appends one line per step to ``metrics.jsonl`` (kept on resume, from the resumed step on)."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, start_step: int = 0) -> None:
+        self.path = run_dir / METRICS_FILE
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # A resumed run rewrites the steps after its checkpoint: drop the lines it will write again.
+        if self.path.exists():
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= start_step
+            ]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = self.path.open("a")
+        self._tb = _tensorboard_writer(run_dir / "tensorboard") if tensorboard else None
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def tensorboard_enabled(self) -> bool:
+        return self._tb is not None
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        record = {"step": step, **metrics}
+        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        self._file.flush()
+        self.history.append(record)
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, float(value), step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return obj.item()
+    return str(obj)
+
+
+def format_step(metrics: Mapping[str, Any]) -> str:
+    parts = []
+    for key, label in SHOWN:
+        value = metrics.get(key)
+        if isinstance(value, int | float) and math.isfinite(value):
+            parts.append(f"{label} {value:.3f}" if key != "time/step" else f"{label} {value:.2f}")
+    return "  ".join(parts)
+
+
+class StepProgress:
+    """A rich progress bar on a terminal; one plain line per step otherwise (logs, CI, pipes)."""
+
+    def __init__(self, total: int, start: int = 0, *, console: Console | None = None, enabled: bool = True):
+        self.console = console or Console()
+        self.enabled = enabled
+        self.total = total
+        self._live = enabled and self.console.is_terminal
+        self._progress: Progress | None = None
+        if self._live:
+            self._progress = Progress(
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total, completed=start, info="")
+
+    def __enter__(self) -> StepProgress:
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        info = format_step(metrics)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=info)
+        elif self.enabled:
+            self.console.print(f"step {step}/{self.total}  {info}", highlight=False)
+
+
+def summary_table(history: list[dict[str, Any]], run_dir: Path, window: int = 5) -> Table:
+    """First and last ``window`` steps' means of the main metrics, and where the files are."""
+    table = Table(title=f"run summary: {run_dir}", show_header=True)
+    table.add_column("metric")
+    table.add_column(f"first {window} steps", justify="right")
+    table.add_column(f"last {window} steps", justify="right")
+    first, last = history[:window], history[-window:]
+    for key, label in (*SHOWN, ("eval/reward_mean", "eval reward")):
+        a, b = _mean(first, key), _mean(last, key)
+        if a is None and b is None:
+            continue
+        table.add_row(label, _fmt(a), _fmt(b))
+    steps = [r["step"] for r in history]
+    table.caption = (
+        f"steps {steps[0]}-{steps[-1]}; metrics: {run_dir / METRICS_FILE}; plot: ppo-driver plot {run_dir}"
+        if steps
+        else "no steps ran"
+    )
+    return table
+
+
+def _mean(records: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in records if isinstance(r.get(key), int | float)]
+    return statistics.fmean(values) if values else None
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

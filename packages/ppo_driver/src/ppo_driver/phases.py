@@ -1,0 +1,69 @@
+"""Phases of a step: the plan's sleeps and wakes, applied and recorded; the time of each phase."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ppo_driver.roles import Roles
+from ppo_lifecycle import OffloadPlan, Phase
+
+
+class PhaseTracker:
+    """Applies ``OffloadPlan.transitions`` between consecutive phases and records them per step."""
+
+    def __init__(self, plan: OffloadPlan, roles: Roles) -> None:
+        self.plan = plan
+        self.phase: Phase | None = None
+        self._do: dict[tuple[str, str], Callable[[], None]] = {
+            ("rollout", "sleep"): roles.rollout.offload,
+            ("rollout", "wake"): roles.rollout.onload,
+            ("actor", "sleep"): roles.actor.sleep,
+            ("actor", "wake"): roles.actor.wake_up,
+        }
+        if roles.critic is not None:
+            self._do[("critic", "sleep")] = roles.critic.sleep
+            self._do[("critic", "wake")] = roles.critic.wake_up
+        self.present = {role for role, _ in self._do}
+        self.done: list[str] = []
+
+    def enter(self, phase: Phase) -> None:
+        if self.phase is None:  # right after creation every role is resident
+            todo = self.plan.transitions_from(self.present, phase)
+        else:
+            todo = self.plan.transitions(self.phase, phase)
+        for t in todo:
+            self._do[(t.role, t.action)]()
+            self.done.append(f"{t.role}:{t.action}")
+        self.phase = phase
+
+    def start_step(self) -> None:
+        self.done = []
+
+    def step_metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"offload/transitions": list(self.done)}
+        for role in sorted(self.present):
+            for action in ("sleep", "wake"):
+                out[f"offload/{role}_{action}s"] = self.done.count(f"{role}:{action}")
+        return out
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out["time/step"] = time.perf_counter() - self.start
+        return out

@@ -1,0 +1,102 @@
+"""What the loop drives, and how the real parts are made.
+
+``ppo_trainer.TrainGroup`` and ``ppo_rollout.RolloutManager`` satisfy the protocols below; the loop
+uses nothing else of them. ``create_roles`` builds the real ones on fresh placement groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ppo_driver import build
+from ppo_driver.config import RunConfig
+
+
+class TrainResultLike(Protocol):
+    metrics: dict[str, float]
+    values: Any
+
+
+class TrainGroupLike(Protocol):
+    world_size: int
+
+    def train(self, step: int, batches: Sequence[Any], values: Sequence[Any] | None = None) -> Any: ...
+    def sleep(self) -> None: ...
+    def wake_up(self) -> None: ...
+    def connect_engines(self, engines: Sequence[Any]) -> None: ...
+    def update_weights(self, version: str) -> dict[str, float]: ...
+    def save(self, folder: Path) -> None: ...
+    def load(self, folder: Path) -> None: ...
+    def weights_checksum(self) -> str: ...
+    def pop_metrics(self) -> dict[str, float]: ...
+    def shutdown(self) -> None: ...
+
+
+class RolloutLike(Protocol):
+    def generate(self, step: int) -> Any: ...
+    def evaluate(self, step: int) -> dict[str, float]: ...
+    def endpoints(self) -> list[Any]: ...
+    def offload(self) -> None: ...
+    def onload(self) -> None: ...
+    def weights_checksums(self) -> list[str]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class Roles:
+    rollout: RolloutLike
+    actor: TrainGroupLike
+    critic: TrainGroupLike | None
+    close: Callable[[], None] = lambda: None  # releases what the factory made (placement groups)
+
+
+RoleFactory = Callable[[RunConfig, Path, float], Roles]
+
+
+def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles:
+    """Placement groups, then the rollout manager and engines, then the actor and critic groups."""
+    from ppo_placement import create_placement_groups, remove_placement_groups
+    from ppo_rollout import RolloutManager
+    from ppo_trainer import TrainGroup
+
+    placements = create_placement_groups(build.placement_spec(config), timeout_s=min(timeout_s, 120.0))
+    actor_config = build.actor_trainer_config(config, model_path)
+    made: list[Any] = []
+    try:
+        rollout = RolloutManager(
+            build.rollout_config(config, model_path),
+            placements.slots.get("rollout"),
+            dp_size=config.placement.actor_gpus,
+        )
+        made.append(rollout)
+        actor = TrainGroup("actor", placements.slots["actor"], actor_config, timeout_s=timeout_s)
+        made.append(actor)
+        critic = None
+        if config.use_critic:
+            critic = TrainGroup(
+                "critic",
+                placements.slots["critic"],
+                build.critic_trainer_config(actor_config, config),
+                timeout_s=timeout_s,
+            )
+    except BaseException:
+        for part in reversed(made):
+            part.shutdown()
+        remove_placement_groups(placements)
+        raise
+    return Roles(rollout, actor, critic, close=lambda: remove_placement_groups(placements))
+
+
+def shutdown_roles(roles: Roles) -> None:
+    parts: list[Any] = [roles.critic, roles.actor, roles.rollout]
+    try:
+        for part in parts:
+            if part is not None:
+                part.shutdown()
+    finally:
+        roles.close()

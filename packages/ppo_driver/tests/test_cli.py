@@ -1,0 +1,120 @@
+"""The ppo-driver CLI: help, parsing, validate, plot, and config errors before anything starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from ppo_driver.cli import build_parser, main, resolve
+from ppo_driver.metrics import MetricsLog
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_help_lists_every_command_and_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for word in ("train", "validate", "plot", "--set", "--ray-address", "examples:"):
+        assert word in out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for word in ("--config", "--set", "--ray-address", "--run-dir", "metrics.jsonl"):
+        assert word in out
+
+
+def test_console_script_is_installed() -> None:
+    exe = shutil.which("ppo-driver")
+    assert exe is not None
+    done = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0
+    assert "usage: ppo-driver" in done.stdout
+
+
+def test_train_flags_become_config_fields(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--set",
+            "train.steps=3",
+            "--set",
+            "train.seed=5",
+            "--ray-address",
+            "auto",
+            "--run-dir",
+            str(tmp_path / "123"),
+        ]
+    )
+    config = resolve(args)
+    assert (config.train.steps, config.train.seed) == (3, 5)
+    assert config.ray.address == "auto"
+    assert config.logging.run_dir == str(tmp_path / "123")  # a string, even when it looks like a number
+
+
+def test_validate_prints_resolved_config_and_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["validate", str(REPO / "configs" / "2gpu-disaggregate.yaml"), "--set", "train.steps=9"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "steps: 9" in out
+    assert "mode: disaggregate" in out
+    assert "bundles=2 (GPUs)" in out
+    assert "actor    bundles [0, 1)" in out
+    assert "rollout  bundles [1, 2)" in out
+    assert "critic   bundles [0, 1)" in out
+
+
+def test_validate_rejects_with_the_field_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  micro_batch_size: 5\n")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "train.micro_batch_size" in err
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = MetricsLog(tmp_path, tensorboard=False)
+    for step in range(1, 6):
+        log.log(
+            step,
+            {
+                "reward/mean": step / 5,
+                "actor/loss": 1 / step,
+                "time/step": 0.5,
+                "offload/transitions": ["actor:sleep"],
+            },
+        )
+    log.close()
+    assert main(["plot", str(tmp_path)]) == 0
+    png = tmp_path / "curves.png"
+    with Image.open(png) as image:
+        assert image.format == "PNG"
+        assert image.size[0] > 500
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_plot_of_a_folder_without_metrics_fails_clearly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plot", str(tmp_path)]) == 1
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_metrics_log_truncates_on_resume(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path, tensorboard=False)
+    for step in range(1, 5):
+        log.log(step, {"x": step})
+    log.close()
+    log = MetricsLog(tmp_path, tensorboard=False, start_step=2)
+    log.log(3, {"x": 30})
+    log.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["x"]) for r in lines] == [(1, 1), (2, 2), (3, 30)]

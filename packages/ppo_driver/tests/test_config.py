@@ -1,0 +1,203 @@
+"""Config loading, overrides and the cross-field rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from ppo_driver.config import (
+    ConfigError,
+    RunConfig,
+    SharedCriticResidentWarning,
+    apply_overrides,
+    dump_config,
+    load_config,
+    parse_override,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_default_is_valid_and_frozen() -> None:
+    config = load_config()
+    assert config.placement.critic == "shared"
+    assert config.algorithm.estimator == "ppo"
+    with pytest.raises(ValidationError):
+        config.train.steps = 3  # type: ignore[misc]
+
+
+def test_cpu_default_file_equals_embedded_default() -> None:
+    assert load_config(REPO / "configs" / "cpu-default.yaml") == load_config()
+
+
+@pytest.mark.parametrize("name", ["cpu-default", "2gpu-colocate", "2gpu-disaggregate", "sglang-hf-template"])
+def test_example_configs_validate(name: str) -> None:
+    config = load_config(REPO / "configs" / f"{name}.yaml")
+    if name.startswith("2gpu"):
+        assert config.placement.device == "cuda"
+        assert (
+            config.placement.actor_gpus
+            + (config.placement.rollout_gpus or 0) * (config.placement.mode == "disaggregate")
+            == 2
+        )
+
+
+def test_overrides_parse_yaml_scalars() -> None:
+    assert parse_override("train.actor_lr=1e-3") == (["train", "actor_lr"], 1e-3)
+    assert parse_override("offload.enabled=false") == (["offload", "enabled"], False)
+    assert parse_override("model.path=null") == (["model", "path"], None)
+    assert parse_override("rollout.sampling.stop_token_ids=[1, 2]") == (
+        ["rollout", "sampling", "stop_token_ids"],
+        [1, 2],
+    )
+    assert parse_override("a=x=y") == (["a"], "x=y")
+
+
+@pytest.mark.parametrize("bad", ["train.steps", "=3", "a..b=1", "x=[1,"])
+def test_bad_override_syntax(bad: str) -> None:
+    with pytest.raises(ConfigError, match="--set"):
+        parse_override(bad)
+
+
+def test_override_does_not_edit_its_input() -> None:
+    data = {"train": {"steps": 5}}
+    out = apply_overrides(data, ["train.steps=7", "train.seed=3"])
+    assert data == {"train": {"steps": 5}}
+    assert out == {"train": {"steps": 7, "seed": 3}}
+    with pytest.raises(ConfigError, match=r"train\.steps is a value"):
+        apply_overrides(out, ["train.steps.x=1"])
+
+
+def test_file_then_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 5\n  seed: 9\n")
+    config = load_config(path, ["train.steps=6"])
+    assert (config.train.steps, config.train.seed) == (6, 9)
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+def test_unknown_field_suggests_the_close_name() -> None:
+    with pytest.raises(ConfigError, match=r"unknown field 'train.stpes'; did you mean 'steps'"):
+        load_config(None, ["train.stpes=3"])
+
+
+def test_shared_critic_without_offload_needs_the_debug_flag() -> None:
+    with pytest.raises(ConfigError, match=r"offload\.allow_resident_shared_critic"):
+        load_config(None, ["offload.enabled=false"])
+    with pytest.warns(SharedCriticResidentWarning, match="debug only"):
+        config = load_config(None, ["offload.enabled=false", "offload.allow_resident_shared_critic=true"])
+    assert not config.offload.enabled
+
+
+def test_reward_kl_with_shared_critic_names_the_reason() -> None:
+    with pytest.raises(ConfigError, match="would need the actor's log-probs"):
+        load_config(None, ["algorithm.kl_coef=0.05"])
+    # KL as a loss term is fine with a shared critic, and reward KL with a dedicated one.
+    load_config(None, ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01"])
+    load_config(
+        None,
+        ["algorithm.kl_coef=0.05", "placement.critic=dedicated", "placement.mode=disaggregate"],
+    )
+
+
+def test_grpo_without_critic() -> None:
+    config = load_config(None, ["algorithm.estimator=grpo", "placement.critic=none"])
+    assert not config.use_critic
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["placement.critic=shared", "algorithm.estimator=grpo"], "algorithm.estimator"),
+        (["placement.critic=none"], "algorithm.estimator"),
+        (["train.micro_batch_size=3"], "train.micro_batch_size"),
+        (["placement.actor_gpus=3"], "placement.actor_gpus"),
+        (["train.global_batch_size=10"], "train.global_batch_size"),
+        (["algorithm.num_mini_batches=3"], "algorithm.num_mini_batches"),
+        (["train.num_critic_only_steps=60"], "train.num_critic_only_steps"),
+        (["placement.rollout_gpus=2"], "placement.rollout_gpus"),
+        (["rollout.engine=sglang"], "rollout.engine"),
+        (["offload.backend=pinned"], "offload.backend"),
+        (["placement.critic=dedicated"], "placement.critic"),
+        (["model.tiny.num_heads=3"], "model.tiny.num_heads"),
+        (["rollout.dataset=x.jsonl"], "rollout.task"),
+        (["rollout.task=nope"], "rollout.task"),
+        (["placement.critic_gpus=2"], "placement.critic_gpus"),
+    ],
+)
+def test_rules_name_the_field(overrides: list[str], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert field in str(info.value)
+
+
+def test_dump_round_trips(tmp_path: Path) -> None:
+    config = load_config(None, ["train.steps=7", "rollout.sampling.stop_token_ids=[3]"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config
+
+
+def test_critic_config_is_a_copy_with_kl_zero() -> None:
+    from ppo_driver import build
+
+    config = load_config(
+        None, ["algorithm.kl_coef=0.1", "placement.critic=dedicated", "placement.mode=disaggregate"]
+    )
+    actor = build.actor_trainer_config(config, "/m")
+    critic = build.critic_trainer_config(actor, config)
+    assert (actor.role, actor.algorithm.kl_coef) == ("actor", 0.1)
+    assert (critic.role, critic.algorithm.kl_coef, critic.lr) == ("critic", 0.0, config.train.critic_lr)
+    assert dataclasses.replace(critic.algorithm, kl_coef=0.1) == actor.algorithm
+    assert config.algorithm.kl_coef == 0.1  # the user's config is untouched
+
+
+def test_translations_build() -> None:
+    from ppo_driver import build
+
+    config = load_config(None, ["placement.mode=disaggregate", "placement.rollout_gpus=2"])
+    spec = build.placement_spec(config)
+    assert (spec.actor_gpus, spec.rollout_gpus, spec.colocate, spec.use_gpus) == (1, 2, False, False)
+    rollout = build.rollout_config(config, "/m")
+    assert (rollout.num_engines, rollout.gpus_per_engine, rollout.task) == (2, 0, "copy_small")
+    assert rollout.sampling.n_samples_per_prompt == config.rollout.sampling.n_samples_per_prompt
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    prompts=st.integers(1, 16),
+    samples=st.integers(1, 8),
+    dp=st.integers(1, 4),
+    micro=st.integers(1, 8),
+)
+def test_batch_divisibility_is_exactly_the_rule(prompts: int, samples: int, dp: int, micro: int) -> None:
+    overrides = [
+        f"rollout.prompts_per_step={prompts}",
+        f"rollout.sampling.n_samples_per_prompt={samples}",
+        f"placement.actor_gpus={dp}",
+        f"train.micro_batch_size={micro}",
+        "algorithm.num_mini_batches=1",
+    ]
+    total = prompts * samples
+    ok = prompts % dp == 0 and (total // dp) % micro == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if ok:
+            assert isinstance(load_config(None, overrides), RunConfig)
+        else:
+            fields = r"placement\.actor_gpus|train\.micro_batch_size|rollout\.prompts_per_step"
+            with pytest.raises(ConfigError, match=fields):
+                load_config(None, overrides)

@@ -1,0 +1,83 @@
+"""Invalid configs: each is rejected by `ppo-driver train` before anything starts, naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+from conftest import run_cli
+
+from ppo_driver.cli import main
+
+# (case id, YAML file content or None, --set overrides, text the error must contain)
+BAD: list[tuple[str, str | None, list[str], str]] = [
+    ("critic needs ppo", None, ["algorithm.estimator=grpo"], "algorithm.estimator"),
+    ("ppo needs a critic", None, ["placement.critic=none"], "algorithm.estimator='ppo' needs a critic"),
+    ("shared critic needs offload", None, ["offload.enabled=false"], "offload.allow_resident_shared_critic"),
+    ("reward KL with shared critic", None, ["algorithm.kl_coef=0.1"], "would need the actor's log-probs"),
+    ("micro-batch divides per-rank batch", None, ["train.micro_batch_size=7"], "train.micro_batch_size"),
+    ("batch divisible by dp", None, ["placement.actor_gpus=3"], "placement.actor_gpus"),
+    ("global batch matches rollout", None, ["train.global_batch_size=12"], "train.global_batch_size"),
+    ("unknown field", None, ["train.learning_rate=0.1"], "unknown field 'train.learning_rate'"),
+    ("wrong type", None, ["train.steps=many"], "train.steps"),
+    ("out of range", None, ["algorithm.gamma=1.5"], "algorithm.gamma"),
+    ("unknown enum", None, ["placement.mode=spread"], "placement.mode"),
+    ("sglang on cpu", None, ["rollout.engine=sglang"], "rollout.engine"),
+    ("cuda backend on cpu", None, ["offload.backend=torch_memory_saver"], "offload.backend"),
+    ("task and dataset", "rollout:\n  task: copy\n  dataset: p.jsonl\n", [], "rollout.task"),
+    ("unknown section in file", "trainer:\n  steps: 3\n", [], "unknown field 'trainer'"),
+    (
+        "warm-up longer than run",
+        None,
+        ["train.steps=3", "train.num_critic_only_steps=3"],
+        "train.num_critic_only_steps",
+    ),
+    ("colocate with other rollout size", None, ["placement.rollout_gpus=2"], "placement.rollout_gpus"),
+    ("unknown task", None, ["rollout.task=sudoku"], "rollout.task"),
+    ("bad --set syntax", None, ["train.steps"], "--set 'train.steps'"),
+]
+
+
+def _args(tmp_path: Path, text: str | None, overrides: list[str]) -> list[str]:
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    if text is not None:
+        (tmp_path / "config.yaml").write_text(text)
+        args += ["--config", str(tmp_path / "config.yaml")]
+    for item in overrides:
+        args += ["--set", item]
+    return args
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("case", "text", "overrides", "expected"), BAD, ids=[b[0] for b in BAD])
+def test_bad_config_is_rejected_before_start(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    text: str | None,
+    overrides: list[str],
+    expected: str,
+) -> None:
+    code = main(_args(tmp_path, text, overrides))
+    out, err = capsys.readouterr()
+    assert code == 2, (case, out, err)
+    assert expected in err, (case, err)
+    # Nothing started: no run folder, no Ray session.
+    assert not (tmp_path / "run").exists()
+    assert not ray.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_console_script_rejects_with_exit_2(tmp_path: Path) -> None:
+    """The same path through the installed command, as a user meets it."""
+    case, text, overrides, expected = BAD[3]
+    done = run_cli(*_args(tmp_path, text, overrides), cwd=tmp_path, timeout=100)
+    assert done.returncode == 2, (case, done.stdout, done.stderr)
+    assert expected in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_table_is_large_enough() -> None:
+    assert len(BAD) >= 10

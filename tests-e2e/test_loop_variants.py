@@ -1,0 +1,74 @@
+"""The loop's other shapes, in one local Ray instance: GRPO without a critic (disaggregated, two
+engines, evaluation every step) and critic-only warm-up steps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+from rich.console import Console
+
+from ppo_driver.config import load_config
+from ppo_driver.loop import train
+
+QUIET = ["logging.progress=false", "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    ray.init(num_cpus=4, num_gpus=0, object_store_memory=256 * 1024**2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_grpo_without_critic_disaggregated(local_ray: None, tmp_path: Path) -> None:
+    config = load_config(
+        None,
+        [
+            *QUIET,
+            "algorithm.estimator=grpo",
+            "placement.critic=none",
+            "placement.mode=disaggregate",
+            "placement.rollout_gpus=2",
+            "train.steps=3",
+            "rollout.eval_interval=1",
+            "rollout.eval_prompts=4",
+        ],
+    )
+    result = train(config, tmp_path / "run", console=Console(quiet=True))
+    assert [r["step"] for r in result.history] == [1, 2, 3]
+    for record in result.history:
+        assert not any(key.startswith(("critic/", "handoff/")) for key in record)
+        assert "actor/loss" in record
+        assert "eval/reward_mean" in record
+        # Engines on their own bundles stay resident; the actor sleeps between its phases.
+        assert record["offload/transitions"] == ["actor:wake", "actor:sleep"]
+        assert record["offload/rollout_sleeps"] == 0
+    assert len(result.engine_checksums) == 2
+    assert result.weights_match
+
+
+@pytest.mark.timeout(300)
+def test_critic_only_warmup_steps(local_ray: None, tmp_path: Path) -> None:
+    config = load_config(None, [*QUIET, "train.steps=3", "train.num_critic_only_steps=2"])
+    result = train(config, tmp_path / "run", console=Console(quiet=True))
+    assert [r["actor_trained"] for r in result.history] == [0, 0, 1]
+    for record in result.history[:2]:
+        assert "critic/loss" in record
+        assert "actor/loss" not in record
+        assert "weight_sync/updates" not in record
+        # The actor never wakes in a warm-up step: engines out, critic in and out, engines back.
+        assert record["offload/transitions"] == [
+            "rollout:sleep",
+            "critic:wake",
+            "critic:sleep",
+            "rollout:wake",
+        ]
+    last = result.history[2]
+    assert "actor/loss" in last
+    assert last["handoff/values_used"] == 1
+    assert last["weight_sync/updates"] >= 1
+    assert result.weights_match
