@@ -24,17 +24,20 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import math
 import os
 import selectors
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
 import torch
 
 from ppo_weight_sync import HttpEngineEndpoint, WeightSender
+from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.endpoints import RECEIVER_LOAD_FORMATS
 from ppo_weight_sync.testing import TensorEngine, llama_like_spec
 from ppo_weight_sync.testing.http_engine import EngineHTTPServer
@@ -68,9 +71,9 @@ def spec_for(target_gb: float) -> dict[str, tuple[str, list[int]]]:
 # ------------------------------------------------------------------------------ engine process
 
 
-def engine_main(device: str) -> None:
+def engine_main(device: str, timeout_s: float) -> None:
     torch.set_num_threads(2)
-    engine = TensorEngine({}, seed=None, device=device, timeout_s=300)
+    engine = TensorEngine({}, seed=None, device=device, timeout_s=timeout_s)
     raw_buffers: dict[int, torch.Tensor] = {}
 
     def set_spec(body: dict[str, Any]) -> dict[str, Any]:
@@ -86,12 +89,12 @@ def engine_main(device: str) -> None:
         buf = raw_buffers.get(nbytes)
         if buf is None:
             buf = raw_buffers.setdefault(nbytes, torch.empty(nbytes, dtype=torch.uint8, device=engine.device))
-        with torch.cuda.device(engine.device) if engine.device.type == "cuda" else contextlib.nullcontext():
+        with on_device(engine.device):
             works = [group.broadcast(buf[o : o + chunk]) for o in range(0, nbytes, chunk)]
             for w in works:
                 w.wait()
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
+            # Bounded, unlike torch.cuda.synchronize(): a broadcast that never completes fails the call.
+            wait_stream(engine.device, timeout_s, "raw receive")
         return {"success": True, "message": "received"}
 
     server = EngineHTTPServer(engine, "127.0.0.1", 0, {"/bench_set_spec": set_spec, "/bench_raw": raw})
@@ -99,8 +102,9 @@ def engine_main(device: str) -> None:
     server.serve_forever()
 
 
-def start_engine(device: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+def start_engine(device: str, env: dict[str, str], timeout_s: float) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "engine", "--device", device]
+    cmd += ["--timeout-s", str(timeout_s)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
@@ -112,39 +116,98 @@ def start_engine(device: str, env: dict[str, str]) -> tuple[subprocess.Popen[str
         if sel.select(timeout=0.2):
             line = proc.stdout.readline()
             if line.startswith("READY "):
+                forward_output(proc)
                 return proc, line.split()[1]
+            if line:
+                say(f"[engine] {line.rstrip()}")
     proc.kill()
     raise TimeoutError("engine process did not start within 120 s")
+
+
+def forward_output(proc: subprocess.Popen[str]) -> None:
+    """Keep draining the engine's stdout: an unread pipe blocks the engine once 64 KiB are written."""
+    stream = proc.stdout
+    assert stream is not None
+
+    def pump() -> None:
+        with contextlib.suppress(ValueError, OSError):
+            for line in stream:
+                say(f"[engine] {line.rstrip()}")
+
+    threading.Thread(target=pump, daemon=True).start()
+
+
+T0 = time.monotonic()
+
+
+def say(message: str) -> None:
+    """Progress on stdout, flushed at once, so a slow or stuck step is visible while it runs."""
+    print(f"[{time.monotonic() - T0:7.1f} s] {message}", flush=True)
+
+
+# A pool of random values, copied into every weight: random bytes without generating 16 GB of them
+# (randn on the CPU for 16 GB takes minutes; this is one 256 MiB draw on the benchmark's device).
+POOL_ELEMENTS = 128 << 20
+
+
+def random_weights(
+    spec: dict[str, tuple[str, list[int]]], device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
+    total = sum(math.prod(shape) for _, shape in spec.values())
+    gen = torch.Generator(device=device).manual_seed(0)
+    pool = torch.randn(min(total, POOL_ELEMENTS), generator=gen, device=device).to(torch.bfloat16)
+    out: list[tuple[str, torch.Tensor]] = []
+    offset = 0
+    for name, (_, shape) in spec.items():
+        t = torch.empty(tuple(shape), dtype=torch.bfloat16, device=device)
+        flat, filled = t.view(-1), 0
+        while filled < flat.numel():
+            start = offset % pool.numel()
+            n = min(flat.numel() - filled, pool.numel() - start)
+            flat[filled : filled + n].copy_(pool[start : start + n])
+            filled += n
+            offset += n
+        out.append((name, t))
+    del pool
+    sync(device)
+    return out
 
 
 # ------------------------------------------------------------------------------ trainer process
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def sync(device: torch.device, timeout_s: float = 120.0) -> None:
+    # Bounded, unlike torch.cuda.synchronize(): a stuck kernel ends the run with a message.
+    wait_stream(device, timeout_s, "benchmark: finishing queued work")
 
 
 def bench_size(
-    ep: HttpEngineEndpoint, backend: str, device: torch.device, gb: float, bucket_bytes: int, reps: int
+    ep: HttpEngineEndpoint,
+    backend: str,
+    device: torch.device,
+    gb: float,
+    bucket_bytes: int,
+    reps: int,
+    timeout_s: float,
 ) -> list[dict[str, Any]]:
     spec = spec_for(gb)
+    say(f"{gb:g} GB: engine allocates {len(spec)} tensors")
     ep.request("POST", "/bench_set_spec", {"spec": spec})
-    gen = torch.Generator(device=device).manual_seed(0)
-    weights = [
-        (
-            name,
-            torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16),
-        )
-        for name, (_, shape) in spec.items()
-    ]
+    say(f"{gb:g} GB: generating the trainer's weights on {device}")
+    weights = random_weights(spec, device)
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    say(f"{gb:g} GB: {nbytes / GB:.2f} GB in {len(weights)} tensors ready")
     rows: list[dict[str, Any]] = []
     raw_sender: WeightSender | None = None
     for mode in ("stream", "flattened_bucket", "per_tensor"):
-        sender = WeightSender(backend=backend, bucket_bytes=bucket_bytes, load_format=mode, timeout_s=300)
+        sender = WeightSender(
+            backend=backend, bucket_bytes=bucket_bytes, load_format=mode, timeout_s=timeout_s
+        )
         sender.connect([ep])
+        say(f"{gb:g} GB {mode}: connected; warm-up update")
+        t0 = time.perf_counter()
         sender.update(weights, "warmup")
+        say(f"{gb:g} GB {mode}: warm-up took {time.perf_counter() - t0:.2f} s")
         sender.pop_metrics()
         walls = []
         for r in range(reps):
@@ -152,6 +215,7 @@ def bench_size(
             t0 = time.perf_counter()
             sender.update(weights, f"v{r}")
             walls.append(time.perf_counter() - t0)
+            say(f"{gb:g} GB {mode}: rep {r}: {walls[-1]:.3f} s = {nbytes / walls[-1] / GB:.1f} GB/s")
         m = sender.pop_metrics()
         rows.append(
             {
@@ -171,6 +235,7 @@ def bench_size(
     assert raw_sender.group is not None
     group = raw_sender.group
     del weights
+    say(f"{gb:g} GB raw: {reps + 1} broadcasts of the whole buffer")
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     times = []
@@ -183,11 +248,12 @@ def bench_size(
             "/bench_raw",
             {"group_name": raw_sender.active_group_name, "bytes": nbytes, "chunk": bucket_bytes},
         )
-        works = [group.broadcast(buf[o : o + bucket_bytes]) for o in range(0, nbytes, bucket_bytes)]
-        for w in works:
-            w.wait()
-        sync(device)
-        reply = fut.result(timeout=300)
+        with on_device(device):
+            works = [group.broadcast(buf[o : o + bucket_bytes]) for o in range(0, nbytes, bucket_bytes)]
+            for w in works:
+                w.wait()
+            wait_stream(device, timeout_s, "raw send")
+        reply = fut.result(timeout=timeout_s)
         if r:
             times.append(time.perf_counter() - t0)
         assert reply["success"], reply
@@ -223,7 +289,8 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
         print(
             f"| {r['size_gb']:.2f} | {r['tensors']} | {r['mode']} | {r['update_gbps']:.2f} | "
             f"{r['transfer_gbps']:.2f} | {r['vs_raw_update']:.0%} | {r['vs_raw_transfer']:.0%} | "
-            f"{r['buckets']:.0f} |"
+            f"{r['buckets']:.0f} |",
+            flush=True,
         )
 
 
@@ -238,9 +305,10 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", default="", help="also write the rows to this file")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="bound on every wait (both sides)")
     args = parser.parse_args()
     if args.role == "engine":
-        engine_main(args.device)
+        engine_main(args.device, args.timeout_s)
         return
     torch.set_num_threads(2)
     gpu = args.backend == "nccl"
@@ -250,16 +318,16 @@ def main() -> None:
             raise SystemExit("the NCCL benchmark needs 2 GPUs (trainer on GPU 0, engine on GPU 1)")
         torch.cuda.set_device(0)
         # The engine sees both GPUs and uses the second, so NCCL can pick its peer-to-peer path.
-        proc, url = start_engine("cuda:1", {})
+        proc, url = start_engine("cuda:1", {}, args.timeout_s)
         device = torch.device("cuda", 0)
     else:
-        proc, url = start_engine("cpu", {})
+        proc, url = start_engine("cpu", {}, args.timeout_s)
         device = torch.device("cpu")
     ep = HttpEngineEndpoint(url, name="engine", timeout_s=600, load_formats=RECEIVER_LOAD_FORMATS)
     rows: list[dict[str, Any]] = []
     try:
         for gb in sizes:
-            rows += bench_size(ep, args.backend, device, gb, args.bucket_mb << 20, args.reps)
+            rows += bench_size(ep, args.backend, device, gb, args.bucket_mb << 20, args.reps, args.timeout_s)
             print_table(
                 [r for r in rows if abs(r["size_gb"] - rows[-1]["size_gb"]) < 1e-9], f"{gb} GB target"
             )

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # GPU tests and the GPU benchmark of ppo-weight-sync, in one go (2 GPUs: trainer GPU 0, engine GPU 1).
 # Run from the repository root or anywhere: bash packages/weight_sync/benchmarks/gpu.sh
+# Bounded: tests at most 110 s (a test stuck for 60 s prints every thread's stack), benchmark at most
+# 110 s (progress lines per size and mode as it goes); about 4 minutes at worst, much less when healthy.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
+# NCCL's warnings (from both processes: the engine's output is forwarded with an "[engine" prefix).
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PKG="$(dirname "$HERE")"
 ROOT="$(cd "$PKG/../.." && pwd)"
@@ -14,10 +18,10 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader || true
 
 echo "== GPU tests (NCCL) =="
 TIMEOUT_ARGS=()
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARGS=(--timeout=120); fi
-(cd "$PKG" && timeout 150 "$PY" -m pytest tests/test_gpu.py -q -p no:cacheprovider -o addopts="" \
-    ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -rA) || echo "GPU TESTS FAILED (exit $?)"
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARGS=(--timeout=90); fi
+(cd "$PKG" && timeout -k 5 110 "$PY" -m pytest tests/test_gpu.py -v -s -x -p no:cacheprovider -o addopts="" \
+    -o faulthandler_timeout=60 ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -rA) || echo "GPU TESTS FAILED (exit $?)"
 
 echo "== GPU benchmark: 1, 4, 16 GB bf16, 512 MiB buckets, trainer GPU 0 -> engine GPU 1 =="
-timeout 170 "$PY" "$HERE/bench_update.py" --backend nccl --sizes-gb 1 4 16 --bucket-mb 512 --reps 3 \
-    || echo "GPU BENCHMARK FAILED (exit $?)"
+timeout -k 5 110 "$PY" "$HERE/bench_update.py" --backend nccl --sizes-gb 1 4 16 --bucket-mb 512 --reps 3 \
+    --timeout-s 40 || echo "GPU BENCHMARK FAILED (exit $?)"

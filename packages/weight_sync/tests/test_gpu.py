@@ -14,7 +14,7 @@ from ppo_weight_sync.endpoints import RECEIVER_LOAD_FORMATS
 from ppo_weight_sync.testing import llama_like_spec, make_weights
 from ppo_weight_sync.testing.http_engine import start_process
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(90)]
 
 SPEC = llama_like_spec(layers=4, hidden=256, intermediate=512, vocab=1024, dtype="bfloat16")
 
@@ -33,12 +33,16 @@ def engine() -> Iterator[tuple[HttpEngineEndpoint, object]]:
 @pytest.mark.parametrize("load_format", ["auto", "flattened_bucket", "per_tensor"])
 def test_nccl_updates_are_bit_identical(engine: tuple[HttpEngineEndpoint, object], load_format: str) -> None:
     ep, _ = engine
-    sender = WeightSender(backend="nccl", bucket_bytes=256 << 10, load_format=load_format, timeout_s=60)
+    sender = WeightSender(backend="nccl", bucket_bytes=256 << 10, load_format=load_format, timeout_s=30)
     sender.connect([ep])
     for step in range(3):
         sent = {n: t.cuda() for n, t in make_weights(SPEC, seed=100 + step).items()}
+        t0 = time.monotonic()
         sender.update(sent.items(), f"v{step}")
+        t1 = time.monotonic()
         state = ep.request("GET", "/state")
+        # Progress under `pytest -s`: where the time goes if a step is slow.
+        print(f"[{load_format}] step {step}: update {t1 - t0:.2f} s, /state {time.monotonic() - t1:.2f} s")
         assert state["checksum"] == checksum(sent.items())
         assert state["weight_version"] == f"v{step}"
     sender.disconnect()

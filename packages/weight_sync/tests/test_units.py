@@ -16,6 +16,8 @@ from ppo_weight_sync import (
     WeightSender,
 )
 from ppo_weight_sync.group import free_port
+from ppo_weight_sync.testing import TensorEngine
+from ppo_weight_sync.testing.http_engine import serve
 
 BLOCK_RAY = """
 import sys
@@ -73,14 +75,19 @@ def test_thread_lock_times_out_naming_itself_and_releases() -> None:
 @pytest.mark.timeout(60)
 def test_unreachable_http_engine_fails_connect_fast_naming_it() -> None:
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
-    sender = WeightSender(timeout_s=30)
+    sender = WeightSender(timeout_s=8)
     start = time.monotonic()
     with pytest.raises(EngineUnavailableError, match="unreachable") as info:
         sender.connect([HttpEngineEndpoint(url, name="nowhere")])
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 6  # well before the timeout: the refused call, not the deadline
     assert info.value.engine == "nowhere"
     assert not sender.is_connected
     sender.disconnect()
+    # The sender's own join waits out its rendezvous (timeout_s) on a daemon thread; let it end here, so
+    # it never returns into an interpreter that is shutting down.
+    for thread in threading.enumerate():
+        if thread.name.startswith("join-"):
+            thread.join(30)
 
 
 @pytest.mark.parametrize(
@@ -125,3 +132,33 @@ def test_update_checks_its_input() -> None:
         sender.update([("a", torch.zeros(1)), ("a", torch.zeros(1))], "v")
     with pytest.raises(ValueError, match="empty"):
         sender.update([], "v")
+
+
+class _BrokenStateEngine(TensorEngine):
+    def checksum(self) -> str:
+        raise TimeoutError("checksum: GPU work did not finish within 1 s")
+
+
+@pytest.mark.timeout(60)
+def test_http_engine_answers_an_error_instead_of_dropping_the_request() -> None:
+    # A route whose engine call raises answers 500 with the error, so the caller sees why (no bare reset).
+    server = serve(_BrokenStateEngine({"w": ("float32", [2])}, seed=0))
+    try:
+        ep = HttpEngineEndpoint(server.url, name="broken", timeout_s=30)
+        with pytest.raises(EngineUnavailableError, match=r"HTTP 500.*TimeoutError: checksum: GPU work"):
+            ep.request("GET", "/state")
+        assert ep.request("GET", "/get_weight_version") == {"weight_version": None}  # still serving
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_host_waits_for_device_work_return_at_once_on_cpu() -> None:
+    import torch
+
+    from ppo_weight_sync.device_sync import on_device, wait_stream
+
+    start = time.monotonic()
+    with on_device(torch.device("cpu")):
+        wait_stream(torch.device("cpu"), 0.001, "nothing")
+    assert time.monotonic() - start < 1.0

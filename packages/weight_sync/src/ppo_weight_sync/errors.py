@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineRejectedError", "EngineTimeoutError", "EngineUnavailableError", "WeightSyncError"]
+__all__ = [
+    "RECEIVE_FAILED",
+    "EngineRejectedError",
+    "EngineTimeoutError",
+    "EngineUnavailableError",
+    "WeightSyncError",
+]
+
+# How a WeightReceiver's failure reply starts when the data did not arrive (a peer died, a broadcast
+# timed out): unlike a rejection, its side of the group is gone, so the sender must disconnect too.
+RECEIVE_FAILED = "Failed to receive weights over"
 
 
 class WeightSyncError(RuntimeError):

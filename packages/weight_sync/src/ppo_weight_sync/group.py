@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import socket
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -84,6 +85,7 @@ class WeightGroup:
         # Ranks in this group are their own global ranks for torch's bookkeeping (as SGLang does).
         c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
         self._pg: Any = pg
+        self._closing: Any = None  # the group being destroyed (abort_stuck() reaches it)
         if backend == "gloo":
             # gloo connects lazily on the first collective; a tiny one now makes join failures show up
             # in connect rather than in the first update.
@@ -108,6 +110,7 @@ class WeightGroup:
         pg, self._pg = self._pg, None
         if pg is None:
             return
+        self._closing = pg
         if abort and self.backend == "nccl":
             aborter = getattr(c10d, "_abort_process_group", None)
             if aborter is not None:
@@ -117,3 +120,32 @@ class WeightGroup:
         with contextlib.suppress(ValueError, RuntimeError):
             dist.destroy_process_group(pg)
         self._store = None
+
+    def abort_stuck(self) -> None:
+        """Abort the NCCL communicators of a graceful ``destroy()`` that does not return (it runs
+        ncclCommFinalize/ncclCommDestroy, which wait for every rank of the node to destroy its side too,
+        so a peer that is gone or never destroys leaves it blocked). Best effort; no-op for gloo."""
+        pg = self._closing if self._closing is not None else self._pg
+        if pg is None or self.backend != "nccl":
+            return
+        aborter = getattr(c10d, "_abort_process_group", None)
+        if aborter is not None:
+            with contextlib.suppress(Exception):
+                aborter(pg)
+
+    def destroy_within(self, timeout_s: float) -> bool:
+        """``destroy()`` on a side thread, bounded: aborts the communicators if it has not returned after
+        ``timeout_s`` (a peer that never destroys its side). True when it finished without the abort."""
+
+        def run() -> None:
+            with contextlib.suppress(Exception):
+                self.destroy()
+
+        worker = threading.Thread(target=run, name=f"destroy-{self.group_name}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if not worker.is_alive():
+            return True
+        self.abort_stuck()
+        worker.join(min(timeout_s, 10.0))
+        return False

@@ -26,6 +26,8 @@ from ppo_weight_sync.buckets import (
     plan_buckets,
     unpack,
 )
+from ppo_weight_sync.device_sync import on_device, wait_stream
+from ppo_weight_sync.errors import RECEIVE_FAILED
 from ppo_weight_sync.group import WeightGroup
 
 __all__ = ["WeightReceiver"]
@@ -94,18 +96,19 @@ class WeightReceiver:
         # The rendezvous runs outside the lock: a join that waits for a peer that never comes (bounded by
         # the timeout) must not hold up joining a new group meanwhile.
         try:
-            if stale is not None:
-                # A sender that failed and reconnects under the same name: our old side is dead too.
-                stale.destroy(abort=True)
-            group = WeightGroup(
-                master_address=master_address,
-                master_port=master_port,
-                rank=rank,
-                world_size=world_size,
-                group_name=group_name,
-                backend=backend,
-                timeout_s=self.timeout_s,
-            )
+            with self._on_device():
+                if stale is not None:
+                    # A sender that failed and reconnects under the same name: our old side is dead too.
+                    stale.destroy(abort=True)
+                group = WeightGroup(
+                    master_address=master_address,
+                    master_port=master_port,
+                    rank=rank,
+                    world_size=world_size,
+                    group_name=group_name,
+                    backend=backend,
+                    timeout_s=self.timeout_s,
+                )
         except Exception as exc:
             log.warning("init_weights_update_group %s failed: %s", group_name, exc)
             return _reply(False, f"Failed to init group {group_name!r} as rank {rank}: {exc}")
@@ -127,7 +130,11 @@ class WeightReceiver:
         if busy:
             # Its update is waiting on a sender that gave up; that update destroys the group when it ends.
             return _reply(True, f"Group {group_name!r} will be destroyed when its update ends.")
-        group.destroy()
+        # Bounded: with NCCL the destroy waits for the sender to destroy its side too.
+        if not group.destroy_within(self.timeout_s):
+            return _reply(
+                True, f"Destroyed group {group_name!r} (aborted: the peers did not destroy theirs)."
+            )
         return _reply(True, f"Destroyed group {group_name!r}.")
 
     def get_weight_version(self) -> str | None:
@@ -160,7 +167,7 @@ class WeightReceiver:
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         # Engines call in from server or actor threads, whose current CUDA device is not set: make ours
         # current so streams, syncs and the engine's loader all act on the right GPU.
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        return on_device(self.device)
 
     def update_weights_from_distributed(
         self,
@@ -198,13 +205,22 @@ class WeightReceiver:
                         self._receive_per_tensor(group, metas, load=problem is None)
                     else:
                         self._receive_flat(group_name, group, buckets, load=problem is None)
+                    # On the GPU everything above was only queued: the broadcasts, then the loads on this
+                    # stream. The reply must mean "loaded", so the host waits (bounded) for the stream;
+                    # a broadcast that never completes fails this update (and aborts the group) instead
+                    # of leaving the engine's next read of its weights blocked forever.
+                    wait_stream(
+                        self.device,
+                        group.timeout.total_seconds(),
+                        f"receiving weights over group {group_name!r}",
+                    )
             except Exception as exc:
                 # The group is out of step with the sender now (a peer died or timed out): drop it.
                 with self._lock:
                     if self._groups.get(group_name) is group:
                         del self._groups[group_name]
                 group.destroy(abort=True)
-                return _reply(False, f"Failed to receive weights over {group_name!r}: {exc}")
+                return _reply(False, f"{RECEIVE_FAILED} {group_name!r}: {exc}")
             if problem is not None:
                 return _reply(False, f"Rejected update, nothing loaded: {problem}")
             if weight_version is not None:

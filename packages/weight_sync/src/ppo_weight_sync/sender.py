@@ -27,8 +27,10 @@ from ppo_weight_sync.buckets import (
     plan_buckets,
     stream_format,
 )
+from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.endpoints import EngineEndpoint, Pending
 from ppo_weight_sync.errors import (
+    RECEIVE_FAILED,
     EngineRejectedError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -300,12 +302,24 @@ class WeightSender:
                 calls.append((engine, engine.destroy_weights_update_group(group_name=name)))
             except WeightSyncError as exc:
                 errors.append(str(exc))
+        # Our side is destroyed while the engines destroy theirs, not after their answers: with NCCL the
+        # destroy (ncclCommFinalize + ncclCommDestroy) waits for every rank of the node to destroy too,
+        # so waiting for the engines' replies first would leave each side waiting for the other.
+        destroyer = threading.Thread(target=_quietly(group.destroy), name=f"destroy-{name}", daemon=True)
+        destroyer.start()
         for engine, call in calls:
             try:
                 _check_reply(engine, "destroy_weights_update_group", call.result(self.timeout_s))
             except WeightSyncError as exc:
                 errors.append(str(exc))
-        group.destroy()
+        # An engine that failed to destroy its side may never do so: give ours a short grace, then abort.
+        destroyer.join(min(self.timeout_s, 10.0) if errors else self.timeout_s)
+        if destroyer.is_alive():
+            group.abort_stuck()
+            destroyer.join(min(self.timeout_s, 10.0))
+            errors.append(
+                f"destroying this sender's group {name!r} did not finish; its communicators were aborted"
+            )
         if errors:
             self._stale = [(e, name) for e in engines]
             log.warning("disconnect: %s", "; ".join(errors))
@@ -357,7 +371,8 @@ class WeightSender:
             paused = True
             self._all(engines, "flush_cache", lambda e: e.flush_cache())
             start = time.perf_counter()
-            nbytes, buckets = self._send(engines, items, version)
+            with on_device(self.device):
+                nbytes, buckets = self._send(engines, items, version)
             seconds = time.perf_counter() - start
             self._metrics["bytes"] += nbytes
             self._metrics["seconds"] += seconds
@@ -428,6 +443,7 @@ class WeightSender:
             for k in range(len(plan)):
                 sender.send(k)
             sender.drain()
+            sender.settle()
             self._replies(calls)
             return sum(sizes), len(plan)
 
@@ -458,6 +474,8 @@ class WeightSender:
             if flat:
                 sender.send(k)  # packs bucket k+1 while bucket k is on the wire
                 sender.drain()
+                if last:
+                    sender.settle()
             else:
                 works = [group.broadcast(t) for t in per_tensor]
                 # Prepare the next bucket's tensors (device copies) while this one is on the wire.
@@ -466,6 +484,9 @@ class WeightSender:
                 )
                 for work in works:
                     sender.wait(work)
+                if last:
+                    sender.settle()
+                del works  # the tensors they sent are complete (waited above) and may be freed
                 per_tensor = nxt
             self._replies(calls)
         return sum(sizes), len(plan)
@@ -503,7 +524,9 @@ class _FlatSender:
         self.sizes = sizes
         multi = [s for (a, b), s in zip(plan, sizes, strict=True) if b - a > 1]
         self.buffers = owner._staging_buffers(max(multi, default=0))
-        self.in_flight: list[tuple[Any, int | None]] = []  # (work, staging slot or None)
+        # (work, staging slot or None, the buffer it sends): the buffer stays referenced here until its
+        # broadcast completed, so a one-tensor bucket's device copy is never freed while NCCL reads it.
+        self.in_flight: list[tuple[Any, int | None, torch.Tensor]] = []
         self.slot_work: list[Any] = [None, None]
         self.packed: dict[int, tuple[torch.Tensor, int | None]] = {}
 
@@ -528,7 +551,7 @@ class _FlatSender:
     def send(self, k: int) -> None:
         buf, slot = self.packed.pop(k) if k in self.packed else self._pack(k)
         work = self.group.broadcast(buf)
-        self.in_flight.append((work, slot))
+        self.in_flight.append((work, slot, buf))
         if slot is not None:
             self.slot_work[slot] = work
         if k + 1 < len(self.plan):
@@ -536,10 +559,24 @@ class _FlatSender:
 
     def drain(self) -> None:
         while self.in_flight:
-            work, slot = self.in_flight.pop(0)
+            work, slot, _buf = self.in_flight[0]
             self.wait(work)
+            self.in_flight.pop(0)
             if slot is not None and self.slot_work[slot] is work:
                 self.slot_work[slot] = None
+
+    def settle(self) -> None:
+        """After the last bucket: the host waits (bounded) until this device's stream has finished too,
+        so nothing queued for the update (packing copies, stream waits) is still pending when it returns
+        and the caller may free or overwrite the tensors it sent."""
+        if not self.cuda:
+            return
+        try:
+            wait_stream(self.device, self.owner.timeout_s, "sending weights", check=self._check_calls)
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            self._blame(exc)
 
     def wait(self, work: Any) -> None:
         """Wait for one broadcast; bounded by the timeout; an engine call that fails meanwhile ends it."""
@@ -554,6 +591,9 @@ class _FlatSender:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"broadcast not complete within {timeout_s:g} s")
                 time.sleep(_POLL_S)
+            # is_completed() is also true for a work that failed: wait() raises its error, and orders
+            # this stream after the broadcast (it returns at once, the kernel has finished).
+            work.wait()
         except WeightSyncError:
             raise
         except Exception as exc:
@@ -587,7 +627,22 @@ class _FlatSender:
         raise EngineUnavailableError(names, "weight broadcast", str(exc)) from exc
 
 
+def _quietly(fn: Any) -> Any:
+    def run() -> None:
+        try:
+            fn()
+        except Exception as exc:  # a side thread: log, do not crash the process's excepthook
+            log.warning("destroying a weight group failed: %s", exc)
+
+    return run
+
+
 def _check_reply(engine: EngineEndpoint, op: str, reply: Any) -> Any:
     if isinstance(reply, dict) and reply.get("success") is False:
-        raise EngineRejectedError(engine.name, op, str(reply.get("message", "")))
+        message = str(reply.get("message", ""))
+        if message.startswith(RECEIVE_FAILED):
+            # The engine dropped its side of the group (the data did not arrive): not a rejection that
+            # leaves the group usable, so the update fails as unavailable and the sender disconnects.
+            raise EngineUnavailableError(engine.name, op, message)
+        raise EngineRejectedError(engine.name, op, message)
     return reply

@@ -185,9 +185,15 @@ class BuiltinEngine:
     def weights_checksum(self) -> str:
         """``ppo_weight_sync.checksum`` of the weights held (the trainer computes it the same way)."""
         with self._step_lock:
-            # Hash copies: checksum() reads bytes through numpy, which pins a CPU tensor's storage as
-            # non-resizable, and the memory backend must still be able to release the live weights.
-            return checksum([(n, t.detach().clone()) for n, t in self._core.named_tensors()])
+            # checksum() hashes host bytes. A device tensor is copied to the host there anyway; a CPU
+            # tensor is hashed through a copy, so that nothing the hashing does to a storage (numpy
+            # marks it non-resizable) can stop the memory backend from releasing the live weights.
+            return checksum(
+                [
+                    (n, t.detach().clone() if t.device.type == "cpu" else t.detach())
+                    for n, t in self._core.named_tensors()
+                ]
+            )
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """A CPU copy of the weights (tests, debugging)."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ppo_weight_sync.buckets import checksum, dtype_from_name
+from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.receiver import WeightReceiver
 
 __all__ = ["Spec", "TensorEngine", "llama_like_spec", "make_weights"]
@@ -76,8 +77,9 @@ class TensorEngine:
         torch.set_num_threads(1)
         self.load_delay_s = load_delay_s
         self.device = torch.device(device)
+        self.timeout_s = timeout_s
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.device)  # this thread only: server threads use on_device() below
         self.weights = make_weights(spec, seed, self.device)
         self.paused = False
         self.flushes = 0
@@ -131,10 +133,13 @@ class TensorEngine:
 
     def set_spec(self, spec: Spec, seed: int | None = None) -> None:
         """Hold ``spec``'s weights from now on (``seed=None``: zeros); the group membership is kept."""
-        self.weights = {}
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.weights = make_weights(spec, seed, self.device)
+        with on_device(self.device):
+            # Nothing queued may still write the old weights when their memory goes back to the cache.
+            wait_stream(self.device, self.timeout_s, "set_spec: finishing queued work")
+            self.weights = {}
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.weights = make_weights(spec, seed, self.device)
 
     def set_load_delay(self, seconds: float) -> None:
         """Sleep ``seconds`` per loaded batch from now on (tests interrupt updates midway with it)."""
@@ -143,7 +148,11 @@ class TensorEngine:
     # Inspection (not part of the engine protocol) -------------------------------------------
 
     def checksum(self) -> str:
-        return checksum(self.weights.items())
+        # Called from server or actor threads (current device cuda:0 there): read on the weights' device,
+        # and wait (bounded) for queued work first, so a stuck update shows as an error, not a hang.
+        with on_device(self.device):
+            wait_stream(self.device, self.timeout_s, "checksum: waiting for queued work on the weights")
+            return checksum(self.weights.items())
 
     def state(self) -> dict[str, Any]:
         return {
@@ -154,4 +163,6 @@ class TensorEngine:
         }
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        return {n: t.detach().cpu().clone() for n, t in self.weights.items()}
+        with on_device(self.device):
+            wait_stream(self.device, self.timeout_s, "named_tensors: waiting for queued work on the weights")
+            return {n: t.detach().cpu().clone() for n, t in self.weights.items()}

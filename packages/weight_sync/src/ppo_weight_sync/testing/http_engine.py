@@ -15,6 +15,7 @@ As its own process: ``proc, url = start_process(spec, seed=0)`` runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import selectors
@@ -79,6 +80,21 @@ class _Handler(BaseHTTPRequestHandler):
         return data if isinstance(data, dict) else {}
 
     def do_GET(self) -> None:
+        self._guarded(self._get)
+
+    def do_POST(self) -> None:
+        self._guarded(self._post)
+
+    def _guarded(self, handle: Callable[[], None]) -> None:
+        # An unexpected error answers 500 with its message rather than dropping the connection, so the
+        # caller sees what went wrong (e.g. a timed-out wait for the GPU) instead of a bare reset.
+        try:
+            handle()
+        except Exception as exc:
+            with contextlib.suppress(OSError):
+                self._send(500, {"success": False, "message": f"{type(exc).__name__}: {exc}"})
+
+    def _get(self) -> None:
         engine = self.server.engine
         if self.path == "/get_weight_version":
             self._send(200, {"weight_version": engine.get_weight_version()})
@@ -92,7 +108,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, {"detail": "Not Found"})
 
-    def do_POST(self) -> None:
+    def _post(self) -> None:
         engine = self.server.engine
         try:
             body = self._body()
@@ -182,9 +198,28 @@ def start_process(
         if sel.select(timeout=0.1):
             line = proc.stdout.readline()
             if line.startswith("READY "):
+                _forward_output(proc)
                 return proc, line.split()[1]
+            if line:
+                sys.stdout.write(f"[engine {proc.pid}] {line}")
     proc.kill()
     raise TimeoutError(f"http engine process printed no READY line within {timeout_s:g} s")
+
+
+def _forward_output(proc: subprocess.Popen[str]) -> None:
+    """Keep reading the server's stdout after READY (to ours, prefixed). A pipe nobody reads fills up
+    (64 KiB) and then blocks whichever server thread writes next, e.g. NCCL's own log lines."""
+    stream = proc.stdout
+    if stream is None:
+        return
+
+    def pump() -> None:
+        with contextlib.suppress(ValueError, OSError):
+            for line in stream:
+                sys.stdout.write(f"[engine {proc.pid}] {line}")
+                sys.stdout.flush()
+
+    threading.Thread(target=pump, name=f"engine-{proc.pid}-stdout", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> None:
