@@ -1,0 +1,252 @@
+"""Actor and critic taking turns on one GPU (NCCL, a GPU memory backend), with the memory freed measured.
+
+One placement-group bundle holds one GPU; the actor and the critic TrainGroups both sit on it
+(``gpu_share=0.5`` each). Each step: the critic wakes, trains, sleeps; the actor wakes, trains with the
+critic's values, sleeps; the actor then sends its weights over NCCL to an engine on the second GPU
+(asleep: wake, reconnect, send, sleep). Device free memory is read after every transition.
+
+Run: ``python benchmarks/gpu_workers.py [--backends pinned torch_memory_saver] [--steps 3]``
+(needs CUDA; a second GPU for the weight update, which is skipped with one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class OneGpu:
+    """Both roles on bundle 0 of a one-GPU placement group."""
+
+    placement_group: PlacementGroup
+    bundle_indices: tuple[int, ...] = (0,)
+    gpu_share: float = 0.5
+    cpu_share: float = 0.0
+
+
+def make_model(folder: Path, hidden: int, layers: int, vocab: int) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 128),
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=vocab,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def make_batch(n: int, prompt: int, response: int, vocab: int, seed: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, list[torch.Tensor]] = {
+        k: []
+        for k in ("tokens", "response_length", "loss_mask", "reward", "rollout_log_probs", "prompt_index")
+    }
+    for i in range(n):
+        tokens = torch.randint(0, vocab, (prompt + response,), generator=g)
+        out["tokens"].append(tokens)
+        out["response_length"].append(torch.tensor([response]))
+        out["loss_mask"].append(torch.ones(response))
+        out["reward"].append(torch.tensor([float(int(tokens[prompt]) % 2)]))
+        out["rollout_log_probs"].append(torch.full((response,), -5.0))
+        out["prompt_index"].append(torch.tensor([i // 4]))
+    return out
+
+
+def run(
+    backend: str, model: Path, steps: int = 3, vocab: int = 32000, device: str = "cuda"
+) -> dict[str, Any]:
+    """Train ``steps`` PPO steps with ``backend``; returns the measurements (GiB) and the value losses.
+
+    ``device="cpu"`` (with ``backend="host"``) runs the same sequence on CPU as a dry run of this script.
+    """
+    on_gpu = device == "cuda"
+    from transformers import AutoConfig
+
+    from ppo_trainer import AlgorithmConfig, TrainerConfig, TrainGroup
+    from ppo_value_transport import pack_fields
+    from ppo_weight_sync import RayEngineEndpoint
+    from ppo_weight_sync.testing.engine import TensorEngine
+
+    pg = placement_group([{"GPU": 1, "CPU": 1}] if on_gpu else [{"CPU": 1}])
+    ray.get(pg.ready(), timeout=120)
+    slots = OneGpu(pg, gpu_share=0.5 if on_gpu else 0.0)
+    alg = AlgorithmConfig(lam=1.0)
+    common: dict[str, Any] = {
+        "model_path": str(model),
+        "algorithm": alg,
+        "device": device,
+        "memory_backend": backend,
+        "micro_batch_size": 8,
+        "lr": 1e-5,
+        "weight_sync_backend": "nccl" if on_gpu else "gloo",
+    }
+    critic = TrainGroup("critic", slots, TrainerConfig(role="critic", **common), timeout_s=300)
+    actor = TrainGroup("actor", slots, TrainerConfig(role="actor", **common), timeout_s=300)
+    engine_handle = None
+    rows: list[tuple[str, float]] = []
+
+    def free() -> float:
+        return actor.memory_info()[0]["device_free"] / GIB if on_gpu else 0.0
+
+    try:
+        rows.append(("both resident (after setup)", free()))
+        critic.sleep()
+        actor.sleep()
+        rows.append(("both asleep", free()))
+        if torch.cuda.device_count() > 1 or not on_gpu:
+            cfg = AutoConfig.from_pretrained(model)
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                shapes = AutoModelForCausalLM.from_config(cfg)
+            spec = {n: ("float32", list(p.shape)) for n, p in shapes.named_parameters()}
+            engine_handle = (
+                ray.remote(TensorEngine)
+                .options(num_gpus=1 if on_gpu else 0, num_cpus=0, max_concurrency=4)
+                .remote(spec, seed=1, device=device)
+            )
+            actor.connect_engines([RayEngineEndpoint(engine_handle, num_gpus=1, name="engine-0")])
+        value_losses, critic_freed, actor_freed, update_s = [], [], [], []
+        box = pack_fields(
+            make_batch(32, 128, 128, vocab, seed=0) if on_gpu else make_batch(8, 8, 8, vocab, seed=0)
+        )
+        for step in range(1, steps + 1):
+            critic.wake_up()
+            c = critic.train(step, [box])
+            awake = free()
+            critic.sleep()
+            critic_freed.append(free() - awake)
+            value_losses.append(c.metrics["value_loss"])
+            actor.wake_up()
+            actor.train(step, [box], c.values)
+            awake = free()
+            actor.sleep()
+            actor_freed.append(free() - awake)
+            if engine_handle is not None:
+                start = time.perf_counter()
+                actor.update_weights(str(step))  # asleep: wake, reconnect, send, sleep
+                update_s.append(time.perf_counter() - start)
+        rows.append(("both asleep (after training)", free()))
+        weights_match = None
+        if engine_handle is not None:
+            weights_match = ray.get(engine_handle.state.remote())["checksum"] == actor.weights_checksum()
+        metrics = actor.pop_metrics()
+        return {
+            "backend": backend,
+            "rows": rows,
+            "critic_freed_gib": critic_freed,
+            "actor_freed_gib": actor_freed,
+            "value_losses": value_losses,
+            "update_s": update_s,
+            "weights_match": weights_match,
+            "actor_sleep_gb_per_s": metrics.get("sleep/gb_per_s", 0.0),
+            "actor_wake_gb_per_s": metrics.get("wake/gb_per_s", 0.0),
+        }
+    finally:
+        for group in (actor, critic):
+            group.shutdown()
+        if engine_handle is not None:
+            ray.kill(engine_handle)
+        remove_placement_group(pg)
+
+
+def print_report(result: dict[str, Any]) -> None:
+    print(f"\n### backend = {result['backend']}")
+    print("| state | device free (GiB) |\n|---|---|")
+    for name, value in result["rows"]:
+        print(f"| {name} | {value:.2f} |")
+    print(
+        "| step | critic sleep frees (GiB) | actor sleep frees (GiB) | critic value loss "
+        "| weight update (s) |"
+    )
+    print("|---|---|---|---|---|")
+    for i, (c, a, v) in enumerate(
+        zip(result["critic_freed_gib"], result["actor_freed_gib"], result["value_losses"], strict=True)
+    ):
+        u = f"{result['update_s'][i]:.2f}" if result["update_s"] else "n/a"
+        print(f"| {i + 1} | {c:.2f} | {a:.2f} | {v:.4f} | {u} |")
+    print(
+        f"actor sleep {result['actor_sleep_gb_per_s']:.1f} GB/s, "
+        f"wake {result['actor_wake_gb_per_s']:.1f} GB/s; "
+        f"engine weights match the actor: {result['weights_match']}"
+    )
+
+
+def available_backends() -> list[str]:
+    out = ["pinned"]
+    if importlib.util.find_spec("torch_memory_saver") is not None:
+        out.append("torch_memory_saver")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backends", nargs="*", default=None)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--cpu-dry-run", action="store_true", help="run the sequence on CPU, tiny model")
+    args = parser.parse_args()
+    if args.cpu_dry_run:
+        ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                model = make_model(Path(tmp) / "model", 64, 2, 256)
+                print_report(run("host", model, steps=2, vocab=256, device="cpu"))
+        finally:
+            ray.shutdown()
+        return 0
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to run")
+        return 0
+    backends = args.backends or available_backends()
+    if "torch_memory_saver" not in backends:
+        print("torch_memory_saver is not installed here: measuring the pinned backend only")
+    ray.init(num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
+    failures = 0
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = make_model(Path(tmp) / "model", args.hidden, args.layers, 32000)
+            for backend in backends:
+                result = run(backend, model, steps=args.steps)
+                print_report(result)
+                # Each role holds its fp32 weights and Adam state (~12 bytes/param): most of it must go.
+                if min(result["critic_freed_gib"] + result["actor_freed_gib"]) <= 0.5:
+                    print(f"FAIL: {backend}: a sleep freed <= 0.5 GiB")
+                    failures += 1
+                if result["value_losses"][-1] >= result["value_losses"][0]:
+                    print(f"FAIL: {backend}: critic value loss did not go down {result['value_losses']}")
+                    failures += 1
+                if result["weights_match"] is False:
+                    print(f"FAIL: {backend}: engine weights differ from the actor's")
+                    failures += 1
+    finally:
+        ray.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""The torch backend: one data-parallel rank's model, optimizer and PPO update.
+
+``TorchTrainer`` knows nothing about Ray or the lifecycle: it takes a ``DataParallel`` (rank, world size
+and a sum all-reduce) and a ``region`` context factory under which it allocates weights and optimizer
+state (torch_memory_saver tags them; other memory backends ignore it). The Ray worker wires both.
+
+Data parallelism is plain replication: every rank holds the whole model; after the micro-batches of one
+mini-batch, the gradients are summed over ranks in one flat buffer. Losses are divided by the token (or
+sequence) count of the whole global mini-batch, so that sum equals the gradient of the global mean and a
+2-rank run matches a 1-rank run on the same global batch up to float summation order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ppo_trainer import ppo_math as pm
+from ppo_trainer.batch import MicroBatch, Samples, chunks, collate, split_even
+from ppo_trainer.config import TrainerConfig
+from ppo_trainer.models import load_causal_lm, load_critic, load_reference
+
+Region = Callable[[str], ContextManager[None]]
+
+
+def _no_region(tag: str) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Where this rank sits and how to sum a tensor over all ranks (returns the sum, same device)."""
+
+    rank: int = 0
+    world_size: int = 1
+    sum_fn: pm.AllReduce | None = None
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.sum_fn is None else self.sum_fn(tensor)
+
+
+class TorchTrainer:
+    """One rank of the actor or the critic: model, optimizer, reference model (actor with a KL term)."""
+
+    WEIGHTS_TAG = "weights"
+    OPTIMIZER_TAG = "optimizer"
+
+    def __init__(self, config: TrainerConfig, dp: DataParallel | None = None, region: Region | None = None):
+        self.config = config
+        self.alg = config.algorithm
+        self.dp = dp or DataParallel()
+        self.region: Region = region or _no_region
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if config.device == "cuda"
+            else torch.device("cpu")
+        )
+        self.autocast_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else None
+        self.model: nn.Module
+        self.reference: nn.Module | None = None
+        with self.region(self.WEIGHTS_TAG):
+            if config.role == "actor":
+                self.model = nn.Module.to(load_causal_lm(config.model_path, config.seed), self.device)
+                if self.alg.needs_reference:
+                    ref_dtype = torch.bfloat16 if self.autocast_dtype is not None else torch.float32
+                    reference = load_reference(config.model_path, config.seed, ref_dtype)
+                    self.reference = nn.Module.to(reference, self.device)
+            else:
+                self.model = load_critic(config.model_path, config.seed).to(self.device)
+        if self.device.type == "cpu":
+            # from_pretrained maps safetensors files into memory; give every tensor its own resizable
+            # storage so the memory backend can release and restore it.
+            with torch.no_grad():
+                for module in (self.model, self.reference):
+                    if module is not None:
+                        for t in [*module.parameters(), *module.buffers()]:
+                            t.data = t.data.clone()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=config.lr,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
+            foreach=self.device.type == "cuda",
+        )
+
+    # ------------------------------------------------------------------ tensors the lifecycle moves
+    def weight_tensors(self) -> list[torch.Tensor]:
+        tensors = [p.data for p in self.model.parameters()] + list(self.model.buffers())
+        if self.reference is not None:
+            tensors += [p.data for p in self.reference.parameters()] + list(self.reference.buffers())
+        return [t for t in tensors if t.device.type == self.device.type]
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for state in self.optimizer.state.values():
+            out += [
+                v for v in state.values() if isinstance(v, torch.Tensor) and v.device.type == self.device.type
+            ]
+        return out
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's ``state_dict`` in Hugging Face names: parameters and persistent buffers, tied
+        weights under each of their names (what an engine loading a Hugging Face checkpoint holds)."""
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    # ------------------------------------------------------------------ forward passes
+    def _autocast(self) -> ContextManager[object]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _policy(
+        self, model: nn.Module, mb: MicroBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with self._autocast():
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        index = mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        picked = logits.gather(1, index)  # [b, R, V]: the logits that predict each response token
+        log_probs = pm.log_probs_from_logits(picked, mb.targets)
+        entropy = pm.entropy_from_logits(picked) if with_entropy else None
+        return log_probs, entropy
+
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        with self._autocast():
+            values = self.model(mb.input_ids, mb.attention_mask)  # [b, L]
+        return values.float().gather(1, mb.logit_positions)
+
+    @torch.no_grad()
+    def _rank_log_probs(self, model: nn.Module, samples: Samples) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        out = torch.zeros(len(samples), samples.max_response)
+        for rows in chunks(range(len(samples)), self.config.micro_batch_size):
+            log_probs, _ = self._policy(model, collate(samples, rows, self.device), with_entropy=False)
+            out[rows] = log_probs.float().cpu()
+        model.train(was_training)
+        return out * samples.response_mask
+
+    def compute_log_probs(self, samples: Samples) -> torch.Tensor:
+        """Log-probs of the response tokens under the current policy, ``[N, R_max]`` (0 on padding)."""
+        return self._rank_log_probs(self.model, samples)
+
+    @torch.no_grad()
+    def compute_values(self, samples: Samples) -> torch.Tensor:
+        """Critic values before each response token, ``[N, R_max]`` (0 on padding)."""
+        self.model.eval()
+        out = torch.zeros(len(samples), samples.max_response)
+        for rows in chunks(range(len(samples)), self.config.micro_batch_size):
+            out[rows] = self._values(collate(samples, rows, self.device)).cpu()
+        self.model.train()
+        return out * samples.response_mask
+
+    # ------------------------------------------------------------------ optimisation
+    def _optimizer_step(self) -> float:
+        """Sum gradients over ranks, clip, step, clear; returns the global gradient norm before clipping."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.dp.world_size > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = self.dp.all_reduce(flat)
+            offset = 0
+            for p, g in zip(self.params, grads, strict=True):
+                n = g.numel()
+                p.grad = flat[offset : offset + n].view_as(p).clone()
+                offset += n
+        else:
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        with self.region(self.OPTIMIZER_TAG):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def _global_count(self, mask: torch.Tensor) -> torch.Tensor:
+        local = pm.aggregation_denominator(mask, self.alg.loss_aggregation).reshape(1)
+        return self.dp.all_reduce(local)[0].clamp(min=1.0)
+
+    def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        names = sorted(sums)
+        total = self.dp.all_reduce(torch.stack([sums[n].detach().float().cpu() for n in names]))
+        return {n: float(v) for n, v in zip(names, total.tolist(), strict=True)}
+
+    def _masked_global_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
+        stats = self.dp.all_reduce(torch.stack([pm.masked_sum(x.float(), mask), mask.sum()]))
+        return float(stats[0] / stats[1].clamp(min=1.0))
+
+    def _run_epochs(
+        self,
+        samples: Samples,
+        micro_loss: Callable[[list[int], MicroBatch, torch.Tensor], dict[str, torch.Tensor]],
+    ) -> dict[str, float]:
+        """PPO epochs x mini-batches of optimizer steps; ``micro_loss`` returns ``{"loss": .., metrics}``."""
+        totals: dict[str, float] = {}
+        steps = 0
+        parts = self.alg.num_mini_batches
+        short = self.dp.all_reduce(torch.tensor([float(len(samples) < parts)]))
+        if short.item() > 0:
+            # Every rank must take the same number of optimizer steps (each one is a collective).
+            raise ValueError(
+                f"{int(short.item())} rank(s) hold fewer samples than num_mini_batches={parts} "
+                f"(rank {self.dp.rank} holds {len(samples)}); lower num_mini_batches or send more samples"
+            )
+        self.model.train()
+        for _ in range(self.alg.ppo_epochs):
+            for mini in split_even(len(samples), self.alg.num_mini_batches):
+                denominator = self._global_count(samples.loss_mask[mini])
+                sums: dict[str, torch.Tensor] = {}
+                for rows in chunks(mini, self.config.micro_batch_size):
+                    terms = micro_loss(rows, collate(samples, rows, self.device), denominator)
+                    terms["loss"].backward()
+                    for name, value in terms.items():
+                        sums[name] = sums.get(name, torch.zeros(())) + value.detach().float().cpu()
+                reduced = self._reduce_metrics(sums)
+                reduced["grad_norm"] = self._optimizer_step()
+                for name, number in reduced.items():
+                    totals[name] = totals.get(name, 0.0) + number
+                steps += 1
+        return {name: value / steps for name, value in totals.items()} | {"optimizer_steps": float(steps)}
+
+    def train_critic(self, samples: Samples) -> tuple[dict[str, float], torch.Tensor]:
+        """Values (before the update), GAE returns, value-loss steps. Returns ``(metrics, old_values)``."""
+        if self.config.role != "critic":
+            raise RuntimeError("train_critic called on an actor")
+        alg = self.alg
+        old_values = self.compute_values(samples)
+        rewards = pm.token_rewards(samples.reward, samples.response_mask)
+        _, returns = pm.compute_gae(rewards, old_values, samples.response_mask, alg.gamma, alg.lam)
+
+        def micro_loss(rows: list[int], mb: MicroBatch, denominator: torch.Tensor) -> dict[str, torch.Tensor]:
+            mask = samples.loss_mask[rows].to(self.device)
+            values = self._values(mb)
+            loss, clipped = pm.value_loss(
+                values, old_values[rows].to(self.device), returns[rows].to(self.device), alg.value_clip
+            )
+            mode = alg.loss_aggregation
+            value_loss = pm.aggregate(loss, mask, mode, denominator)
+            return {
+                "loss": value_loss,
+                "value_loss": value_loss,
+                "value_clip_fraction": pm.aggregate(clipped, mask, mode, denominator),
+            }
+
+        metrics = self._run_epochs(samples, micro_loss)
+        metrics["values_mean"] = self._masked_global_mean(old_values, samples.loss_mask)
+        metrics["returns_mean"] = self._masked_global_mean(returns, samples.loss_mask)
+        return metrics, old_values
+
+    def train_actor(self, samples: Samples, values: torch.Tensor | None) -> dict[str, float]:
+        """Old (and reference) log-probs, advantages (GAE with ``values``, or GRPO), policy-loss steps."""
+        if self.config.role != "actor":
+            raise RuntimeError("train_actor called on a critic")
+        alg = self.alg
+        old_log_probs = self.compute_log_probs(samples)
+        ref_log_probs = self._rank_log_probs(self.reference, samples) if self.reference is not None else None
+        metrics_extra: dict[str, float] = {}
+        if alg.estimator == "ppo":
+            if values is None:
+                raise ValueError("estimator='ppo' needs the critic's values")
+            kl = None
+            if alg.kl_coef > 0.0:
+                assert ref_log_probs is not None  # needs_reference holds when kl_coef > 0
+                kl = pm.kl_estimate(old_log_probs, ref_log_probs, alg.kl_estimator)
+            rewards = pm.token_rewards(samples.reward, samples.response_mask, kl, alg.kl_coef)
+            advantages, _ = pm.compute_gae(rewards, values, samples.response_mask, alg.gamma, alg.lam)
+        else:
+            per_sample = pm.grpo_advantages(samples.reward, samples.prompt_index)
+            advantages = per_sample[:, None] * samples.response_mask
+        metrics_extra["advantages_mean"] = self._masked_global_mean(advantages, samples.loss_mask)
+        if alg.normalize_advantages:
+            advantages = pm.whiten(advantages, samples.loss_mask, self.dp.all_reduce)
+        if ref_log_probs is not None:
+            ref_kl = pm.kl_estimate(old_log_probs, ref_log_probs, alg.kl_estimator)
+            metrics_extra["ref_kl"] = self._masked_global_mean(ref_kl, samples.loss_mask)
+        metrics_extra["train_rollout_logp_abs_diff"] = self._masked_global_mean(
+            (old_log_probs - samples.rollout_log_probs).abs(), samples.loss_mask
+        )
+        n = self.dp.all_reduce(torch.tensor([float(len(samples)), float(samples.reward.sum())]))
+        metrics_extra["reward_mean"] = float(n[1] / n[0])
+
+        def micro_loss(rows: list[int], mb: MicroBatch, denominator: torch.Tensor) -> dict[str, torch.Tensor]:
+            mask = samples.loss_mask[rows].to(self.device)
+            mode = alg.loss_aggregation
+            log_probs, entropy = self._policy(self.model, mb, with_entropy=True)
+            assert entropy is not None
+            terms = pm.policy_loss(
+                log_probs,
+                old_log_probs[rows].to(self.device),
+                advantages[rows].to(self.device),
+                alg.eps_clip,
+                alg.eps_clip_high,
+                alg.eps_clip_c,
+            )
+            pg_loss = pm.aggregate(terms.loss, mask, mode, denominator)
+            entropy_mean = pm.aggregate(entropy, mask, mode, denominator)
+            loss = pg_loss - alg.entropy_coef * entropy_mean if alg.entropy_coef > 0 else pg_loss
+            out = {
+                "pg_loss": pg_loss,
+                "entropy": entropy_mean,
+                "pg_clip_fraction": pm.aggregate(terms.clip_fraction, mask, mode, denominator),
+                "dual_clip_fraction": pm.aggregate(terms.dual_clip_fraction, mask, mode, denominator),
+                "ppo_kl": pm.aggregate(terms.approx_kl, mask, mode, denominator),
+            }
+            if alg.use_kl_loss:
+                assert ref_log_probs is not None  # needs_reference holds when use_kl_loss
+                kl_term = pm.kl_estimate(log_probs, ref_log_probs[rows].to(self.device), alg.kl_estimator)
+                kl_loss = pm.aggregate(kl_term, mask, mode, denominator)
+                loss = loss + alg.kl_loss_coef * kl_loss
+                out["kl_loss"] = kl_loss
+            out["loss"] = loss
+            return out
+
+        return self._run_epochs(samples, micro_loss) | metrics_extra

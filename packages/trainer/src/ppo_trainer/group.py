@@ -1,0 +1,207 @@
+"""TrainGroup: the driver's handle on one role's TrainWorkers, one Ray actor per placement slot."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ppo_trainer.config import TrainerConfig
+from ppo_trainer.worker import TrainWorker
+from ppo_value_transport import Box, dispatch, gather, route
+from ppo_weight_sync import EngineEndpoint
+
+log = logging.getLogger(__name__)
+
+
+class Slots(Protocol):
+    """Where the workers go: ``ppo_placement.RoleSlots`` satisfies it, so does ``LocalSlots``."""
+
+    @property
+    def placement_group(self) -> PlacementGroup | None: ...
+    @property
+    def bundle_indices(self) -> tuple[int, ...]: ...
+    @property
+    def gpu_share(self) -> float: ...
+    @property
+    def cpu_share(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class LocalSlots:
+    """``count`` workers without a placement group (tests, examples, a single machine)."""
+
+    count: int
+    gpu_share: float = 0.0
+    cpu_share: float = 0.0
+    placement_group: None = None
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"LocalSlots.count={self.count} must be >= 1")
+
+    @property
+    def bundle_indices(self) -> tuple[int, ...]:
+        return tuple(range(self.count))
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """Rank 0's metrics (already reduced over ranks) and, from the critic, one values Box per rank."""
+
+    metrics: dict[str, float]
+    values: list[Box] | None
+
+
+class TrainGroup:
+    """One role (actor or critic) over ``len(slots.bundle_indices)`` data-parallel ranks.
+
+    Every method waits at most ``timeout_s`` and names what it waited for. Sleep and wake are the
+    driver's to call; ``update_weights`` and ``weights_checksum`` may wake and re-sleep an asleep actor.
+    """
+
+    def __init__(
+        self,
+        role: Literal["actor", "critic"],
+        slots: Slots,
+        config: TrainerConfig,
+        *,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if role != config.role:
+            raise ValueError(f"TrainGroup role={role!r} but config.role={config.role!r}; make them agree")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        bundles = tuple(slots.bundle_indices)
+        if not bundles:
+            raise ValueError(f"{role}: slots hold no bundles; the placement gave this role no slots")
+        if config.device == "cuda" and not slots.gpu_share > 0:
+            raise ValueError(
+                f"{role}: device='cuda' but slots.gpu_share={slots.gpu_share}; give the role GPUs"
+            )
+        self.role = role
+        self.config = config
+        self.timeout_s = timeout_s
+        self.world_size = len(bundles)
+        remote_cls = ray.remote(TrainWorker)
+        self.workers: list[Any] = []
+        for rank, bundle in enumerate(bundles):
+            options: dict[str, Any] = {"num_cpus": slots.cpu_share, "num_gpus": slots.gpu_share}
+            if slots.placement_group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=slots.placement_group, placement_group_bundle_index=bundle
+                )
+            self.workers.append(
+                remote_cls.options(**options).remote(config, rank, self.world_size, timeout_s)
+            )
+        try:
+            init_method = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous address")[0]
+            self._all("setup", init_method)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ helpers
+    def _get(self, refs: Sequence[Any], what: str) -> list[Any]:
+        """Wait for every rank; the first rank that fails raises at once (its peers may be stuck in a
+        collective with it and would otherwise only surface as a timeout)."""
+        refs = list(refs)
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(refs)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in ready:
+                ray.get(ref)  # raises the rank's own exception
+        return gather(refs, max(deadline - time.monotonic(), 1.0), f"{self.role} group: {what}")
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return self._get(refs, method)
+
+    # ------------------------------------------------------------------ the driver's interface
+    def train(self, step: int, batches: Sequence[Box], values: Sequence[Box] | None = None) -> TrainResult:
+        """Train every rank on its batch Box (one per rank, or one for all); the actor needs ``values``."""
+        per_rank_values: list[Box | None] = (
+            list(route(values, self.world_size)) if values is not None else [None] * self.world_size
+        )
+        refs = [
+            w.train.remote(step, batch, v)
+            for w, batch, v in zip(
+                self.workers, route(batches, self.world_size), per_rank_values, strict=True
+            )
+        ]
+        results = self._get(refs, f"train(step={step})")
+        metrics = dict(results[0][0])
+        out_values = [r[1] for r in results] if self.role == "critic" else None
+        return TrainResult(metrics=metrics, values=out_values)
+
+    def compute_values(self, batches: Sequence[Box]) -> list[Box]:
+        """The critic's values without training, one Box per rank."""
+        return self._get(dispatch(self.workers, "compute_values", batches), "compute_values")
+
+    def compute_log_probs(self, batches: Sequence[Box]) -> list[Box]:
+        """The actor's log-probs of the response tokens, one Box per rank."""
+        return self._get(dispatch(self.workers, "compute_log_probs", batches), "compute_log_probs")
+
+    def sleep(self) -> None:
+        self._all("sleep")
+
+    def wake_up(self) -> None:
+        self._all("wake_up")
+
+    def is_asleep(self) -> bool:
+        states = self._all("is_asleep")
+        if len(set(states)) != 1:
+            raise RuntimeError(f"{self.role} group: ranks disagree on sleeping: {states}")
+        return bool(states[0])
+
+    def connect_engines(self, engines: Sequence[EngineEndpoint]) -> None:
+        self._all("connect_engines", list(engines))
+
+    def update_weights(self, version: str) -> dict[str, float]:
+        return dict(self._all("update_weights", version)[0])
+
+    def save(self, folder: Path) -> None:
+        """Write ``folder`` (created; replaced if present) through a staging folder renamed into place."""
+        folder = Path(folder)
+        staging = folder.with_name(folder.name + ".partial")
+        self._all("save", str(staging))
+        self._get([self.workers[0].commit.remote(str(staging), str(folder))], "commit checkpoint")
+
+    def load(self, folder: Path) -> None:
+        self._all("load", str(Path(folder)))
+
+    def weights_checksum(self) -> str:
+        return str(self._all("weights_checksum")[0])
+
+    def pop_metrics(self) -> dict[str, float]:
+        return dict(self._all("pop_metrics")[0])
+
+    def memory_info(self) -> list[dict[str, float]]:
+        return list(self._all("memory_info"))
+
+    def shutdown(self) -> None:
+        """Destroy the process groups and kill the workers; safe to call twice."""
+        if not self.workers:
+            return
+        try:
+            gather(
+                [w.shutdown.remote() for w in self.workers],
+                min(self.timeout_s, 30.0),
+                f"{self.role} shutdown",
+            )
+        except Exception as exc:  # the workers are killed below either way
+            log.warning("%s group: clean shutdown failed: %s", self.role, exc)
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

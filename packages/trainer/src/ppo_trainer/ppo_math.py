@@ -1,0 +1,284 @@
+"""PPO math as pure torch functions over padded ``[batch, time]`` response tensors.
+
+Conventions: ``mask`` is 1.0 on tokens that count and 0.0 elsewhere (padding, tokens excluded from the
+loss). Every function is elementwise or vectorised over the batch; none touches a model, an optimizer or
+a process group (whitening takes an optional ``all_reduce`` callable so that it can span DP ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over data-parallel ranks and returns the sum (identity on a single rank)."""
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum_i x_i * m_i`` over every element."""
+    return (x * mask).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum_i x_i m_i / max(sum_i m_i, 1)``: 0 when nothing is masked in."""
+    return masked_sum(x, mask) / mask.sum().clamp(min=1.0)
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over masked, variable-length responses.
+
+    For the tokens with ``mask = 1`` of one sample, taken in order as ``t = 0 .. n-1``::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t          (V_n = 0: the response ends the episode)
+        A_t     = delta_t + gamma * lam * A_{t+1}      (A_n = 0)
+        R_t     = A_t + V_t                            (the critic's regression target)
+
+    Tokens with ``mask = 0`` are skipped: the recursion carries ``A`` and ``V`` across them unchanged, so
+    trailing padding and masked-out spans in the middle do not leak into the result. Their advantage and
+    return are 0. Vectorised over the batch; one reverse pass over time.
+
+    Args: ``rewards``, ``values``, ``mask`` of shape ``[B, T]``. Returns ``(advantages, returns)``.
+    """
+    if not rewards.shape == values.shape == mask.shape:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and mask {tuple(mask.shape)} "
+            "must have the same [batch, time] shape"
+        )
+    rewards, values, mask = rewards.float(), values.float(), mask.float()
+    batch, time = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(batch)
+    next_adv = rewards.new_zeros(batch)
+    for t in reversed(range(time)):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        next_adv = m * adv + (1.0 - m) * next_adv
+        next_value = m * values[:, t] + (1.0 - m) * next_value
+        advantages[:, t] = m * adv
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def token_rewards(
+    reward: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Per-token rewards: the sample's scalar reward on its last masked-in token, minus a KL penalty.
+
+    ``r_t = reward * [t == last] - kl_coef * kl_t`` for masked-in tokens, 0 elsewhere.
+    ``reward`` is ``[B]``, ``mask`` and ``kl`` are ``[B, T]``. A sample without any masked-in token
+    gets no reward.
+    """
+    mask = mask.float()
+    batch, time = mask.shape
+    positions = torch.arange(time, device=mask.device).expand(batch, time)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+    out = torch.zeros_like(mask)
+    has_token = last >= 0
+    rows = torch.arange(batch, device=mask.device)[has_token]
+    out[rows, last[has_token]] = reward.float()[has_token]
+    if kl is not None and kl_coef != 0.0:
+        out = out - kl_coef * kl.float() * mask
+    return out
+
+
+def kl_estimate(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    kind: Literal["k1", "k2", "k3", "low_var_kl"],
+) -> torch.Tensor:
+    """Per-token estimators of ``KL(pi || pi_ref)`` from samples of ``pi`` (Schulman's k1/k2/k3).
+
+    With ``d = log pi - log pi_ref``:
+
+    - ``k1 = d`` (unbiased, high variance, can be negative),
+    - ``k2 = d^2 / 2``,
+    - ``k3 = exp(-d) - 1 + d`` (unbiased, non-negative),
+    - ``low_var_kl`` = k3 with ``d`` clamped to [-20, 20] and the result clamped to [-10, 10], so a
+      single token with a huge ratio cannot blow up the loss.
+    """
+    d = log_probs.float() - ref_log_probs.float()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d.square()
+    if kind == "k3":
+        return torch.expm1(-d) + d
+    if kind == "low_var_kl":
+        d = d.clamp(-20.0, 20.0)
+        return (torch.expm1(-d) + d).clamp(-10.0, 10.0)
+    raise ValueError(f"kind={kind!r} is not a KL estimator; use 'k1', 'k2', 'k3' or 'low_var_kl'")
+
+
+@dataclass(frozen=True)
+class PolicyLossTerms:
+    """Per-token terms of the clipped policy loss, all ``[B, T]``; aggregate them with ``aggregate``."""
+
+    loss: torch.Tensor
+    clip_fraction: torch.Tensor  # 1.0 where the ratio clip is active
+    dual_clip_fraction: torch.Tensor  # 1.0 where the dual clip bounds the loss
+    approx_kl: torch.Tensor  # k3 estimate of KL(old || new) per token
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> PolicyLossTerms:
+    """PPO clipped surrogate with separate low and high bounds and optional dual clip.
+
+    With ``ratio = exp(log_probs - old_log_probs)`` and advantage ``A``::
+
+        L_clip = max(-A * ratio, -A * clamp(ratio, 1 - eps_clip, 1 + eps_clip_high))
+        L      = min(L_clip, -A * eps_clip_c)   where A < 0 and eps_clip_c is set (dual clip, c > 1)
+        L      = L_clip                         elsewhere
+
+    ``clip_fraction`` marks tokens where the clipped branch is strictly larger; ``approx_kl`` is
+    ``(ratio - 1) - log(ratio)``, the k3 estimate of KL(old || new).
+    """
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    if eps_clip_c is not None and not eps_clip_c > 1.0:
+        raise ValueError(f"eps_clip_c={eps_clip_c!r} must be > 1 (dual-clip lower bound)")
+    log_ratio = log_probs.float() - old_log_probs.float()
+    ratio = torch.exp(log_ratio)
+    adv = advantages.float()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_fraction = (clipped > unclipped).float()
+    dual = torch.zeros_like(loss)
+    if eps_clip_c is not None:
+        bound = -adv * eps_clip_c
+        dual = ((adv < 0) & (loss > bound)).float()
+        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
+    approx_kl = (ratio - 1.0) - log_ratio
+    return PolicyLossTerms(
+        loss=loss, clip_fraction=clip_fraction, dual_clip_fraction=dual, approx_kl=approx_kl.detach()
+    )
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss, per token.
+
+    ``V_clip = V_old + clamp(V - V_old, -value_clip, value_clip)`` and
+    ``L = 0.5 * max((V - R)^2, (V_clip - R)^2)``. Returns ``(loss, clip_fraction)`` where
+    ``clip_fraction`` is 1.0 on tokens with ``|V - V_old| > value_clip``.
+    """
+    values, old_values, returns = values.float(), old_values.float(), returns.float()
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    loss = 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
+    clip_fraction = ((values - old_values).abs() > value_clip).float()
+    return loss, clip_fraction
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution per position: ``H = logsumexp(z) - sum softmax(z) z``."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def log_probs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log softmax(z)[target]`` per position, in float32."""
+    logits = logits.float()
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    all_reduce: AllReduce | None = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Whiten over masked-in elements, optionally across data-parallel ranks.
+
+    ``mu = sum(x m) / sum(m)``, ``var = sum((x - mu)^2 m) / sum(m)`` (population variance), both summed
+    over every rank through ``all_reduce``; returns ``(x - mu) / sqrt(var + eps) * m``.
+    """
+    reduce: AllReduce = all_reduce if all_reduce is not None else (lambda t: t)
+    x32, mask32 = x.float(), mask.float()
+    stats = reduce(torch.stack([masked_sum(x32, mask32), mask32.sum()]))
+    count = stats[1].clamp(min=1.0)
+    mean = stats[0] / count
+    var = reduce(masked_sum((x32 - mean).square(), mask32).reshape(1))[0] / count
+    return (x32 - mean) * torch.rsqrt(var + eps) * mask32
+
+
+def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised outcome advantages (GRPO), one per sample.
+
+    ``A_i = (r_i - mean_g) / (std_g + eps)`` over the samples ``g`` sharing ``group_ids[i]``, with the
+    unbiased standard deviation; a group of one sample, or of equal rewards, gets ``A = 0``.
+    ``rewards`` and ``group_ids``
+    are ``[N]``. The caller broadcasts ``A_i`` over the sample's response tokens.
+    """
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be [N]"
+        )
+    rewards = rewards.float()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    counts = torch.zeros(groups, device=rewards.device).index_add_(0, inverse, torch.ones_like(rewards))
+    sums = torch.zeros(groups, device=rewards.device).index_add_(0, inverse, rewards)
+    mean = sums / counts
+    sq = torch.zeros(groups, device=rewards.device).index_add_(0, inverse, (rewards - mean[inverse]).square())
+    std = torch.sqrt(sq / (counts - 1.0).clamp(min=1.0))
+    informative = (counts[inverse] > 1) & (std[inverse] > 0)
+    adv = (rewards - mean[inverse]) / torch.where(informative, std[inverse] + eps, torch.ones_like(rewards))
+    return torch.where(informative, adv, torch.zeros_like(adv))
+
+
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Literal["token_mean", "seq_mean_token_mean"],
+    denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token ``[B, T]`` loss to a scalar.
+
+    - ``token_mean``: ``sum_{i,t} L_it m_it / D`` with ``D`` the number of masked-in tokens.
+    - ``seq_mean_token_mean``: ``sum_i (sum_t L_it m_it / n_i) / D`` with ``n_i`` sample i's masked-in
+      tokens and ``D`` the number of samples having at least one.
+
+    ``denominator`` overrides ``D``: the trainer passes the count over the whole global batch (all
+    micro-batches, all ranks), so that summing the micro-batch losses of every rank yields exactly the
+    global mean and the gradient does not depend on how the batch was split.
+    """
+    loss, mask = loss.float(), mask.float()
+    if mode == "token_mean":
+        total = masked_sum(loss, mask)
+        count = mask.sum()
+    elif mode == "seq_mean_token_mean":
+        per_seq_tokens = mask.sum(dim=1)
+        total = ((loss * mask).sum(dim=1) / per_seq_tokens.clamp(min=1.0)).sum()
+        count = (per_seq_tokens > 0).float().sum()
+    else:
+        raise ValueError(
+            f"mode={mode!r} is not a loss aggregation; use 'token_mean' or 'seq_mean_token_mean'"
+        )
+    d = count.clamp(min=1.0) if denominator is None else denominator
+    return total / d
+
+
+def aggregation_denominator(
+    mask: torch.Tensor, mode: Literal["token_mean", "seq_mean_token_mean"]
+) -> torch.Tensor:
+    """The local ``D`` of ``aggregate`` (sum it over micro-batches and ranks for the global one)."""
+    if mode == "token_mean":
+        return mask.float().sum()
+    return (mask.float().sum(dim=1) > 0).float().sum()

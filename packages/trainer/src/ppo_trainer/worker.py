@@ -1,0 +1,332 @@
+"""TrainWorker: one rank of the actor or the critic, as a Ray actor.
+
+The worker owns a ``Lifecycle`` (memory backend from the config, the role's reloadable process groups)
+and never sleeps or wakes on its own: the driver tells it. The two exceptions follow slime's rule for
+the weight update: ``update_weights`` and ``weights_checksum`` called while asleep wake the worker,
+do their work, and put it back to sleep, so the caller finds it in the state it left it in.
+
+Rank 0 of the actor owns the ``WeightSender``. A pre-sleep hook disconnects it from the engines (so
+no communicator outlives the process groups and memory it needs); the next update reconnects. While
+resident, the connection is kept across updates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ppo_lifecycle import (
+    GroupHandle,
+    HostMemoryBackend,
+    Lifecycle,
+    MemoryBackend,
+    PinnedHostBackend,
+    ReloadableProcessGroups,
+    TorchMemorySaverBackend,
+    default_backend,
+)
+from ppo_trainer import checkpoint
+from ppo_trainer.backend import DataParallel, TorchTrainer
+from ppo_trainer.batch import Samples
+from ppo_trainer.config import TrainerConfig
+from ppo_value_transport import Box, pack, require_values, unpack, unpack_fields
+from ppo_weight_sync import EngineEndpoint, WeightSender, checksum
+
+log = logging.getLogger(__name__)
+
+_SYNC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def node_address() -> str:
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # outside Ray: a single-node run
+        return "127.0.0.1"
+
+
+def make_memory_backend(config: TrainerConfig, device: torch.device) -> MemoryBackend:
+    """The lifecycle memory backend named by ``config.memory_backend``."""
+    name = config.memory_backend
+    if name == "auto":
+        return default_backend(device)
+    if name == "host":
+        return HostMemoryBackend()
+    if name == "pinned":
+        return PinnedHostBackend(device)
+    return TorchMemorySaverBackend(device=device)
+
+
+class TrainWorker:
+    """One rank. Construct, then ``setup(init_method)`` on every rank at once (it rendezvouses)."""
+
+    def __init__(self, config: TrainerConfig, rank: int, world_size: int, timeout_s: float = 600.0) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        torch.set_num_threads(config.cpu_threads)
+        self.config = config
+        self.role = config.role
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        if config.device == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "device='cuda' but this worker sees no CUDA device; give it a GPU or use 'cpu'"
+                )
+            torch.cuda.set_device(0)  # Ray narrows CUDA_VISIBLE_DEVICES to this worker's GPU
+            self.device = torch.device("cuda", 0)
+        else:
+            self.device = torch.device("cpu")
+        self._trainer: TorchTrainer | None = None
+        self._lifecycle: Lifecycle | None = None
+        self._groups: ReloadableProcessGroups | None = None
+        self._dp: GroupHandle | None = None
+        self._sender: WeightSender | None = None
+        self._engines: list[EngineEndpoint] = []
+        self._last_step: int | None = None
+
+    # ------------------------------------------------------------------ setup
+    def rendezvous_address(self) -> str:
+        """``tcp://host:port`` for the role's process group (called on rank 0)."""
+        return f"tcp://{node_address()}:{free_port()}"
+
+    def setup(self, init_method: str) -> dict[str, Any]:
+        """Process group, lifecycle, model and optimizer. Collective over the role's ranks."""
+        seed = self.config.seed + self.rank
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        groups = ReloadableProcessGroups()
+        groups.init_default(
+            backend,
+            init_method,
+            self.world_size,
+            self.rank,
+            timedelta(seconds=self.timeout_s),
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+        self._groups = groups
+        self._dp = groups.default
+        memory = make_memory_backend(self.config, self.device)
+        self._lifecycle = Lifecycle(memory, groups, name=f"{self.role}-{self.rank}")
+        dp = DataParallel(self.rank, self.world_size, self._all_reduce if self.world_size > 1 else None)
+        trainer = TorchTrainer(self.config, dp, region=memory.region)
+        self._trainer = trainer
+        memory.track(TorchTrainer.WEIGHTS_TAG, trainer.weight_tensors)
+        memory.track(TorchTrainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
+        if self.role == "actor":
+            self._lifecycle.add_pre_sleep_hook("disconnect_engines", self._disconnect)
+        return {"rank": self.rank, "device": str(self.device), "pid": os.getpid()}
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        assert self._dp is not None
+        on_device = tensor.to(self.device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.SUM, group=self._dp.group)
+        return on_device.to(tensor.device)
+
+    @property
+    def trainer(self) -> TorchTrainer:
+        if self._trainer is None:
+            raise RuntimeError(f"{self.role} rank {self.rank}: setup() has not run")
+        return self._trainer
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        if self._lifecycle is None:
+            raise RuntimeError(f"{self.role} rank {self.rank}: setup() has not run")
+        return self._lifecycle
+
+    def _require_awake(self, what: str) -> None:
+        if self.lifecycle.is_asleep:
+            raise RuntimeError(
+                f"{self.role} rank {self.rank}: {what} while asleep; the driver must wake_up() it first"
+            )
+
+    # ------------------------------------------------------------------ training
+    def train(
+        self, step: int, batch_box: Box, external: Box | None = None
+    ) -> tuple[dict[str, float], Box | None]:
+        """One PPO update on this rank's batch.
+
+        Critic: returns ``(metrics, values Box)`` with its pre-update values per sample. Actor with the
+        ``ppo`` estimator: ``external`` must be the critic's values Box for this rank.
+        """
+        self._require_awake("train()")
+        samples = Samples.from_fields(unpack_fields(batch_box))
+        trainer = self.trainer
+        self._last_step = step
+        if self.role == "critic":
+            if external is not None:
+                raise ValueError(f"critic rank {self.rank} got values to train on; values go to the actor")
+            metrics, values = trainer.train_critic(samples)
+            return metrics, pack(samples.unpad(values))
+        if self.config.algorithm.estimator == "ppo":
+            box = require_values(self.rank, external, role=self.role)
+            values = samples.pad_values(unpack(box), what=f"actor rank {self.rank}: critic values")
+            return trainer.train_actor(samples, values), None
+        if external is not None:
+            raise ValueError(
+                f"actor rank {self.rank} got critic values but estimator='grpo' does not use them; "
+                "run GRPO without a critic"
+            )
+        return trainer.train_actor(samples, None), None
+
+    def compute_values(self, batch_box: Box) -> Box:
+        """Critic values for a batch without training (same layout as ``train``'s values)."""
+        if self.role != "critic":
+            raise RuntimeError("compute_values() is the critic's")
+        self._require_awake("compute_values()")
+        samples = Samples.from_fields(unpack_fields(batch_box))
+        return pack(samples.unpad(self.trainer.compute_values(samples)))
+
+    def compute_log_probs(self, batch_box: Box) -> Box:
+        """The actor's log-probs of each response token (one ``[R_i]`` tensor per sample)."""
+        if self.role != "actor":
+            raise RuntimeError("compute_log_probs() is the actor's")
+        self._require_awake("compute_log_probs()")
+        samples = Samples.from_fields(unpack_fields(batch_box))
+        return pack(samples.unpad(self.trainer.compute_log_probs(samples)))
+
+    # ------------------------------------------------------------------ lifecycle
+    def sleep(self) -> None:
+        self.lifecycle.sleep()
+        if self.device.type == "cuda":
+            # Activations and gradients of the last step sit in torch's cache outside the backend's
+            # regions; hand them back so that the other role sharing this GPU can use them.
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        self.lifecycle.wake_up()
+
+    def is_asleep(self) -> bool:
+        return self.lifecycle.is_asleep
+
+    def pop_metrics(self) -> dict[str, float]:
+        out = self.lifecycle.pop_metrics()
+        if self._sender is not None:
+            out.update({k: v for k, v in self._sender.pop_metrics().items() if v})
+        return out
+
+    def memory_info(self) -> dict[str, float]:
+        """Device memory now: allocated/reserved by torch and free on the device (CUDA), bytes."""
+        if self.device.type != "cuda":
+            return {}
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {
+            "allocated": float(torch.cuda.memory_allocated(self.device)),
+            "reserved": float(torch.cuda.memory_reserved(self.device)),
+            "device_free": float(free),
+            "device_total": float(total),
+        }
+
+    # ------------------------------------------------------------------ weights to the engines
+    def _sync_weights(self) -> list[tuple[str, torch.Tensor]]:
+        dtype = _SYNC_DTYPES[self.config.weight_sync_dtype]
+        # On CPU, hand out copies: turning a tensor into numpy (checksum, gloo transfers) pins its storage
+        # for good, and the memory backend could then no longer release the parameter behind it.
+        copy = self.device.type == "cpu"
+        return [(name, t.to(dtype, copy=copy)) for name, t in self.trainer.named_weights()]
+
+    def _disconnect(self) -> None:
+        if self._sender is not None and self._sender.is_connected:
+            self._sender.disconnect()
+
+    def connect_engines(self, engines: list[EngineEndpoint]) -> None:
+        """Remember the engines; rank 0 connects now if resident (else at the next update)."""
+        if self.role != "actor":
+            raise RuntimeError("connect_engines() is the actor's: the critic sends no weights")
+        if not engines:
+            raise ValueError("connect_engines: engines is empty; pass the rollout engines' endpoints")
+        self._engines = list(engines)
+        if self.rank != 0:
+            return
+        if self._sender is None:
+            self._sender = WeightSender(
+                backend=self.config.weight_sync_backend,
+                bucket_bytes=self.config.bucket_bytes,
+                group_name=self.config.weight_sync_group,
+                master_address=node_address(),
+                timeout_s=self.timeout_s,
+            )
+        if not self.lifecycle.is_asleep:
+            self._sender.connect(self._engines)
+
+    def update_weights(self, version: str) -> dict[str, float]:
+        """Send the weights to the engines. Asleep: wake, reconnect, send, sleep. Resident: keep the link.
+
+        Collective: every rank wakes and sleeps with rank 0 (the process groups are rebuilt together).
+        """
+        if self.role != "actor":
+            raise RuntimeError("update_weights() is the actor's")
+        if not self._engines:
+            raise RuntimeError("update_weights() before connect_engines(): no engines to send to")
+        was_asleep = self.lifecycle.is_asleep
+        if was_asleep:
+            self.lifecycle.wake_up()
+        try:
+            if self.rank != 0:
+                return {}
+            assert self._sender is not None  # made by connect_engines on rank 0
+            if not self._sender.is_connected:
+                self._sender.connect(self._engines)
+            self._sender.update(self._sync_weights(), version)
+            return self._sender.pop_metrics() | {"reconnected": float(was_asleep)}
+        finally:
+            if was_asleep:
+                self.lifecycle.sleep()
+
+    def weights_checksum(self) -> str:
+        """``ppo_weight_sync.checksum`` of the weights as sent (rank 0; others return "").
+
+        Collective like ``update_weights``: an asleep worker wakes for it and sleeps again.
+        """
+        was_asleep = self.lifecycle.is_asleep
+        if was_asleep:
+            self.lifecycle.wake_up()
+        try:
+            return checksum(self._sync_weights()) if self.rank == 0 else ""
+        finally:
+            if was_asleep:
+                self.lifecycle.sleep()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, staging: str) -> None:
+        self._require_awake("save()")
+        checkpoint.save_shard(self.trainer, Path(staging), self._last_step)
+
+    def commit(self, staging: str, final: str) -> None:
+        checkpoint.commit(Path(staging), Path(final))
+
+    def load(self, folder: str) -> int | None:
+        self._require_awake("load()")
+        step = checkpoint.load_shard(self.trainer, Path(folder))
+        self._last_step = step
+        return step
+
+    def shutdown(self) -> None:
+        if self._sender is not None and self._sender.is_connected:
+            try:
+                self._sender.disconnect()
+            except Exception as exc:  # best effort on the way out
+                log.warning("%s rank %d: disconnect at shutdown failed: %s", self.role, self.rank, exc)
+        if self._groups is not None and self._groups.is_alive:
+            self._groups.destroy()

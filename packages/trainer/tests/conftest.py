@@ -1,0 +1,96 @@
+"""Shared fixtures: a tiny Hugging Face Llama saved to disk, training batches in the interface format,
+and one local Ray instance for the worker tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+# Under `uv run`, Ray would package the working tree and start every worker through uv (minutes here);
+# the workers use this interpreter's environment instead.
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+VOCAB = 16
+
+Fields = dict[str, list[torch.Tensor]]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run benchmarks/gpu.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def save_tiny_llama(folder: Path, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def make_fields(n: int, seed: int, samples_per_prompt: int = 2) -> Fields:
+    """``n`` samples with prompts of 3-5 tokens and responses of 1-6; reward 1 when the first response
+    token is even, so that the reward depends on what the policy generated."""
+    g = torch.Generator().manual_seed(seed)
+    fields: Fields = {
+        k: []
+        for k in ("tokens", "response_length", "loss_mask", "reward", "rollout_log_probs", "prompt_index")
+    }
+    for i in range(n):
+        prompt = int(torch.randint(3, 6, (1,), generator=g))
+        response = int(torch.randint(1, 7, (1,), generator=g))
+        tokens = torch.randint(0, VOCAB, (prompt + response,), generator=g)
+        mask = torch.ones(response)
+        if response > 3:
+            mask[1] = 0.0  # a masked-out token in the middle (e.g. a tool output)
+        fields["tokens"].append(tokens)
+        fields["response_length"].append(torch.tensor([response]))
+        fields["loss_mask"].append(mask)
+        fields["reward"].append(torch.tensor([float(int(tokens[prompt]) % 2 == 0)]))
+        fields["rollout_log_probs"].append(-torch.rand(response, generator=g) - 2.0)
+        fields["prompt_index"].append(torch.tensor([i // samples_per_prompt]))
+    return fields
+
+
+@pytest.fixture
+def fields_factory() -> Callable[..., Fields]:
+    return make_fields
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    import ray
+
+    ray.init(
+        num_cpus=4,
+        num_gpus=torch.cuda.device_count(),
+        object_store_memory=256 * 1024**2,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()

@@ -1,0 +1,167 @@
+"""The torch backend in one process: positions of log-probs and values, the critic's checkpoint
+handling, micro-batching, and the PPO/GRPO updates."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_model
+from transformers import AutoModelForCausalLM
+
+from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig
+from ppo_trainer.models import load_critic, load_policy_state_into_critic
+
+
+def trainer(model: Path, role: str = "actor", **kwargs) -> TorchTrainer:  # type: ignore[no-untyped-def]
+    alg = kwargs.pop("algorithm", AlgorithmConfig(lam=1.0))
+    lr = kwargs.pop("lr", 1e-2)
+    return TorchTrainer(TrainerConfig(role=role, model_path=str(model), algorithm=alg, lr=lr, **kwargs))  # type: ignore[arg-type]
+
+
+def test_log_probs_are_taken_before_each_response_token(tiny_model: Path, fields_factory: Callable) -> None:
+    samples = Samples.from_fields(fields_factory(5, seed=3))
+    t = trainer(tiny_model, micro_batch_size=2)
+    got = t.compute_log_probs(samples)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).float().eval()
+    for i, tokens in enumerate(samples.tokens):
+        r = int(samples.response_lengths[i])
+        p = tokens.numel() - r
+        with torch.no_grad():
+            logp = torch.log_softmax(model(tokens[None]).logits[0].float(), -1)
+        expected = torch.stack([logp[p + k - 1, tokens[p + k]] for k in range(r)])
+        torch.testing.assert_close(got[i, :r], expected, atol=1e-5, rtol=1e-5)
+        assert got[i, r:].abs().sum() == 0.0
+
+
+def test_critic_values_are_read_at_the_token_before(tiny_model: Path, fields_factory: Callable) -> None:
+    samples = Samples.from_fields(fields_factory(5, seed=4))
+    t = trainer(tiny_model, role="critic", micro_batch_size=3)
+    got = t.compute_values(samples)
+    critic = t.model
+    for i, tokens in enumerate(samples.tokens):
+        r = int(samples.response_lengths[i])
+        p = tokens.numel() - r
+        with torch.no_grad():
+            hidden = critic.backbone(input_ids=tokens[None]).last_hidden_state[0]
+            per_position = critic.value_head(hidden).squeeze(-1)
+        torch.testing.assert_close(got[i, :r], per_position[p - 1 : p - 1 + r], atol=1e-5, rtol=1e-5)
+
+
+def test_critic_loads_a_policy_checkpoint_with_a_fresh_head(tiny_model: Path, tmp_path: Path) -> None:
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model)
+    critic = load_critic(tiny_model, seed=7)
+    backbone = dict(critic.backbone.named_parameters())
+    for name, p in policy.named_parameters():
+        if name.startswith("model."):
+            torch.testing.assert_close(backbone[name[len("model.") :]], p, atol=0, rtol=0)
+    head = critic.value_head.weight.detach().clone()
+    assert head.abs().sum() > 0
+    torch.testing.assert_close(load_critic(tiny_model, seed=7).value_head.weight, head)  # seeded
+    # A policy state dict (e.g. an actor's model.safetensors) loads into a critic; the head stays fresh.
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)
+    save_model(policy, str(tmp_path / "policy.safetensors"))
+    missing = load_policy_state_into_critic(critic, load_file(str(tmp_path / "policy.safetensors")))
+    assert missing == ["value_head.weight", "value_head.bias"]
+    torch.testing.assert_close(critic.value_head.weight, head)
+    torch.testing.assert_close(critic.backbone.norm.weight, policy.model.norm.weight)
+    # Something that is not this architecture is refused with the reason.
+    bad = {"model.norm.weight": torch.zeros(3)}
+    with pytest.raises(ValueError, match="shape"):
+        load_policy_state_into_critic(critic, bad)
+    with pytest.raises(ValueError, match="backbone tensors"):
+        load_policy_state_into_critic(critic, {"lm_head.weight": policy.lm_head.weight})
+
+
+def test_model_path_without_config_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"config\.json"):
+        trainer(tmp_path)
+
+
+def test_batch_validation_names_the_field(fields_factory: Callable) -> None:
+    fields = fields_factory(3, seed=0)
+    fields["loss_mask"][1] = torch.ones(99)
+    with pytest.raises(ValueError, match="sample 1: field 'loss_mask'"):
+        Samples.from_fields(fields)
+    fields = fields_factory(3, seed=0)
+    del fields["reward"]
+    with pytest.raises(ValueError, match="reward"):
+        Samples.from_fields(fields)
+    fields = fields_factory(3, seed=0)
+    fields["response_length"][0] = torch.tensor([fields["tokens"][0].numel()])
+    with pytest.raises(ValueError, match="response_length"):
+        Samples.from_fields(fields)
+    samples = Samples.from_fields(fields_factory(3, seed=0))
+    with pytest.raises(ValueError, match="2 tensors for a batch of 3"):
+        samples.pad_values([torch.zeros(1), torch.zeros(1)])
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batch_size_does_not_change_the_update(
+    tiny_model: Path, fields_factory: Callable, aggregation: str
+) -> None:
+    samples = Samples.from_fields(fields_factory(6, seed=5))
+    values = torch.randn(len(samples), samples.max_response) * samples.response_mask
+    alg = AlgorithmConfig(lam=0.9, loss_aggregation=aggregation, entropy_coef=0.01)  # type: ignore[arg-type]
+    updated = []
+    for micro in (1, 4, 6):
+        t = trainer(tiny_model, micro_batch_size=micro, algorithm=alg)
+        # Plain SGD makes the update proportional to the gradient (Adam's first step is ~lr * sign(g),
+        # which magnifies float noise on near-zero gradients).
+        t.optimizer = torch.optim.SGD(t.params, lr=1.0)
+        t.train_actor(samples, values)
+        updated.append(torch.cat([p.detach().reshape(-1) for p in t.model.parameters()]))
+    torch.testing.assert_close(updated[0], updated[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(updated[0], updated[2], atol=1e-6, rtol=1e-5)
+
+
+def test_critic_value_loss_goes_down(tiny_model: Path, fields_factory: Callable) -> None:
+    samples = Samples.from_fields(fields_factory(8, seed=6))
+    t = trainer(tiny_model, role="critic", micro_batch_size=3, lr=1e-3)
+    losses = [t.train_critic(samples)[0]["value_loss"] for _ in range(6)]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_grpo_and_kl_loss_train_without_a_critic(tiny_model: Path, fields_factory: Callable) -> None:
+    samples = Samples.from_fields(fields_factory(8, seed=8, samples_per_prompt=4))
+    alg = AlgorithmConfig(
+        estimator="grpo", use_kl_loss=True, kl_loss_coef=0.1, kl_estimator="k3", ppo_epochs=2
+    )
+    t = trainer(tiny_model, algorithm=alg, micro_batch_size=4)
+    assert t.reference is not None
+    first = t.train_actor(samples, None)
+    assert first["ref_kl"] == pytest.approx(0.0, abs=1e-7)  # the policy starts as the reference
+    assert first["optimizer_steps"] == 2.0
+    second = t.train_actor(samples, None)
+    assert second["ref_kl"] > 0.0
+    assert second["kl_loss"] > 0.0
+    assert not any(p.requires_grad for p in t.reference.parameters())
+
+
+def test_ppo_actor_moves_towards_rewarded_responses(tiny_model: Path, fields_factory: Callable) -> None:
+    samples = Samples.from_fields(fields_factory(8, seed=9))
+    values = torch.zeros(len(samples), samples.max_response)
+    alg = AlgorithmConfig(lam=1.0, eps_clip=0.2, kl_coef=0.0)
+    t = trainer(tiny_model, algorithm=alg, micro_batch_size=4)
+    before = t.compute_log_probs(samples)
+    for _ in range(4):
+        metrics = t.train_actor(samples, values)
+    after = t.compute_log_probs(samples)
+    gain = ((after - before) * samples.loss_mask).sum(1) / samples.loss_mask.sum(1).clamp(min=1)
+    rewarded = samples.reward > 0
+    assert gain[rewarded].mean() > gain[~rewarded].mean()
+    assert 0.0 <= metrics["pg_clip_fraction"] <= 1.0
+
+
+def test_mini_batches_and_epochs_set_the_number_of_steps(tiny_model: Path, fields_factory: Callable) -> None:
+    samples = Samples.from_fields(fields_factory(5, seed=12))
+    values = torch.zeros(len(samples), samples.max_response)
+    t = trainer(tiny_model, algorithm=AlgorithmConfig(num_mini_batches=2, ppo_epochs=3), micro_batch_size=2)
+    assert t.train_actor(samples, values)["optimizer_steps"] == 6.0
+    t = trainer(tiny_model, algorithm=AlgorithmConfig(num_mini_batches=6), micro_batch_size=2)
+    with pytest.raises(ValueError, match="fewer samples than num_mini_batches=6"):
+        t.train_actor(samples, values)

@@ -1,0 +1,70 @@
+"""Config validation: bad input is a ValueError naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ppo_trainer import AlgorithmConfig, TrainerConfig
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"estimator": "a2c"}, "estimator"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"lam": -0.1}, "lam"),
+        ({"eps_clip": 0.0}, "eps_clip"),
+        ({"eps_clip_high": -1.0}, "eps_clip_high"),
+        ({"eps_clip_c": 1.0}, "eps_clip_c"),
+        ({"value_clip": 0.0}, "value_clip"),
+        ({"kl_coef": -1.0}, "kl_coef"),
+        ({"use_kl_loss": True}, "kl_loss_coef"),
+        ({"kl_estimator": "k4"}, "kl_estimator"),
+        ({"loss_aggregation": "sum"}, "loss_aggregation"),
+        ({"estimator": "grpo", "kl_coef": 0.1}, "kl_coef"),
+        ({"ppo_epochs": 0}, "ppo_epochs"),
+        ({"num_mini_batches": 0}, "num_mini_batches"),
+    ],
+)
+def test_algorithm_config_rejects(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        AlgorithmConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"role": "reward"}, "role"),
+        ({"model_path": ""}, "model_path"),
+        ({"lr": 0.0}, "lr"),
+        ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"cpu_threads": 0}, "cpu_threads"),
+        ({"device": "tpu"}, "device"),
+        ({"memory_backend": "pinned"}, "memory_backend"),
+        ({"weight_sync_backend": "nccl"}, "weight_sync_backend"),
+        ({"weight_sync_dtype": "int8"}, "weight_sync_dtype"),
+        ({"role": "critic", "algorithm": AlgorithmConfig(kl_coef=0.1)}, "kl_coef"),
+        ({"role": "critic", "algorithm": AlgorithmConfig(estimator="grpo")}, "grpo"),
+    ],
+)
+def test_trainer_config_rejects(kwargs: dict, field: str) -> None:
+    base = {"role": "actor", "model_path": "/m"} | kwargs
+    with pytest.raises(ValueError, match=field):
+        TrainerConfig(**base)
+
+
+def test_configs_are_frozen_and_derived_by_replace() -> None:
+    actor = TrainerConfig(role="actor", model_path="/m", algorithm=AlgorithmConfig(kl_coef=0.05))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        actor.lr = 1.0  # type: ignore[misc]
+    critic = dataclasses.replace(
+        actor, role="critic", algorithm=dataclasses.replace(actor.algorithm, kl_coef=0.0)
+    )
+    assert actor.algorithm.kl_coef == 0.05
+    assert critic.algorithm.kl_coef == 0.0
+    assert actor.compute_dtype == "float32"
+    assert TrainerConfig(role="actor", model_path="/m", device="cuda").compute_dtype == "bfloat16"
+    assert AlgorithmConfig(eps_clip=0.2).clip_high == 0.2
+    assert AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1).needs_reference

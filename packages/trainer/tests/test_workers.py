@@ -1,0 +1,263 @@
+"""Actor and critic TrainGroups on a local Ray instance, with real gloo process groups, the host memory
+backend, a Ray engine receiving weights, and checkpoints on disk."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from ppo_trainer import AlgorithmConfig, LocalSlots, TrainerConfig, TrainGroup
+from ppo_value_transport import Box, MissingValuesError, pack, pack_fields, unpack, unpack_fields
+from ppo_weight_sync import RayEngineEndpoint, checksum
+from ppo_weight_sync.testing.engine import TensorEngine
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
+
+ALGORITHM = AlgorithmConfig(lam=1.0, gamma=1.0, entropy_coef=0.0)
+
+
+def configs(model: Path, **overrides: Any) -> tuple[TrainerConfig, TrainerConfig]:
+    actor = TrainerConfig(
+        role="actor", model_path=str(model), algorithm=ALGORITHM, lr=1e-3, micro_batch_size=3, **overrides
+    )
+    critic = TrainerConfig(
+        role="critic", model_path=str(model), algorithm=ALGORITHM, lr=1e-3, micro_batch_size=3, **overrides
+    )
+    return actor, critic
+
+
+@pytest.fixture(scope="module")
+def initial(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the module's groups save their state before any training."""
+    return tmp_path_factory.mktemp("initial")
+
+
+@pytest.fixture(scope="module")
+def all_groups(tiny_model: Path, ray_session: None, initial: Path) -> Iterator[dict[str, TrainGroup]]:
+    """A 1-rank actor, a 1-rank critic and a 2-rank actor, started together (worker start-up dominates)."""
+    actor_cfg, critic_cfg = configs(tiny_model)
+    specs = {
+        "actor": ("actor", 1, actor_cfg),
+        "critic": ("critic", 1, critic_cfg),
+        "actor2": ("actor", 2, actor_cfg),
+    }
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {
+            key: pool.submit(TrainGroup, role, LocalSlots(n), cfg, timeout_s=240)
+            for key, (role, n, cfg) in specs.items()
+        }
+        made = {key: f.result() for key, f in futures.items()}
+    made["actor"].save(initial / "actor")
+    made["critic"].save(initial / "critic")
+    yield made
+    for group in made.values():
+        group.shutdown()
+
+
+@pytest.fixture
+def groups(all_groups: dict[str, TrainGroup]) -> tuple[TrainGroup, TrainGroup]:
+    return all_groups["actor"], all_groups["critic"]
+
+
+def batch_box(seed: int, n: int = 8) -> Box:
+    from conftest import make_fields
+
+    return pack_fields(make_fields(n, seed))
+
+
+def step(actor: TrainGroup, critic: TrainGroup, n: int, box: Box, offload: bool = False) -> tuple[dict, dict]:
+    """One PPO step; with ``offload`` each model is woken for its phase and put back to sleep after."""
+    if offload:
+        critic.wake_up()
+    c = critic.train(n, [box])
+    if offload:
+        critic.sleep()
+        actor.wake_up()
+    a = actor.train(n, [box], c.values)
+    if offload:
+        actor.sleep()
+    return c.metrics, a.metrics
+
+
+def test_actor_and_critic_learn_and_values_reach_the_actor(groups: tuple[TrainGroup, TrainGroup]) -> None:
+    actor, critic = groups
+    box = batch_box(seed=11)
+    samples = unpack_fields(box)
+    before = [t.clone() for t in unpack(actor.compute_log_probs([box])[0])]
+    value_losses = []
+    for n in range(1, 5):
+        result = critic.train(n, [box])
+        assert result.values is not None
+        assert len(result.values) == 1
+        values = unpack(result.values[0])
+        assert [v.numel() for v in values] == [int(r) for r in samples["response_length"]]
+        value_losses.append(result.metrics["value_loss"])
+        metrics = actor.train(n, [box], result.values).metrics
+        assert metrics["optimizer_steps"] == 1.0
+    assert value_losses[-1] < value_losses[0], value_losses
+    after = unpack(actor.compute_log_probs([box])[0])
+    gains = torch.stack(
+        [
+            ((a - b) * m).sum() / m.sum().clamp(min=1)
+            for a, b, m in zip(after, before, samples["loss_mask"], strict=True)
+        ]
+    )
+    rewarded = torch.stack(samples["reward"]).reshape(-1) > 0
+    assert gains[rewarded].mean() > gains[~rewarded].mean()
+
+
+def test_actor_without_values_raises_naming_the_rank(groups: tuple[TrainGroup, TrainGroup]) -> None:
+    actor, _ = groups
+    with pytest.raises(MissingValuesError, match="actor rank 0"):
+        actor.train(1, [batch_box(seed=1)])
+    wrong = pack([torch.zeros(1)])  # one value for a batch of 8 samples
+    with pytest.raises(ValueError, match="1 tensors for a batch of 8"):
+        actor.train(1, [batch_box(seed=1)], [wrong])
+    with pytest.raises(ValueError, match="critic rank 0 got values"):
+        groups[1].train(1, [batch_box(seed=1)], [wrong])
+
+
+def test_sleep_and_wake_between_phases_train_identically(
+    groups: tuple[TrainGroup, TrainGroup], tmp_path: Path
+) -> None:
+    actor, critic = groups
+    actor.save(tmp_path / "start" / "actor")
+    critic.save(tmp_path / "start" / "critic")
+    boxes = [batch_box(seed=s) for s in (21, 22, 23)]
+
+    for n, box in enumerate(boxes, start=1):
+        step(actor, critic, n, box, offload=True)
+    assert actor.is_asleep()
+    assert critic.is_asleep()
+    offloaded = (actor.weights_checksum(), critic.weights_checksum())  # wakes, sums, sleeps again
+    assert actor.is_asleep()
+    metrics = actor.pop_metrics()
+    assert metrics["sleep/count"] >= 3, metrics
+    assert metrics["sleep/bytes"] > 0, metrics
+
+    actor.wake_up()
+    critic.wake_up()
+    actor.load(tmp_path / "start" / "actor")
+    critic.load(tmp_path / "start" / "critic")
+    for n, box in enumerate(boxes, start=1):
+        step(actor, critic, n, box, offload=False)
+    assert (actor.weights_checksum(), critic.weights_checksum()) == offloaded
+
+
+def test_save_then_load_resumes_bit_identical(groups: tuple[TrainGroup, TrainGroup], tmp_path: Path) -> None:
+    actor, critic = groups
+    step(actor, critic, 1, batch_box(seed=31))
+    actor.save(tmp_path / "actor")
+    critic.save(tmp_path / "critic")
+    saved_checksum = actor.weights_checksum()
+    step(actor, critic, 2, batch_box(seed=32))
+    first = (actor.weights_checksum(), critic.weights_checksum())
+
+    step(actor, critic, 3, batch_box(seed=33))  # move away, then come back
+    actor.load(tmp_path / "actor")
+    critic.load(tmp_path / "critic")
+    assert actor.weights_checksum() == saved_checksum
+    step(actor, critic, 2, batch_box(seed=32))
+    assert (actor.weights_checksum(), critic.weights_checksum()) == first
+
+    # The actor is also written in Hugging Face format; transformers loads it as it was saved.
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "actor" / "hf")
+    assert checksum((n, t.float()) for n, t in hf.state_dict().items()) == saved_checksum
+    assert set(load_file(str(tmp_path / "critic" / "model.safetensors"))) >= {"value_head.weight"}
+    assert not (tmp_path / "actor.partial").exists()
+
+
+class CountingEngine(TensorEngine):
+    """The weight_sync test engine, counting group creations and destructions."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.inits = 0
+        self.destroys = 0
+
+    def init_weights_update_group(self, **kwargs: Any) -> dict[str, Any]:
+        self.inits += 1
+        return super().init_weights_update_group(**kwargs)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        self.destroys += 1
+        return super().destroy_weights_update_group(group_name)
+
+    def counts(self) -> tuple[int, int]:
+        return self.inits, self.destroys
+
+
+def test_weight_update_follows_the_sleep_rule(
+    groups: tuple[TrainGroup, TrainGroup], tiny_model: Path
+) -> None:
+    actor, _ = groups
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    spec = {name: ("float32", list(p.shape)) for name, p in model.named_parameters()}
+    handle = ray.remote(CountingEngine).options(max_concurrency=4, num_cpus=0).remote(spec, seed=5)
+    try:
+        engine = RayEngineEndpoint(handle, num_gpus=1, name="engine-0")
+        actor.wake_up()
+        actor.connect_engines([engine])  # resident: connects now
+        assert ray.get(handle.counts.remote()) == (1, 0)
+        metrics = actor.update_weights("1")
+        assert metrics["weight_sync/bytes"] > 0
+        assert ray.get(handle.state.remote())["checksum"] == actor.weights_checksum()
+        actor.update_weights("2")  # resident: the connection is kept
+        assert ray.get(handle.counts.remote()) == (1, 0)
+
+        actor.sleep()  # the pre-sleep hook disconnects from the engines
+        assert ray.get(handle.counts.remote()) == (1, 1)
+        step_box = batch_box(seed=41)
+        actor.wake_up()
+        actor.train(
+            5, [step_box], [pack([torch.zeros(int(r)) for r in unpack_fields(step_box)["response_length"]])]
+        )
+        actor.sleep()
+        metrics = actor.update_weights("3")  # asleep: wake, reconnect, send, sleep
+        assert metrics["reconnected"] == 1.0
+        assert actor.is_asleep()
+        assert ray.get(handle.counts.remote()) == (2, 2)
+        state = ray.get(handle.state.remote())
+        assert state["weight_version"] == "3"
+        assert state["checksum"] == actor.weights_checksum()
+    finally:
+        actor.wake_up()
+        ray.kill(handle)
+
+
+def test_two_ranks_match_one_rank_on_the_same_global_batch(
+    all_groups: dict[str, TrainGroup], initial: Path, tmp_path: Path
+) -> None:
+    from conftest import make_fields
+
+    one, two = all_groups["actor"], all_groups["actor2"]
+    assert two.world_size == 2
+    one.wake_up()
+    one.load(initial / "actor")  # the state the untouched 2-rank group also starts from
+    fields = make_fields(8, seed=51)
+    values = [torch.randn(int(r)) for r in fields["response_length"]]
+    halves = [{k: v[:4] for k, v in fields.items()}, {k: v[4:] for k, v in fields.items()}]
+    m1 = one.train(1, [pack_fields(fields)], [pack(values)]).metrics
+    m2 = two.train(1, [pack_fields(h) for h in halves], [pack(values[:4]), pack(values[4:])]).metrics
+    for key in ("pg_loss", "grad_norm", "entropy", "advantages_mean", "train_rollout_logp_abs_diff"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    one.save(tmp_path / "one")
+    two.save(tmp_path / "two")
+    w1 = load_file(str(tmp_path / "one" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "model.safetensors"))
+    assert w1.keys() == w2.keys()
+    # Adam's first step is lr * g / (|g| + eps): float noise in the summation order only shows on
+    # near-zero gradients, and stays far below one step (lr = 1e-3).
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-4, rtol=1e-4)
+    assert (tmp_path / "two" / "rng_rank1.safetensors").is_file()
