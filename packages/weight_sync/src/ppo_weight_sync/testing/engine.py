@@ -77,6 +77,9 @@ class TensorEngine:
         torch.set_num_threads(1)
         self.load_delay_s = load_delay_s
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" means this process's current GPU (Ray sets CUDA_VISIBLE_DEVICES to the actor's own).
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = timeout_s
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this thread only: server threads use on_device() below
