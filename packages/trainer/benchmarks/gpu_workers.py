@@ -30,6 +30,11 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 GIB = 1024**3
 
 
+def stage(backend: str, what: str) -> None:
+    """One line per stage, flushed at once: a run that hangs or dies shows where it was."""
+    print(f"[gpu_workers {time.strftime('%H:%M:%S')}] {backend}: {what}", flush=True)
+
+
 @dataclass(frozen=True)
 class OneGpu:
     """Both roles on bundle 0 of a one-GPU placement group."""
@@ -103,7 +108,9 @@ def run(
         "lr": 1e-5,
         "weight_sync_backend": "nccl" if on_gpu else "gloo",
     }
+    stage(backend, "starting the critic group")
     critic = TrainGroup("critic", slots, TrainerConfig(role="critic", **common), timeout_s=300)
+    stage(backend, "starting the actor group")
     actor = TrainGroup("actor", slots, TrainerConfig(role="actor", **common), timeout_s=300)
     engine_handle = None
     rows: list[tuple[str, float]] = []
@@ -113,6 +120,7 @@ def run(
 
     try:
         rows.append(("both resident (after setup)", free()))
+        stage(backend, "both groups up; putting both to sleep")
         critic.sleep()
         actor.sleep()
         rows.append(("both asleep", free()))
@@ -123,6 +131,7 @@ def run(
             with torch.device("meta"):
                 shapes = AutoModelForCausalLM.from_config(cfg)
             spec = {n: ("float32", list(p.shape)) for n, p in shapes.named_parameters()}
+            stage(backend, "starting the engine and connecting the (asleep) actor")
             engine_handle = (
                 ray.remote(TensorEngine)
                 .options(num_gpus=1 if on_gpu else 0, num_cpus=0, max_concurrency=4)
@@ -134,24 +143,31 @@ def run(
             make_batch(32, 128, 128, vocab, seed=0) if on_gpu else make_batch(8, 8, 8, vocab, seed=0)
         )
         for step in range(1, steps + 1):
+            stage(backend, f"step {step}: critic wake + train")
             critic.wake_up()
             c = critic.train(step, [box])
             awake = free()
+            stage(backend, f"step {step}: critic sleep")
             critic.sleep()
             critic_freed.append(free() - awake)
             value_losses.append(c.metrics["value_loss"])
+            stage(backend, f"step {step}: actor wake + train")
             actor.wake_up()
             actor.train(step, [box], c.values)
             awake = free()
+            stage(backend, f"step {step}: actor sleep")
             actor.sleep()
             actor_freed.append(free() - awake)
             if engine_handle is not None:
+                stage(backend, f"step {step}: update_weights (asleep: wake, reconnect, send, sleep)")
                 start = time.perf_counter()
-                actor.update_weights(str(step))  # asleep: wake, reconnect, send, sleep
+                actor.update_weights(str(step))
                 update_s.append(time.perf_counter() - start)
+                stage(backend, f"step {step}: update_weights done in {update_s[-1]:.2f} s")
         rows.append(("both asleep (after training)", free()))
         weights_match = None
         if engine_handle is not None:
+            stage(backend, "comparing the engine's weights with the actor's")
             weights_match = ray.get(engine_handle.state.remote())["checksum"] == actor.weights_checksum()
         metrics = actor.pop_metrics()
         return {
@@ -166,6 +182,7 @@ def run(
             "actor_wake_gb_per_s": metrics.get("wake/gb_per_s", 0.0),
         }
     finally:
+        stage(backend, "shutting down")
         for group in (actor, critic):
             group.shutdown()
         if engine_handle is not None:

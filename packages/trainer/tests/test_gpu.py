@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +18,8 @@ def _script() -> ModuleType:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up in sys.modules while the class body runs.
+    sys.modules.setdefault("gpu_workers", module)
     spec.loader.exec_module(module)
     return module
 

@@ -115,13 +115,18 @@ class TrainWorker:
         np.random.seed(seed % 2**32)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         groups = ReloadableProcessGroups()
+        # No device_id: a default group bound to a device makes torch build every later NCCL group of
+        # this process by ncclCommSplit of the default communicator (``_new_process_group_helper``'s
+        # split_from). The weight-update group would then be a split of this role's group, a
+        # communicator without the engines: rank 0 would never publish the NCCL unique id the engines
+        # wait for in the store. Unbound, the default group initialises on its first collective, on
+        # the device set in __init__.
         groups.init_default(
             backend,
             init_method,
             self.world_size,
             self.rank,
             timedelta(seconds=self.timeout_s),
-            device_id=self.device if self.device.type == "cuda" else None,
         )
         self._groups = groups
         self._dp = groups.default

@@ -40,6 +40,34 @@ def local_address() -> str:
             return "127.0.0.1"
 
 
+_BIND_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _unbound_default_group(backend: str) -> Any:
+    """Build the group as a communicator of its own, never a split of this process's default group.
+
+    When the process's default group is bound to a device (``init_process_group(device_id=...)``, as a
+    trainer does for eager NCCL init), torch creates every later NCCL group by ``ncclCommSplit`` of the
+    default communicator (``_new_process_group_helper``'s ``split_from``). For this group that is wrong:
+    its members are other processes (the engines), not the default group's ranks. The split would be a
+    communicator of this process's own ranks only, rank 0 would never publish the NCCL unique id that
+    the engines wait for in the store, and the engines would fail with a store timeout. Hiding the
+    binding while the group is made leaves no split source, so the group rendezvouses through the store.
+    """
+    default = c10d._world.default_pg if backend == "nccl" and dist.is_initialized() else None
+    bound = getattr(default, "bound_device_id", None) if default is not None else None
+    if default is None or bound is None:
+        yield
+        return
+    with _BIND_LOCK:
+        default.bound_device_id = None
+        try:
+            yield
+        finally:
+            default.bound_device_id = bound
+
+
 class WeightGroup:
     """One member's handle on a weight-update group (rank 0 is the trainer, hosting the store)."""
 
@@ -81,7 +109,8 @@ class WeightGroup:
             else "pg_options"
         )
         kwargs: dict[str, Any] = {options_kw: None, "timeout": self.timeout, "group_name": group_name}
-        pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, prefixed, **kwargs)
+        with _unbound_default_group(backend):
+            pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, prefixed, **kwargs)
         # Ranks in this group are their own global ranks for torch's bookkeeping (as SGLang does).
         c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
         self._pg: Any = pg

@@ -444,7 +444,7 @@ class WeightSender:
                 sender.send(k)
             sender.drain()
             sender.settle()
-            self._replies(calls)
+            sender.replies(calls)
             return sum(sizes), len(plan)
 
         flat = fmt == FLATTENED_BUCKET
@@ -488,7 +488,7 @@ class WeightSender:
                     sender.settle()
                 del works  # the tensors they sent are complete (waited above) and may be freed
                 per_tensor = nxt
-            self._replies(calls)
+            sender.replies(calls)
         return sum(sizes), len(plan)
 
     def _staging_buffers(self, size: int) -> list[torch.Tensor]:
@@ -500,10 +500,6 @@ class WeightSender:
             self._staging = []  # free the old pair before allocating the new one
             self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         return self._staging
-
-    def _replies(self, calls: list[tuple[EngineEndpoint, Pending]]) -> None:
-        for engine, call in calls:
-            _check_reply(engine, "update_weights_from_distributed", call.result(self.timeout_s))
 
 
 class _FlatSender:
@@ -529,6 +525,7 @@ class _FlatSender:
         self.in_flight: list[tuple[Any, int | None, torch.Tensor]] = []
         self.slot_work: list[Any] = [None, None]
         self.packed: dict[int, tuple[torch.Tensor, int | None]] = {}
+        self.completed = 0  # broadcasts that finished without error on this side
 
     def _pack(self, k: int) -> tuple[torch.Tensor, int | None]:
         a, b = self.plan[k]
@@ -598,13 +595,49 @@ class _FlatSender:
             raise
         except Exception as exc:
             self._blame(exc)
+        self.completed += 1
+
+    def replies(self, calls: list[tuple[EngineEndpoint, Pending]]) -> None:
+        """The engines' answers for this update; a failed one also says how this side fared."""
+        for engine, call in calls:
+            try:
+                _check_reply(engine, "update_weights_from_distributed", call.result(self.owner.timeout_s))
+            except EngineUnavailableError as err:
+                raise self._with_own_side(err) from None
+
+    def _own_failure(self) -> str:
+        """This side's own error, when a broadcast still listed in flight already failed here."""
+        for work, _slot, _buf in self.in_flight:
+            try:
+                if work.is_completed():
+                    work.wait()  # returns at once for a finished work; raises its error for a failed one
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def _with_own_side(self, err: EngineUnavailableError) -> EngineUnavailableError:
+        # An engine's failure reply alone hides whether the sender's side failed (its error is then the
+        # cause) or completed (then its communicator never reached the engine: e.g. a group that is not
+        # the one the engine joined). Say which, in the same exception.
+        own = self._own_failure()
+        side = (
+            f"this sender's side failed too: {own}"
+            if own
+            else f"this sender's side reported no error ({self.completed} broadcast(s) complete here)"
+        )
+        err.args = (f"{err.args[0] if err.args else err}; {side}",)
+        return err
 
     def _check_calls(self) -> None:
         for engine, call in self.calls:
             if call.done():
-                reply = call.result(self.owner.timeout_s)
-                # An engine that answered before the data arrived did not take it; its error is the cause.
-                _check_reply(engine, "update_weights_from_distributed", reply)
+                try:
+                    reply = call.result(self.owner.timeout_s)
+                    # An engine that answered before the data arrived did not take it: its error is the
+                    # cause, with this side's own error (if any) beside it.
+                    _check_reply(engine, "update_weights_from_distributed", reply)
+                except EngineUnavailableError as err:
+                    raise self._with_own_side(err) from None
 
     def _blame(self, exc: BaseException) -> None:
         # A broken broadcast: find the engine whose call failed (a dead actor or server answers fast).
