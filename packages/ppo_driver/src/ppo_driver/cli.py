@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -102,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Under `uv run`, Ray 2.60 re-launches every worker through `uv run` with the working directory
+    # packaged as a runtime env: slow, and unneeded since the workers run in this environment (and every
+    # node of a cluster has the workspace installed, as the README says). Ray reads the switch when it is
+    # first imported, which loading the config does, so it is set here; exporting it overrides this.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     args = build_parser().parse_args(argv)
     console = Console(soft_wrap=True)
     err = Console(stderr=True, soft_wrap=True)
