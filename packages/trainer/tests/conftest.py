@@ -3,9 +3,12 @@ and one local Ray instance for the worker tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -27,6 +30,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gpu_workers_script() -> ModuleType:
+    """``benchmarks/gpu_workers.py`` loaded as a module (the GPU test and its CPU twin drive it)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_workers.py"
+    spec = importlib.util.spec_from_file_location("gpu_workers", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up in sys.modules while the class body runs.
+    sys.modules.setdefault("gpu_workers", module)
+    spec.loader.exec_module(module)
+    return module
 
 
 def save_tiny_llama(folder: Path, seed: int = 0) -> Path:

@@ -3,8 +3,6 @@ phases, and every step's weight update made while the actor is asleep (wake, rec
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -13,22 +11,10 @@ import pytest
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
 
 
-def _script() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_workers.py"
-    spec = importlib.util.spec_from_file_location("gpu_workers", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look their module up in sys.modules while the class body runs.
-    sys.modules.setdefault("gpu_workers", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_asleep_actor_updates_the_engine_every_step(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    gpu_workers_script: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    script = _script()
+    script = gpu_workers_script
     model = script.make_model(tmp_path / "model", hidden=32, layers=1, vocab=64)
     result = script.run("host", model, steps=3, vocab=64, device="cpu")
     assert len(result["update_s"]) == 3, result
