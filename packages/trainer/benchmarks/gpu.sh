@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks of ppo-trainer in one go (needs CUDA; two GPUs for the weight update).
+# Bounded: each step runs under a timeout (about 11 minutes at worst, about 3 when healthy).
 # Expects every packages/*/src on PYTHONPATH (or the packages installed). Prints Markdown tables.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
+PY="${PYTHON:-python}"
 cd "$(dirname "$0")/.."
 
 echo "== actor and critic taking turns on one GPU (NCCL, memory backends), weight update to GPU 1 =="
-python benchmarks/gpu_workers.py --steps 3
+timeout -k 5 240 "$PY" benchmarks/gpu_workers.py --steps 3
 
 echo "== train-step throughput, GPU =="
-python benchmarks/bench_train_step.py --device cuda --repeats 5 --warmup 2
+timeout -k 5 120 "$PY" benchmarks/bench_train_step.py --device cuda --repeats 5 --warmup 2
 
 echo "== train-step throughput, CPU (same machine, 1 thread) =="
-python benchmarks/bench_train_step.py --device cpu --repeats 3 --warmup 1
+timeout -k 5 300 "$PY" benchmarks/bench_train_step.py --device cpu --repeats 3 --warmup 1

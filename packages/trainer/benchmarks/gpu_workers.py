@@ -150,6 +150,8 @@ def run(
             stage(backend, f"step {step}: critic sleep")
             critic.sleep()
             critic_freed.append(free() - awake)
+            if step == 1:
+                rows.append(("both asleep, after the critic's first step", free()))
             value_losses.append(c.metrics["value_loss"])
             stage(backend, f"step {step}: actor wake + train")
             actor.wake_up()
@@ -158,21 +160,39 @@ def run(
             stage(backend, f"step {step}: actor sleep")
             actor.sleep()
             actor_freed.append(free() - awake)
+            if step == 1:
+                rows.append(("both asleep, after the actor's first step", free()))
             if engine_handle is not None:
                 stage(backend, f"step {step}: update_weights (asleep: wake, reconnect, send, sleep)")
                 start = time.perf_counter()
                 actor.update_weights(str(step))
                 update_s.append(time.perf_counter() - start)
                 stage(backend, f"step {step}: update_weights done in {update_s[-1]:.2f} s")
+                if step == 1:
+                    rows.append(("both asleep, after the first weight update", free()))
         rows.append(("both asleep (after training)", free()))
+        if on_gpu:
+            # What torch's allocator still holds per role (0 when the rest is outside torch's cache).
+            for role, group in (("critic", critic), ("actor", actor)):
+                info = group.memory_info()[0]
+                rows.append((f"{role} asleep: torch reserved", info["reserved"] / GIB))
+                rows.append((f"{role} asleep: torch allocated", info["allocated"] / GIB))
         weights_match = None
         if engine_handle is not None:
             stage(backend, "comparing the engine's weights with the actor's")
             weights_match = ray.get(engine_handle.state.remote())["checksum"] == actor.weights_checksum()
         metrics = actor.pop_metrics()
+        named = dict(rows)
+        before, after = named["both asleep"], named["both asleep (after training)"]
+        after_first = rows[[n for n, _ in rows].index("both asleep (after training)") - 1][1]
         return {
             "backend": backend,
             "rows": rows,
+            # Device memory the asleep roles hold after training that they did not hold before it. The
+            # first step costs a one-time amount outside torch's cache (kernels loaded on first use, NCCL
+            # set-up, cuBLAS handles); after it, what a step leaves behind must not grow.
+            "first_step_cost_gib": before - after_first,
+            "growth_after_first_step_gib": after_first - after,
             "critic_freed_gib": critic_freed,
             "actor_freed_gib": actor_freed,
             "value_losses": value_losses,
@@ -205,6 +225,10 @@ def print_report(result: dict[str, Any]) -> None:
     ):
         u = f"{result['update_s'][i]:.2f}" if result["update_s"] else "n/a"
         print(f"| {i + 1} | {c:.2f} | {a:.2f} | {v:.4f} | {u} |")
+    print(
+        f"asleep after the first step: {result['first_step_cost_gib']:.2f} GiB used once (not torch's cache),"
+        f" {result['growth_after_first_step_gib']:.2f} GiB more over the later steps"
+    )
     print(
         f"actor sleep {result['actor_sleep_gb_per_s']:.1f} GB/s, "
         f"wake {result['actor_wake_gb_per_s']:.1f} GB/s; "
@@ -256,6 +280,10 @@ def main() -> int:
                     failures += 1
                 if result["value_losses"][-1] >= result["value_losses"][0]:
                     print(f"FAIL: {backend}: critic value loss did not go down {result['value_losses']}")
+                    failures += 1
+                if result["growth_after_first_step_gib"] > 0.1:
+                    grew = result["growth_after_first_step_gib"]
+                    print(f"FAIL: {backend}: asleep, the roles hold {grew:.2f} GiB more after later steps")
                     failures += 1
                 if result["weights_match"] is False:
                     print(f"FAIL: {backend}: engine weights differ from the actor's")

@@ -8,14 +8,13 @@ Every operation returns a :class:`Pending`; ``result(timeout_s)`` gives the engi
 from __future__ import annotations
 
 import concurrent.futures
-import json
+import http.client
 import threading
-import urllib.error
-import urllib.request
 from typing import Any, Protocol, runtime_checkable
 
 from ppo_weight_sync.buckets import FLATTENED_BUCKET, STREAM_FORMAT_PREFIX
 from ppo_weight_sync.errors import EngineTimeoutError, EngineUnavailableError
+from ppo_weight_sync.http_client import JsonHttpClient
 
 __all__ = ["EngineEndpoint", "HttpEngineEndpoint", "Pending", "RayEngineEndpoint"]
 
@@ -180,7 +179,8 @@ class _FuturePending:
 class HttpEngineEndpoint:
     """An engine behind SGLang's HTTP routes at ``base_url`` (``http://host:port``).
 
-    Requests use ``urllib`` (no HTTP dependency). ``timeout_s`` is the socket timeout of one request; the
+    Requests use the standard library, over one kept-alive HTTP/1.1 connection per thread (see
+    :mod:`ppo_weight_sync.http_client`). ``timeout_s`` is the socket timeout of one request; the
     sender bounds each wait with its own timeout as well. ``load_formats`` defaults to per-tensor only
     (what every SGLang accepts); pass ``("flattened_bucket",)`` for an SGLang that has it, or
     ``RECEIVER_LOAD_FORMATS`` for a server built on :class:`~ppo_weight_sync.WeightReceiver`.
@@ -203,6 +203,7 @@ class HttpEngineEndpoint:
         self.timeout_s = timeout_s
         self.name = name or self.base_url
         self.load_formats = tuple(load_formats)
+        self._http = JsonHttpClient(self.base_url, timeout_s)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -215,24 +216,20 @@ class HttpEngineEndpoint:
     def request(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
         """One blocking request; returns the decoded JSON (or text) body, including 400 answers."""
         op = route.strip("/")
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.base_url + route, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return _decode(resp.read())
-        except urllib.error.HTTPError as exc:
-            payload = _decode(exc.read())
-            if exc.code == 400:
-                # SGLang answers a refused operation with 400: JSON for the weight operations, text for
-                # flush_cache. Either is a refusal, not a dead engine.
-                return payload if isinstance(payload, dict) else {"success": False, "message": str(payload)}
-            raise EngineUnavailableError(self.name, op, f"HTTP {exc.code}: {payload!r}") from exc
+            reply = self._http.request(method, route, body)
         except TimeoutError:
             raise EngineTimeoutError(self.name, op, self.timeout_s) from None
-        except (urllib.error.URLError, ConnectionError, OSError) as exc:
-            raise EngineUnavailableError(self.name, op, f"unreachable: {exc}") from exc
+        except (http.client.HTTPException, OSError) as exc:
+            raise EngineUnavailableError(self.name, op, f"unreachable: {type(exc).__name__}: {exc}") from exc
+        if 200 <= reply.status < 300:
+            return reply.body
+        if reply.status == 400:
+            # SGLang answers a refused operation with 400: JSON for the weight operations, text for
+            # flush_cache. Either is a refusal, not a dead engine.
+            payload = reply.body
+            return payload if isinstance(payload, dict) else {"success": False, "message": str(payload)}
+        raise EngineUnavailableError(self.name, op, f"HTTP {reply.status}: {reply.body!r}")
 
     def _submit(self, method: str, route: str, body: dict[str, Any] | None = None) -> Pending:
         future = self._executor().submit(self.request, method, route, body)
@@ -264,6 +261,7 @@ class HttpEngineEndpoint:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
 
     def __repr__(self) -> str:
         return f"HttpEngineEndpoint({self.base_url!r}, num_gpus={self.num_gpus})"
@@ -278,11 +276,3 @@ class _Mapped:
 
     def result(self, timeout_s: float) -> Any:
         return self._fn(self._inner.result(timeout_s))
-
-
-def _decode(raw: bytes) -> Any:
-    text = raw.decode(errors="replace")
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import selectors
+import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +30,7 @@ from typing import Any
 
 from ppo_weight_sync.testing.engine import Spec, TensorEngine
 
-__all__ = ["EngineHTTPServer", "serve", "start_process"]
+__all__ = ["ClosingHTTPServer", "EngineHTTPServer", "serve", "start_process"]
 
 _WEIGHT_ROUTES = {
     "/init_weights_update_group": "init_weights_update_group",
@@ -38,9 +39,47 @@ _WEIGHT_ROUTES = {
 }
 
 
-class EngineHTTPServer(ThreadingHTTPServer):
+class ClosingHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server whose ``shutdown()`` also closes the kept-alive client connections.
+
+    ``ThreadingHTTPServer.shutdown`` only stops accepting: a handler thread would go on serving a kept-alive
+    connection, so a stopped test server would still answer. Closing them makes a stopped server look
+    like a dead one to its clients.
+    """
+
     daemon_threads = True
 
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._clients: set[socket.socket] = set()
+        self._clients_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._clients_lock:
+            self._clients.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._clients_lock:
+            self._clients.discard(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away (timed out, killed) is not the server's error: no traceback for it.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        with self._clients_lock:
+            clients, self._clients = self._clients, set()
+        for sock in clients:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class EngineHTTPServer(ClosingHTTPServer):
     def __init__(
         self,
         engine: TensorEngine,
@@ -60,6 +99,11 @@ class EngineHTTPServer(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: EngineHTTPServer
+    # Keep connections alive like SGLang's uvicorn server (every answer carries Content-Length), and send
+    # each answer without waiting on Nagle: headers and body go out in two writes, and a kept-alive
+    # client's delayed ACK would otherwise hold the body back ~40 ms.
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read stdout
         return
