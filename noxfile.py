@@ -31,7 +31,7 @@ PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "value_transport": ("ppo-value-transport", ()),
     "trainer": ("ppo-trainer", ()),
     "rollout": ("ppo-rollout", ()),
-    "ppo_driver": ("ppo-driver", ()),
+    "ppo_driver": ("ppo-driver", ("tensorboard",)),
 }
 
 
