@@ -8,14 +8,15 @@ cd "$(dirname "$0")/../../.."
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$(ls -d packages/*/src | paste -sd:)${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-$(mktemp -d)}"
+PY="${PYTHON:-python}"
 for cfg in 2gpu-colocate 2gpu-disaggregate; do
   echo "=== $cfg"
-  timeout 150 python -m ppo_driver validate "configs/$cfg.yaml" | tail -12 || echo "=== $cfg validate FAILED"
-  timeout 150 python -m ppo_driver train --config "configs/$cfg.yaml" --run-dir "$OUT/$cfg" \
+  timeout 150 "$PY" -m ppo_driver validate "configs/$cfg.yaml" | tail -12 || echo "=== $cfg validate FAILED"
+  timeout 150 "$PY" -m ppo_driver train --config "configs/$cfg.yaml" --run-dir "$OUT/$cfg" \
     --set train.steps=12 --set checkpoint.interval=6 --set logging.progress=false \
     || echo "=== $cfg FAILED (exit $?)"
 done
 for cfg in 2gpu-colocate 2gpu-disaggregate; do
-  [ -f "$OUT/$cfg/metrics.jsonl" ] && python packages/ppo_driver/benchmarks/step_breakdown.py "$OUT/$cfg"
+  [ -f "$OUT/$cfg/metrics.jsonl" ] && "$PY" packages/ppo_driver/benchmarks/step_breakdown.py "$OUT/$cfg"
 done
 true

@@ -176,6 +176,28 @@ def test_translations_build() -> None:
     assert rollout.sampling.n_samples_per_prompt == config.rollout.sampling.n_samples_per_prompt
 
 
+@pytest.mark.parametrize(
+    ("name", "overrides", "backend", "dtype"),
+    [
+        ("2gpu-disaggregate", [], "nccl", "bfloat16"),
+        ("2gpu-disaggregate", ["model.dtype=float32"], "nccl", "float32"),
+        # Colocated, engine 0 shares actor rank 0's GPU: NCCL refuses two ranks on one device.
+        ("2gpu-colocate", [], "gloo", "bfloat16"),
+        ("cpu-default", [], "gloo", "float32"),
+    ],
+)
+def test_the_actor_sends_what_the_engines_accept(
+    name: str, overrides: list[str], backend: str, dtype: str
+) -> None:
+    from ppo_driver import build
+
+    config = load_config(REPO / "configs" / f"{name}.yaml", overrides)
+    actor = build.actor_trainer_config(config, "/m")
+    rollout = build.rollout_config(config, "/m")
+    assert actor.weight_sync_backend == backend
+    assert actor.weight_sync_dtype == rollout.dtype == dtype
+
+
 @settings(deadline=None, max_examples=60)
 @given(
     prompts=st.integers(1, 16),

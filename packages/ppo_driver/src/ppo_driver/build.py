@@ -70,8 +70,22 @@ def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerCo
         seed=t.seed,
         device=p.device,
         memory_backend=config.offload.backend,
-        weight_sync_backend="nccl" if p.device == "cuda" else "gloo",
+        weight_sync_backend=weight_sync_backend(config),
+        # The engines hold the weights in the rollout dtype and reject any other.
+        weight_sync_dtype=_rollout_dtype(config),
     )
+
+
+def weight_sync_backend(config: RunConfig) -> Literal["nccl", "gloo"]:
+    """NCCL between the actor's GPU and engines on other GPUs; gloo on CPU and when colocated.
+
+    Colocated, engine 0 shares the actor rank 0's GPU, and NCCL refuses two ranks of one communicator
+    on one device ("Duplicate GPU detected"). Gloo broadcasts CUDA tensors through host memory: slower,
+    but a colocated update moves weights between processes on the same GPUs, which NCCL cannot.
+    """
+    if config.placement.device != "cuda" or config.placement.colocate:
+        return "gloo"
+    return "nccl"
 
 
 def critic_trainer_config(actor: TrainerConfig, config: RunConfig) -> TrainerConfig:
