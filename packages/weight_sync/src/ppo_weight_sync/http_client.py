@@ -15,18 +15,18 @@ import json
 import select
 import threading
 import urllib.parse
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["HttpReply", "JsonHttpClient"]
 
 
+@dataclass(frozen=True, slots=True)
 class HttpReply:
     """Status and decoded body (JSON, else text) of one answered request."""
 
-    __slots__ = ("body", "status")
-
-    def __init__(self, status: int, body: Any) -> None:
-        self.status, self.body = status, body
+    status: int
+    body: Any
 
 
 class JsonHttpClient:
