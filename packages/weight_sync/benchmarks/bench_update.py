@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import json
 import math
 import os
-import selectors
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -40,7 +37,7 @@ from ppo_weight_sync import HttpEngineEndpoint, WeightSender
 from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.endpoints import RECEIVER_LOAD_FORMATS
 from ppo_weight_sync.testing import TensorEngine, llama_like_spec
-from ppo_weight_sync.testing.http_engine import EngineHTTPServer
+from ppo_weight_sync.testing.http_engine import EngineHTTPServer, wait_until_ready
 
 GB = 1e9
 # (hidden, intermediate, vocab): from small to Llama-3-8B.
@@ -106,35 +103,7 @@ def start_engine(device: str, env: dict[str, str], timeout_s: float) -> tuple[su
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "engine", "--device", device]
     cmd += ["--timeout-s", str(timeout_s)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine process exited with {proc.returncode}")
-        if sel.select(timeout=0.2):
-            line = proc.stdout.readline()
-            if line.startswith("READY "):
-                forward_output(proc)
-                return proc, line.split()[1]
-            if line:
-                say(f"[engine] {line.rstrip()}")
-    proc.kill()
-    raise TimeoutError("engine process did not start within 120 s")
-
-
-def forward_output(proc: subprocess.Popen[str]) -> None:
-    """Keep draining the engine's stdout: an unread pipe blocks the engine once 64 KiB are written."""
-    stream = proc.stdout
-    assert stream is not None
-
-    def pump() -> None:
-        with contextlib.suppress(ValueError, OSError):
-            for line in stream:
-                say(f"[engine] {line.rstrip()}")
-
-    threading.Thread(target=pump, daemon=True).start()
+    return proc, wait_until_ready(proc, 120.0, lambda line: say(f"[engine] {line}"))
 
 
 T0 = time.monotonic()

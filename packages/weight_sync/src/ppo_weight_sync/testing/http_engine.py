@@ -26,11 +26,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import IO, Any
 
 from ppo_weight_sync.testing.engine import Spec, TensorEngine
 
-__all__ = ["ClosingHTTPServer", "EngineHTTPServer", "serve", "start_process"]
+__all__ = ["ClosingHTTPServer", "EngineHTTPServer", "serve", "start_process", "wait_until_ready"]
 
 _WEIGHT_ROUTES = {
     "/init_weights_update_group": "init_weights_update_group",
@@ -232,36 +232,49 @@ def start_process(
     ]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env)
-    assert proc.stdout is not None
+
+    def echo(line: str) -> None:
+        sys.stdout.write(f"[engine {proc.pid}] {line}\n")
+        sys.stdout.flush()
+
+    return proc, wait_until_ready(proc, timeout_s, echo)
+
+
+def wait_until_ready(proc: subprocess.Popen[str], timeout_s: float, echo: Callable[[str], None]) -> str:
+    """Wait for a server process's ``READY <url>`` line on its stdout; returns the URL.
+
+    Every other line goes to ``echo`` (without its newline), before READY and after: a pipe nobody reads
+    fills up (64 KiB) and then blocks whichever server thread writes next, e.g. NCCL's own log lines.
+    A process that exits first raises ``RuntimeError``; no READY within ``timeout_s`` kills the process
+    and raises ``TimeoutError``.
+    """
+    stream = proc.stdout
+    if stream is None:
+        raise ValueError("wait_until_ready: start the process with stdout=subprocess.PIPE, text=True")
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(stream, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"http engine process exited with {proc.returncode} before it was ready")
         if sel.select(timeout=0.1):
-            line = proc.stdout.readline()
+            line = stream.readline()
             if line.startswith("READY "):
-                _forward_output(proc)
-                return proc, line.split()[1]
+                _forward_output(proc, stream, echo)
+                return line.split()[1]
             if line:
-                sys.stdout.write(f"[engine {proc.pid}] {line}")
+                echo(line.rstrip())
     proc.kill()
     raise TimeoutError(f"http engine process printed no READY line within {timeout_s:g} s")
 
 
-def _forward_output(proc: subprocess.Popen[str]) -> None:
-    """Keep reading the server's stdout after READY (to ours, prefixed). A pipe nobody reads fills up
-    (64 KiB) and then blocks whichever server thread writes next, e.g. NCCL's own log lines."""
-    stream = proc.stdout
-    if stream is None:
-        return
+def _forward_output(proc: subprocess.Popen[str], stream: IO[str], echo: Callable[[str], None]) -> None:
+    """Keep reading the server's stdout after READY, on a daemon thread."""
 
     def pump() -> None:
         with contextlib.suppress(ValueError, OSError):
             for line in stream:
-                sys.stdout.write(f"[engine {proc.pid}] {line}")
-                sys.stdout.flush()
+                echo(line.rstrip())
 
     threading.Thread(target=pump, name=f"engine-{proc.pid}-stdout", daemon=True).start()
 
