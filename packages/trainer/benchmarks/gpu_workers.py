@@ -123,7 +123,9 @@ def run(
         stage(backend, "both groups up; putting both to sleep")
         critic.sleep()
         actor.sleep()
-        rows.append(("both asleep", free()))
+        asleep_before = free()
+        rows.append(("both asleep", asleep_before))
+        after_first_step = asleep_before  # the first step's last transition overwrites it
         if torch.cuda.device_count() > 1 or not on_gpu:
             cfg = AutoConfig.from_pretrained(model)
             from transformers import AutoModelForCausalLM
@@ -149,9 +151,10 @@ def run(
             awake = free()
             stage(backend, f"step {step}: critic sleep")
             critic.sleep()
-            critic_freed.append(free() - awake)
+            asleep = free()
+            critic_freed.append(asleep - awake)
             if step == 1:
-                rows.append(("both asleep, after the critic's first step", free()))
+                rows.append(("both asleep, after the critic's first step", asleep))
             value_losses.append(c.metrics["value_loss"])
             stage(backend, f"step {step}: actor wake + train")
             actor.wake_up()
@@ -159,9 +162,11 @@ def run(
             awake = free()
             stage(backend, f"step {step}: actor sleep")
             actor.sleep()
-            actor_freed.append(free() - awake)
+            asleep = free()
+            actor_freed.append(asleep - awake)
             if step == 1:
-                rows.append(("both asleep, after the actor's first step", free()))
+                rows.append(("both asleep, after the actor's first step", asleep))
+                after_first_step = asleep
             if engine_handle is not None:
                 stage(backend, f"step {step}: update_weights (asleep: wake, reconnect, send, sleep)")
                 start = time.perf_counter()
@@ -169,8 +174,10 @@ def run(
                 update_s.append(time.perf_counter() - start)
                 stage(backend, f"step {step}: update_weights done in {update_s[-1]:.2f} s")
                 if step == 1:
-                    rows.append(("both asleep, after the first weight update", free()))
-        rows.append(("both asleep (after training)", free()))
+                    after_first_step = free()
+                    rows.append(("both asleep, after the first weight update", after_first_step))
+        after_training = free()
+        rows.append(("both asleep (after training)", after_training))
         if on_gpu:
             # What torch's allocator still holds per role (0 when the rest is outside torch's cache).
             for role, group in (("critic", critic), ("actor", actor)):
@@ -182,17 +189,14 @@ def run(
             stage(backend, "comparing the engine's weights with the actor's")
             weights_match = ray.get(engine_handle.state.remote())["checksum"] == actor.weights_checksum()
         metrics = actor.pop_metrics()
-        named = dict(rows)
-        before, after = named["both asleep"], named["both asleep (after training)"]
-        after_first = rows[[n for n, _ in rows].index("both asleep (after training)") - 1][1]
         return {
             "backend": backend,
             "rows": rows,
             # Device memory the asleep roles hold after training that they did not hold before it. The
             # first step costs a one-time amount outside torch's cache (kernels loaded on first use, NCCL
             # set-up, cuBLAS handles); after it, what a step leaves behind must not grow.
-            "first_step_cost_gib": before - after_first,
-            "growth_after_first_step_gib": after_first - after,
+            "first_step_cost_gib": asleep_before - after_first_step,
+            "growth_after_first_step_gib": after_first_step - after_training,
             "critic_freed_gib": critic_freed,
             "actor_freed_gib": actor_freed,
             "value_losses": value_losses,
