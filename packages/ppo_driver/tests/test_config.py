@@ -223,3 +223,28 @@ def test_batch_divisibility_is_exactly_the_rule(prompts: int, samples: int, dp: 
             fields = r"placement\.actor_gpus|train\.micro_batch_size|rollout\.prompts_per_step"
             with pytest.raises(ConfigError, match=fields):
                 load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "ranks", "state_share", "shards"),
+    [
+        # auto shards a large model on CUDA with 2 ranks, not a small one.
+        ("2gpu-colocate", [], 2, 0.5, True),
+        ("2gpu-colocate", [], 2, 0.1, False),
+        ("2gpu-colocate", ["train.data_parallel=replicate"], 2, 0.5, False),
+        ("2gpu-colocate", ["train.data_parallel=fsdp2"], 2, 0.0, True),
+        ("2gpu-disaggregate", [], 1, 0.5, False),  # one actor rank: nothing to shard over
+        ("cpu-default", [], 2, 0.5, False),  # auto never shards on CPU
+        ("cpu-default", ["train.data_parallel=fsdp2"], 2, 0.0, True),
+    ],
+)
+def test_data_parallel_reaches_both_roles(
+    name: str, overrides: list[str], ranks: int, state_share: float, shards: bool
+) -> None:
+    from ppo_driver import build
+
+    config = load_config(REPO / "configs" / f"{name}.yaml", overrides)
+    actor = build.actor_trainer_config(config, "/m")
+    critic = build.critic_trainer_config(actor, config)
+    assert actor.shards(ranks, state_share) is shards
+    assert critic.shards(ranks, state_share) is shards

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks of ppo-trainer in one go (needs CUDA; two GPUs for the weight update).
-# Bounded: each step runs under a timeout (about 11 minutes at worst, about 3 when healthy).
+# Bounded: each step runs under a timeout (about 23 minutes at worst, about 8 when healthy).
 # Expects every packages/*/src on PYTHONPATH (or the packages installed). Prints Markdown tables.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -10,6 +10,12 @@ cd "$(dirname "$0")/.."
 
 echo "== actor and critic taking turns on one GPU (NCCL, memory backends), weight update to GPU 1 =="
 timeout -k 5 240 "$PY" benchmarks/gpu_workers.py --steps 3
+
+echo "== FSDP2 across sleep and wake on NCCL (2 GPUs) =="
+timeout -k 5 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_sharding.py
+
+echo "== replicated vs FSDP2 data parallelism, actor and critic taking turns on 2 GPUs =="
+timeout -k 5 480 "$PY" benchmarks/gpu_fsdp.py --steps 3
 
 echo "== train-step throughput, GPU =="
 timeout -k 5 120 "$PY" benchmarks/bench_train_step.py --device cuda --repeats 5 --warmup 2

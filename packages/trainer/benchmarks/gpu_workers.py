@@ -17,6 +17,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,17 @@ def make_model(folder: Path, hidden: int, layers: int, vocab: int) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+@contextmanager
+def cpu_dry_run_model() -> Iterator[Path]:
+    """A CPU-only local Ray instance and a tiny Llama (vocab 256) for a script's dry run."""
+    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield make_model(Path(tmp) / "model", 64, 2, 256)
+    finally:
+        ray.shutdown()
 
 
 def make_batch(n: int, prompt: int, response: int, vocab: int, seed: int) -> dict[str, list[torch.Tensor]]:
@@ -256,13 +269,8 @@ def main() -> int:
     parser.add_argument("--cpu-dry-run", action="store_true", help="run the sequence on CPU, tiny model")
     args = parser.parse_args()
     if args.cpu_dry_run:
-        ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                model = make_model(Path(tmp) / "model", 64, 2, 256)
-                print_report(run("host", model, steps=2, vocab=256, device="cpu"))
-        finally:
-            ray.shutdown()
+        with cpu_dry_run_model() as model:
+            print_report(run("host", model, steps=2, vocab=256, device="cpu"))
         return 0
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to run")

@@ -3,16 +3,19 @@ handling, micro-batching, and the PPO/GRPO updates."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_model
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig
-from ppo_trainer.models import load_critic, load_policy_state_into_critic
+from ppo_trainer.backend import DataParallel
+from ppo_trainer.models import count_parameters, load_critic, load_policy_state_into_critic
 
 
 def trainer(model: Path, role: str = "actor", **kwargs) -> TorchTrainer:  # type: ignore[no-untyped-def]
@@ -165,3 +168,87 @@ def test_mini_batches_and_epochs_set_the_number_of_steps(tiny_model: Path, field
     t = trainer(tiny_model, algorithm=AlgorithmConfig(num_mini_batches=6), micro_batch_size=2)
     with pytest.raises(ValueError, match="fewer samples than num_mini_batches=6"):
         t.train_actor(samples, values)
+
+
+def test_count_parameters_reads_only_the_config(tiny_model: Path, tmp_path: Path) -> None:
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert count_parameters(tiny_model) == sum(p.numel() for p in loaded.parameters())
+    (tmp_path / "config.json").write_text((tiny_model / "config.json").read_text())  # no weights
+    assert count_parameters(tmp_path) == count_parameters(tiny_model)
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[dist.ProcessGroup]:
+    """A 1-rank gloo default group in this process (FSDP2 needs one even without peers)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+    try:
+        yield dist.group.WORLD  # type: ignore[misc]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_with_a_sharded_reference_trains_like_replication(
+    tiny_model: Path, fields_factory: Callable, one_rank_group: dist.ProcessGroup
+) -> None:
+    samples = Samples.from_fields(fields_factory(8, seed=12, samples_per_prompt=4))
+    alg = AlgorithmConfig(estimator="grpo", use_kl_loss=True, kl_loss_coef=0.1, ppo_epochs=2)
+    config = TrainerConfig(role="actor", model_path=str(tiny_model), algorithm=alg, lr=1e-3)
+    plain = TorchTrainer(config)
+    sharded = TorchTrainer(config, DataParallel(shard_group=lambda: one_rank_group))
+    assert (plain.sharded, sharded.sharded) == (False, True)
+    assert sharded.architecture == "LlamaForCausalLM"
+    for _ in range(2):
+        m_plain = plain.train_actor(samples, None)
+        m_sharded = sharded.train_actor(samples, None)
+        for key in ("pg_loss", "kl_loss", "ref_kl", "grad_norm", "entropy"):
+            assert m_sharded[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-7), key
+    plain_weights = dict(plain.named_weights())
+    for name, tensor in sharded.named_weights():
+        assert not isinstance(tensor, DTensor)
+        torch.testing.assert_close(tensor, plain_weights[name], atol=1e-6, rtol=1e-5)
+    # The memory backend gets plain local tensors: model, reference and AdamW state.
+    tracked = sharded.weight_tensors() + sharded.optimizer_tensors()
+    assert tracked
+    assert not any(isinstance(t, DTensor) for t in tracked)
+    assert len(sharded.optimizer_tensors()) == len(plain.optimizer_tensors())
+
+
+def test_fsdp2_critic_trains_saves_and_loads_a_policy_checkpoint(
+    tiny_model: Path, fields_factory: Callable, one_rank_group: dist.ProcessGroup, tmp_path: Path
+) -> None:
+    from ppo_trainer import checkpoint
+
+    samples = Samples.from_fields(fields_factory(8, seed=13))
+    config = TrainerConfig(role="critic", model_path=str(tiny_model), lr=1e-3)
+    shard = DataParallel(shard_group=lambda: one_rank_group)
+    plain, sharded = TorchTrainer(config), TorchTrainer(config, shard)
+    for _ in range(2):
+        m_plain, v_plain = plain.train_critic(samples)
+        m_sharded, v_sharded = sharded.train_critic(samples)
+        assert m_sharded["value_loss"] == pytest.approx(m_plain["value_loss"], rel=1e-5)
+        torch.testing.assert_close(v_sharded, v_plain, atol=1e-6, rtol=1e-5)
+
+    checkpoint.save_shard(sharded, tmp_path / "critic", step=2)
+    fresh = TorchTrainer(config, shard)
+    assert checkpoint.load_shard(fresh, tmp_path / "critic") == 2
+    for (name, a), (_, b) in zip(fresh.named_weights(), sharded.named_weights(), strict=True):
+        assert torch.equal(a, b), name
+    assert fresh.optimizer.state_dict()["state"].keys() == sharded.optimizer.state_dict()["state"].keys()
+
+    # A policy checkpoint loads into the sharded critic's backbone; the value head stays as it was.
+    policy = TorchTrainer(TrainerConfig(role="actor", model_path=str(tiny_model), lr=1e-3))
+    policy.train_actor(samples, torch.zeros(len(samples), samples.max_response))
+    checkpoint.save_shard(policy, tmp_path / "actor", step=1)
+    head = dict(fresh.named_weights())["value_head.weight"].clone()
+    assert checkpoint.load_shard(fresh, tmp_path / "actor") is None
+    loaded = dict(fresh.named_weights())
+    policy_weights = dict(policy.named_weights())
+    torch.testing.assert_close(
+        loaded["backbone.embed_tokens.weight"], policy_weights["model.embed_tokens.weight"], atol=0, rtol=0
+    )
+    assert torch.equal(loaded["value_head.weight"], head)

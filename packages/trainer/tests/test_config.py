@@ -45,6 +45,7 @@ def test_algorithm_config_rejects(kwargs: dict, field: str) -> None:
         ({"memory_backend": "pinned"}, "memory_backend"),
         ({"weight_sync_backend": "nccl"}, "weight_sync_backend"),
         ({"weight_sync_dtype": "int8"}, "weight_sync_dtype"),
+        ({"data_parallel": "ddp"}, "data_parallel"),
         ({"role": "critic", "algorithm": AlgorithmConfig(kl_coef=0.1)}, "kl_coef"),
         ({"role": "critic", "algorithm": AlgorithmConfig(estimator="grpo")}, "grpo"),
     ],
@@ -68,3 +69,20 @@ def test_configs_are_frozen_and_derived_by_replace() -> None:
     assert TrainerConfig(role="actor", model_path="/m", device="cuda").compute_dtype == "bfloat16"
     assert AlgorithmConfig(eps_clip=0.2).clip_high == 0.2
     assert AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1).needs_reference
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "world_size", "state_share", "shards"),
+    [
+        ({"device": "cuda"}, 2, 0.26, True),  # auto: more than a quarter of a GPU replicated
+        ({"device": "cuda"}, 2, 0.25, False),
+        ({"device": "cuda"}, 1, 0.9, False),  # one rank has nothing to shard over
+        ({"device": "cpu"}, 2, 0.9, False),  # auto never shards on CPU
+        ({"data_parallel": "fsdp2"}, 2, 0.0, True),  # explicit choices ignore the share
+        ({"data_parallel": "fsdp2"}, 1, 0.0, True),
+        ({"device": "cuda", "data_parallel": "replicate"}, 2, 0.9, False),
+    ],
+)
+def test_data_parallel_choice(kwargs: dict, world_size: int, state_share: float, shards: bool) -> None:
+    config = TrainerConfig(role="actor", model_path="/m", **kwargs)
+    assert config.shards(world_size, state_share) is shards

@@ -3,6 +3,7 @@ backend, a Ray engine receiving weights, and checkpoints on disk."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -43,12 +44,15 @@ def initial(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def all_groups(tiny_model: Path, ray_session: None, initial: Path) -> Iterator[dict[str, TrainGroup]]:
-    """A 1-rank actor, a 1-rank critic and a 2-rank actor, started together (worker start-up dominates)."""
+    """A 1-rank actor, a 1-rank critic, a 2-rank actor and a 2-rank FSDP2 actor, started together
+    (worker start-up dominates)."""
     actor_cfg, critic_cfg = configs(tiny_model)
+    fsdp_cfg, _ = configs(tiny_model, data_parallel="fsdp2")
     specs = {
         "actor": ("actor", 1, actor_cfg),
         "critic": ("critic", 1, critic_cfg),
         "actor2": ("actor", 2, actor_cfg),
+        "actor_fsdp": ("actor", 2, fsdp_cfg),
     }
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {
@@ -253,11 +257,107 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
     one.save(tmp_path / "one")
     two.save(tmp_path / "two")
-    w1 = load_file(str(tmp_path / "one" / "model.safetensors"))
-    w2 = load_file(str(tmp_path / "two" / "model.safetensors"))
+    assert_same_saved_weights(tmp_path / "one", tmp_path / "two")
+    assert (tmp_path / "two" / "rng_rank1.safetensors").is_file()
+
+
+def assert_same_saved_weights(first: Path, second: Path) -> None:
+    """Both checkpoints hold the same tensor names and values, up to summation-order noise."""
+    w1 = load_file(str(first / "model.safetensors"))
+    w2 = load_file(str(second / "model.safetensors"))
     assert w1.keys() == w2.keys()
     # Adam's first step is lr * g / (|g| + eps): float noise in the summation order only shows on
     # near-zero gradients, and stays far below one step (lr = 1e-3).
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], atol=1e-4, rtol=1e-4)
-    assert (tmp_path / "two" / "rng_rank1.safetensors").is_file()
+
+
+def two_rank_step(group: TrainGroup, n: int, fields: dict, values: list[torch.Tensor]) -> dict[str, float]:
+    halves = [{k: v[:4] for k, v in fields.items()}, {k: v[4:] for k, v in fields.items()}]
+    return group.train(n, [pack_fields(h) for h in halves], [pack(values[:4]), pack(values[4:])]).metrics
+
+
+def test_fsdp2_matches_one_rank_and_checkpoints_load_across_kinds(
+    all_groups: dict[str, TrainGroup], initial: Path, tmp_path: Path
+) -> None:
+    from conftest import make_fields
+
+    one, fsdp = all_groups["actor"], all_groups["actor_fsdp"]
+    assert (fsdp.data_parallel, one.data_parallel) == ("fsdp2", "replicate")
+    one.wake_up()
+    fsdp.wake_up()
+    one.load(initial / "actor")
+    fsdp.load(initial / "actor")  # a replicated checkpoint into sharded ranks
+    assert fsdp.weights_checksum() == one.weights_checksum()
+    fields = make_fields(8, seed=61)
+    values = [torch.randn(int(r)) for r in fields["response_length"]]
+    m1 = one.train(1, [pack_fields(fields)], [pack(values)]).metrics
+    m2 = two_rank_step(fsdp, 1, fields, values)
+    for key in ("pg_loss", "grad_norm", "entropy", "advantages_mean", "train_rollout_logp_abs_diff"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    one.save(tmp_path / "one")
+    fsdp.save(tmp_path / "fsdp")
+    assert_same_saved_weights(tmp_path / "one", tmp_path / "fsdp")  # whole tensors, as replicated
+    state = json.loads((tmp_path / "fsdp" / "trainer_state.json").read_text())
+    assert (state["data_parallel"], state["world_size"]) == ("fsdp2", 2)
+    hf_config = json.loads((tmp_path / "fsdp" / "hf" / "config.json").read_text())
+    assert hf_config["architectures"] == ["LlamaForCausalLM"]  # not FSDP's wrapper class
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "hf")
+    fsdp_checksum = fsdp.weights_checksum()
+    assert checksum((n, t.float()) for n, t in hf.state_dict().items()) == fsdp_checksum
+
+    # The sharded optimizer state round-trips: load, step again, and both kinds agree again.
+    one.load(tmp_path / "fsdp")  # a sharded checkpoint into a replicated rank
+    assert one.weights_checksum() == fsdp_checksum
+    fsdp.load(tmp_path / "fsdp")
+    fields = make_fields(8, seed=62)
+    values = [torch.randn(int(r)) for r in fields["response_length"]]
+    m1 = one.train(2, [pack_fields(fields)], [pack(values)]).metrics
+    m2 = two_rank_step(fsdp, 2, fields, values)
+    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
+    one.save(tmp_path / "one2")
+    fsdp.save(tmp_path / "fsdp2")
+    assert_same_saved_weights(tmp_path / "one2", tmp_path / "fsdp2")
+
+
+def test_fsdp2_sleeps_wakes_and_updates_engines(
+    all_groups: dict[str, TrainGroup], initial: Path, tiny_model: Path
+) -> None:
+    from conftest import make_fields
+
+    fsdp = all_groups["actor_fsdp"]
+    batches = [make_fields(8, seed=s) for s in (71, 72)]
+    values = [[torch.randn(int(r)) for r in f["response_length"]] for f in batches]
+
+    fsdp.wake_up()
+    fsdp.load(initial / "actor")
+    for n, (fields, vals) in enumerate(zip(batches, values, strict=True), start=1):
+        two_rank_step(fsdp, n, fields, vals)
+    resident = fsdp.weights_checksum()
+
+    fsdp.load(initial / "actor")
+    for n, (fields, vals) in enumerate(zip(batches, values, strict=True), start=1):
+        two_rank_step(fsdp, n, fields, vals)
+        fsdp.sleep()
+        assert fsdp.is_asleep()
+        fsdp.wake_up()
+    assert fsdp.weights_checksum() == resident
+    metrics = fsdp.pop_metrics()
+    assert metrics["sleep/bytes"] > 0, metrics
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    spec = {name: ("float32", list(p.shape)) for name, p in model.named_parameters()}
+    handle = ray.remote(CountingEngine).options(max_concurrency=4, num_cpus=0).remote(spec, seed=5)
+    try:
+        fsdp.connect_engines([RayEngineEndpoint(handle, num_gpus=1, name="engine-0")])
+        fsdp.sleep()  # asleep: every rank wakes, gathers, and rank 0 sends
+        metrics = fsdp.update_weights("7")
+        assert metrics["reconnected"] == 1.0
+        assert fsdp.is_asleep()
+        state = ray.get(handle.state.remote())
+        assert state["weight_version"] == "7"
+        assert state["checksum"] == resident
+    finally:
+        fsdp.wake_up()
+        ray.kill(handle)

@@ -68,6 +68,7 @@ def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerCo
         micro_batch_size=t.micro_batch_size,
         grad_clip=t.grad_clip,
         seed=t.seed,
+        data_parallel=t.data_parallel,
         device=p.device,
         memory_backend=config.offload.backend,
         weight_sync_backend=weight_sync_backend(config),

@@ -163,6 +163,12 @@ class TrainSection(_Section):
     weight_decay: float = Field(default=0.0, ge=0)
     grad_clip: float = Field(default=1.0, gt=0)
     num_critic_only_steps: int = Field(default=0, ge=0, description="first steps train the critic only")
+    data_parallel: Literal["auto", "replicate", "fsdp2"] = Field(
+        default="auto",
+        description="replicate: each rank holds the whole model and optimizer; fsdp2: a shard each "
+        "(torch fully_shard); auto: fsdp2 on CUDA with more than one rank when the replicated training "
+        "state (16 bytes a parameter) would take over a quarter of a GPU, else replicate",
+    )
 
 
 class OffloadSection(_Section):

@@ -4,10 +4,17 @@
 and a sum all-reduce) and a ``region`` context factory under which it allocates weights and optimizer
 state (torch_memory_saver tags them; other memory backends ignore it). The Ray worker wires both.
 
-Data parallelism is plain replication: every rank holds the whole model; after the micro-batches of one
-mini-batch, the gradients are summed over ranks in one flat buffer. Losses are divided by the token (or
-sequence) count of the whole global mini-batch, so that sum equals the gradient of the global mean and a
-2-rank run matches a 1-rank run on the same global batch up to float summation order.
+Data parallelism comes in two kinds (``DataParallel.shard_group``):
+
+- replication: every rank holds the whole model; after the micro-batches of one mini-batch, the
+  gradients are summed over ranks in one flat buffer;
+- FSDP2 (``ppo_trainer.sharding``): each rank holds a shard of every parameter, gradient and AdamW
+  state; FSDP reduce-scatters the gradients after each backward.
+
+Losses are divided by the token (or sequence) count of the whole global mini-batch, so the sum over
+ranks equals the gradient of the global mean and a 2-rank run matches a 1-rank run on the same global
+batch up to float summation order. FSDP averages what it reduces, so the sharded backward scales the
+loss by the world size to get that sum.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ppo_trainer import ppo_math as pm
+from ppo_trainer import sharding
 from ppo_trainer.batch import MicroBatch, Samples, chunks, collate, split_even
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.models import load_causal_lm, load_critic, load_reference
@@ -34,11 +43,16 @@ def _no_region(tag: str) -> ContextManager[None]:
 
 @dataclass(frozen=True)
 class DataParallel:
-    """Where this rank sits and how to sum a tensor over all ranks (returns the sum, same device)."""
+    """Where this rank sits and how to sum a tensor over all ranks (returns the sum, same device).
+
+    ``shard_group``: shard the models with FSDP2 over the group it returns (called at construction
+    and after every rebuild of the groups, so it must return the live one); None: replicate them.
+    """
 
     rank: int = 0
     world_size: int = 1
     sum_fn: pm.AllReduce | None = None
+    shard_group: Callable[[], dist.ProcessGroup] | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.sum_fn is None else self.sum_fn(tensor)
@@ -80,6 +94,17 @@ class TorchTrainer:
                     if module is not None:
                         for t in [*module.parameters(), *module.buffers()]:
                             t.data = t.data.clone()
+        # The class transformers writes into config.json; FSDP renames the class it wraps.
+        self.architecture = type(self.model).__name__
+        self.sharded = self.dp.shard_group is not None
+        if self.dp.shard_group is not None:
+            with self.region(self.WEIGHTS_TAG):
+                group = self.dp.shard_group()
+                sharding.shard_model(self.model, group, self.device.type, self.autocast_dtype)
+                if self.reference is not None:
+                    sharding.shard_model(self.reference, group, self.device.type, None)
+        # FSDP averages gradients over ranks; the losses are already divided by the global count.
+        self._loss_scale = float(self.dp.world_size) if self.sharded else 1.0
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -91,24 +116,47 @@ class TorchTrainer:
 
     # ------------------------------------------------------------------ tensors the lifecycle moves
     def weight_tensors(self) -> list[torch.Tensor]:
+        """What the memory backend moves for the weights (the local shards when sharded)."""
         tensors = [p.data for p in self.model.parameters()] + list(self.model.buffers())
         if self.reference is not None:
             tensors += [p.data for p in self.reference.parameters()] + list(self.reference.buffers())
-        return [t for t in tensors if t.device.type == self.device.type]
+        return [t for t in sharding.local_tensors(tensors) if t.device.type == self.device.type]
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         for state in self.optimizer.state.values():
-            out += [
-                v for v in state.values() if isinstance(v, torch.Tensor) and v.device.type == self.device.type
-            ]
-        return out
+            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return [t for t in sharding.local_tensors(out) if t.device.type == self.device.type]
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's ``state_dict`` in Hugging Face names: parameters and persistent buffers, tied
-        weights under each of their names (what an engine loading a Hugging Face checkpoint holds)."""
+        weights under each of their names (what an engine loading a Hugging Face checkpoint holds).
+
+        Whole tensors, cast to ``dtype`` (None: as they are). Sharded, every rank must iterate in
+        step: each tensor is gathered, in ``dtype``, by a collective over the ranks.
+        """
+        gathered: dict[int, torch.Tensor] = {}
         for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+            key = id(tensor)
+            if key not in gathered:  # tied weights: one gather, one tensor under each name
+                gathered[key] = sharding.full_tensor(tensor.detach(), dtype)
+            yield name, gathered[key]
+
+    def after_groups_rebuilt(self) -> None:
+        """Point FSDP at the rebuilt process group (a lifecycle post-wake hook; no-op unsharded)."""
+        if self.dp.shard_group is None:
+            return
+        group = self.dp.shard_group()
+        for module in (self.model, self.reference):
+            if module is not None:
+                sharding.rebind_process_groups(module, group)
+
+    def release_gathered(self) -> None:
+        """Free parameters FSDP keeps gathered after a forward without backward (before sleeping)."""
+        if self.sharded:
+            for module in (self.model, self.reference):
+                if module is not None:
+                    sharding.reshard(module)
 
     # ------------------------------------------------------------------ forward passes
     def _autocast(self) -> ContextManager[object]:
@@ -141,6 +189,7 @@ class TorchTrainer:
             log_probs, _ = self._policy(model, collate(samples, rows, self.device), with_entropy=False)
             out[rows] = log_probs.float().cpu()
         model.train(was_training)
+        self.release_gathered()
         return out * samples.response_mask
 
     def compute_log_probs(self, samples: Samples) -> torch.Tensor:
@@ -155,11 +204,14 @@ class TorchTrainer:
         for rows in chunks(range(len(samples)), self.config.micro_batch_size):
             out[rows] = self._values(collate(samples, rows, self.device)).cpu()
         self.model.train()
+        self.release_gathered()
         return out * samples.response_mask
 
     # ------------------------------------------------------------------ optimisation
     def _optimizer_step(self) -> float:
         """Sum gradients over ranks, clip, step, clear; returns the global gradient norm before clipping."""
+        if self.sharded:
+            return self._clip_and_step()  # FSDP reduce-scattered each gradient in the backward
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.dp.world_size > 1:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -172,8 +224,12 @@ class TorchTrainer:
         else:
             for p, g in zip(self.params, grads, strict=True):
                 p.grad = g
-        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        return self._clip_and_step()
+
+    def _clip_and_step(self) -> float:
+        norm = sharding.total_grad_norm(self.params)
+        if self.config.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.config.grad_clip, norm)
         with self.region(self.OPTIMIZER_TAG):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -215,7 +271,7 @@ class TorchTrainer:
                 sums: dict[str, torch.Tensor] = {}
                 for rows in chunks(mini, self.config.micro_batch_size):
                     terms = micro_loss(rows, collate(samples, rows, self.device), denominator)
-                    terms["loss"].backward()
+                    (terms["loss"] * self._loss_scale).backward()
                     for name, value in terms.items():
                         sums[name] = sums.get(name, torch.zeros(())) + value.detach().float().cpu()
                 reduced = self._reduce_metrics(sums)

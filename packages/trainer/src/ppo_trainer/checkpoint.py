@@ -2,14 +2,20 @@
 
 Layout of ``<folder>/<role>/``::
 
-    model.safetensors       the trained model (critic: backbone.* and value_head.*)
-    optimizer.pt            AdamW state dict (tensors and numbers only; read with weights_only=True)
+    model.safetensors       the trained model (critic: backbone.* and value_head.*), whole tensors
+    optimizer.pt            AdamW state dict keyed by parameter name, whole tensors (tensors and
+                            numbers only; read with weights_only=True)
     rng_rank<r>.safetensors torch CPU/CUDA generator states; python and numpy states as JSON metadata
-    trainer_state.json      role, world size, last step, format version
+    trainer_state.json      role, world size, data parallelism, last step, format version
     hf/                     actor only: save_pretrained output plus the tokenizer files of model_path
 
-Rank 0 writes the replicated model and optimizer; every rank writes its RNG state. The group writes
-into ``<role>.tmp`` and renames it into place, so a crash never leaves a half-written ``<role>/``.
+The files hold whole tensors whichever data parallelism wrote them, so a checkpoint written by
+replicated ranks loads into FSDP2 ranks and back, at any world size. Replicated, rank 0 writes its
+model and optimizer; sharded, every rank takes part in gathering them (``torch.distributed.checkpoint``'s
+full state dicts) and rank 0 writes. Every rank writes its RNG state. The group writes into
+``<role>.tmp`` and renames it into place, so a crash never leaves a half-written ``<role>/``.
+
+Format 1 keyed the optimizer state by parameter index; it still loads.
 """
 
 from __future__ import annotations
@@ -17,18 +23,32 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import PreTrainedModel
 
 from ppo_trainer.backend import TorchTrainer
-from ppo_trainer.models import CriticModel, load_policy_state_into_critic
+from ppo_trainer.models import CriticModel, load_policy_state_into_critic, map_policy_state_to_critic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Whole tensors, gathered to rank 0's host memory (other ranks get empty dicts).
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Whole tensors in, each rank keeps its shard; names were checked before (tied aliases are absent).
+_SCATTER_PARTIAL = StateDictOptions(full_state_dict=True, strict=False)
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -89,24 +109,114 @@ def save_shard(trainer: TorchTrainer, folder: Path, step: int | None) -> None:
     rank = trainer.dp.rank
     tensors, meta = _rng_state()
     save_file(tensors, str(folder / f"rng_rank{rank}.safetensors"), metadata=meta)
+    if trainer.sharded:
+        model_state = get_model_state_dict(trainer.model, options=_GATHER)  # collective
+        # torch.distributed.checkpoint fills an empty optimizer state by taking a step with lr 0,
+        # which would count as Adam's first step: before any step there is nothing to gather anyway.
+        if trainer.optimizer.state:
+            optimizer_state = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=_GATHER)
+        else:
+            optimizer_state = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
+    elif rank == 0:
+        model_state = {}
+        optimizer_state = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
     if rank != 0:
         return
-    save_model(trainer.model, str(folder / "model.safetensors"))
-    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
+    if trainer.sharded:
+        save_file(_drop_tied_aliases(trainer.model, model_state), str(folder / "model.safetensors"))
+    else:
+        save_model(trainer.model, str(folder / "model.safetensors"))
+    torch.save(optimizer_state, folder / "optimizer.pt")
     state: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "role": trainer.config.role,
         "world_size": trainer.dp.world_size,
+        "data_parallel": "fsdp2" if trainer.sharded else "replicate",
         "step": step,
     }
     (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
     if trainer.config.role == "actor":
         hf = folder / "hf"
-        trainer.model.save_pretrained(hf, safe_serialization=True)  # type: ignore[operator]
+        policy = cast(PreTrainedModel, trainer.model)  # the actor's model is a causal LM
+        if trainer.sharded:
+            policy.save_pretrained(hf, state_dict=model_state, safe_serialization=True)
+            _name_architecture(hf / "config.json", trainer.architecture)
+        else:
+            policy.save_pretrained(hf, safe_serialization=True)
         source = Path(trainer.config.model_path)
         for name in _TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copy2(source / name, hf / name)
+
+
+def _drop_tied_aliases(model: nn.Module, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """``state`` with one name per tied parameter (safetensors refuses shared tensors); the first
+    name in ``named_parameters`` order is kept, as the replicated path's ``save_model`` keeps one."""
+    seen: dict[int, str] = {}
+    aliases: set[str] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        else:
+            seen[id(param)] = name
+    return {name: t.contiguous() for name, t in state.items() if name not in aliases}
+
+
+def _compare_names(model: nn.Module, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """The model's names the file lacks (a tied alias counts as present) and the file's extra names."""
+    expected = set(model.state_dict())
+    groups: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), set()).add(name)
+    alias_of = {name: names for names in groups.values() for name in names}
+    missing = [n for n in expected if n not in state and not (alias_of.get(n, set()) & state.keys())]
+    return missing, [n for n in state if n not in expected]
+
+
+def _name_architecture(config_file: Path, architecture: str) -> None:
+    # FSDP wraps the model in a class of its own ("FSDPLlamaForCausalLM"), which save_pretrained
+    # would record; engines pick their implementation by this name.
+    config = json.loads(config_file.read_text())
+    config["architectures"] = [architecture]
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _trainable_names(model: nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _keyed_by_name(state: dict[str, Any]) -> bool:
+    # The param groups list every parameter even before the first step, when "state" is empty.
+    return any(isinstance(p, str) for group in state["param_groups"] for p in group["params"])
+
+
+def optimizer_state_by_name(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """An ``optimizer.state_dict()`` (keyed by parameter index) keyed by parameter name instead, the
+    layout ``torch.distributed.checkpoint`` uses for full state dicts. A named one is returned as is."""
+    if _keyed_by_name(state):
+        return state
+    names = _trainable_names(model)
+    by_index = {i: names[i] for i in range(len(names))}
+    return {
+        "state": {by_index[int(k)]: v for k, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [by_index[int(i)] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+
+
+def optimizer_state_by_index(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of ``optimizer_state_by_name``, for ``optimizer.load_state_dict``."""
+    if not _keyed_by_name(state):
+        return state
+    index = {name: i for i, name in enumerate(_trainable_names(model))}
+    unknown = sorted(set(state["state"]) - set(index))
+    if unknown:
+        raise ValueError(f"optimizer state names parameters this model lacks: {unknown[:5]}")
+    return {
+        "state": {index[k]: v for k, v in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 def commit(tmp: Path, final: Path) -> None:
@@ -141,14 +251,25 @@ def load_shard(trainer: TorchTrainer, folder: Path) -> int | None:
     saved_role = saved.get("role", trainer.config.role)
     with trainer.region(trainer.WEIGHTS_TAG):
         if isinstance(trainer.model, CriticModel) and saved_role != "critic":
-            state = load_file(str(model_file), device=str(trainer.device))
-            load_policy_state_into_critic(trainer.model, state)
+            if trainer.sharded:
+                mapped, _ = map_policy_state_to_critic(trainer.model, load_file(str(model_file)))
+                set_model_state_dict(trainer.model, dict(mapped), options=_SCATTER_PARTIAL)
+            else:
+                state = load_file(str(model_file), device=str(trainer.device))
+                load_policy_state_into_critic(trainer.model, state)
             return None
         if saved_role != trainer.config.role:
             raise ValueError(f"{folder} holds a {saved_role} checkpoint; it cannot be loaded into the actor")
-        missing, unexpected = load_model(
-            trainer.model, str(model_file), strict=False, device=str(trainer.device)
-        )
+        if trainer.sharded:
+            # Every rank reads the whole file and keeps its shard (the folder is shared, as for saving).
+            state = load_file(str(model_file))
+            missing, unexpected = _compare_names(trainer.model, state)
+            if not (missing or unexpected):
+                set_model_state_dict(trainer.model, dict(state), options=_SCATTER_PARTIAL)
+        else:
+            missing, unexpected = load_model(
+                trainer.model, str(model_file), strict=False, device=str(trainer.device)
+            )
         if missing or unexpected:
             raise ValueError(
                 f"{model_file} does not match the {trainer.config.role} model: "
@@ -157,9 +278,16 @@ def load_shard(trainer: TorchTrainer, folder: Path) -> int | None:
             )
     optimizer_file = folder / "optimizer.pt"
     if optimizer_file.is_file():
-        optimizer_state = torch.load(optimizer_file, map_location=trainer.device, weights_only=True)
+        location = torch.device("cpu") if trainer.sharded else trainer.device
+        optimizer_state = torch.load(optimizer_file, map_location=location, weights_only=True)
         with trainer.region(trainer.OPTIMIZER_TAG):
-            trainer.optimizer.load_state_dict(optimizer_state)
+            named = optimizer_state_by_name(trainer.model, optimizer_state)
+            if trainer.sharded and named["state"]:
+                set_optimizer_state_dict(
+                    trainer.model, trainer.optimizer, named, options=StateDictOptions(full_state_dict=True)
+                )
+            else:  # also an empty state into sharded ranks (see save_shard): no tensors to shard
+                trainer.optimizer.load_state_dict(optimizer_state_by_index(trainer.model, optimizer_state))
             # Tensors read from a file may share a storage that cannot be resized; own copies let the
             # memory backend release and restore them like any other optimizer state.
             for state in trainer.optimizer.state.values():

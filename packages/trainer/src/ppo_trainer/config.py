@@ -17,6 +17,7 @@ Role = Literal["actor", "critic"]
 Device = Literal["cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16"]
 MemoryBackendName = Literal["auto", "host", "pinned", "torch_memory_saver"]
+DataParallelKind = Literal["auto", "replicate", "fsdp2"]
 
 _ESTIMATORS = ("ppo", "grpo")
 _KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
@@ -26,6 +27,10 @@ _DEVICES = ("cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16")
 _MEMORY_BACKENDS = ("auto", "host", "pinned", "torch_memory_saver")
 _WEIGHT_SYNC_BACKENDS = ("gloo", "nccl")
+_DATA_PARALLEL = ("auto", "replicate", "fsdp2")
+# ``data_parallel="auto"`` shards when the replicated training state takes more than this share of a
+# GPU: the other role and the engines share the device, and a model this large leaves them little.
+AUTO_SHARD_FRACTION = 0.25
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -137,6 +142,12 @@ class TrainerConfig:
     - ``weight_sync_backend``, ``bucket_bytes``, ``weight_sync_group``: the actor's weight update group;
       ``weight_sync_dtype``: the dtype weights are sent (and checksummed) in; match the engines' dtype.
     - ``cpu_threads``: torch intra-op threads of each worker process.
+    - ``data_parallel``: ``replicate`` (every rank holds the whole model and its AdamW state; one
+      gradient all-reduce per optimizer step), ``fsdp2`` (each rank holds ``1 / world_size`` of them,
+      gathered layer by layer; ``torch.distributed.fsdp.fully_shard``), or ``auto``: ``fsdp2`` where it
+      helps, on CUDA with more than one rank when the replicated training state would take more than
+      ``AUTO_SHARD_FRACTION`` of a GPU, else ``replicate`` (faster while memory allows: on 2 H200s a
+      551M-parameter step took 0.61 s replicated and 0.83 s sharded).
     """
 
     role: Role
@@ -156,6 +167,7 @@ class TrainerConfig:
     weight_sync_group: str = "ppo_weights"
     weight_sync_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     cpu_threads: int = 1
+    data_parallel: DataParallelKind = "auto"
 
     def __post_init__(self) -> None:
         _one_of("role", self.role, _ROLES)
@@ -164,6 +176,7 @@ class TrainerConfig:
         _one_of("memory_backend", self.memory_backend, _MEMORY_BACKENDS)
         _one_of("weight_sync_backend", self.weight_sync_backend, _WEIGHT_SYNC_BACKENDS)
         _one_of("weight_sync_dtype", self.weight_sync_dtype, ("float32", "bfloat16", "float16"))
+        _one_of("data_parallel", self.data_parallel, _DATA_PARALLEL)
         if not self.weight_sync_group:
             raise ValueError("weight_sync_group is empty; give the weight update group a name")
         if not isinstance(self.algorithm, AlgorithmConfig):
@@ -195,6 +208,16 @@ class TrainerConfig:
                 "the critic has no reference model, so its returns cannot carry the KL penalty; give the "
                 "critic a copy of the config with algorithm.kl_coef=0"
             )
+
+    def shards(self, world_size: int, state_share: float = 0.0) -> bool:
+        """Whether a role of ``world_size`` ranks shards its models with FSDP2.
+
+        ``state_share``: the replicated training state (float32 weights, gradients and two AdamW
+        moments: 16 bytes a parameter) over one GPU's memory; only ``auto`` reads it.
+        """
+        if self.data_parallel == "auto":
+            return self.device == "cuda" and world_size > 1 and state_share > AUTO_SHARD_FRACTION
+        return self.data_parallel == "fsdp2"
 
     @property
     def compute_dtype(self) -> str:

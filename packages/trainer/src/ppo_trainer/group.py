@@ -103,10 +103,12 @@ class TrainGroup:
             )
         try:
             init_method = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous address")[0]
-            self._all("setup", init_method)
+            infos = self._all("setup", init_method)
         except BaseException:
             self.shutdown()
             raise
+        # "replicate" or "fsdp2": what config.data_parallel resolved to for this many ranks.
+        self.data_parallel: str = str(infos[0]["data_parallel"])
 
     # ------------------------------------------------------------------ helpers
     def _get(self, refs: Sequence[Any], what: str) -> list[Any]:

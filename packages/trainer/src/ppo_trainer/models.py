@@ -47,6 +47,14 @@ def load_causal_lm(model_path: str | Path, seed: int) -> PreTrainedModel:
     return model.float()
 
 
+def count_parameters(model_path: str | Path) -> int:
+    """The causal LM's parameter count, from its config alone (built on the meta device: no memory)."""
+    config = AutoConfig.from_pretrained(_check_folder(model_path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def _hidden_size(config: PretrainedConfig) -> int:
     for name in ("hidden_size", "n_embd", "d_model"):
         value = getattr(config, name, None)
@@ -81,7 +89,9 @@ class CriticModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = out.last_hidden_state
-        return self.value_head(hidden).squeeze(-1)
+        # Not a view: FSDP2 hooks the backward of a sharded module's output, and an in-place op on
+        # a view of it would skip that hook (it warns about view outputs).
+        return self.value_head(hidden).squeeze(-1).clone()
 
 
 def load_critic(model_path: str | Path, seed: int) -> CriticModel:
@@ -114,8 +124,20 @@ def load_policy_state_into_critic(critic: CriticModel, state: Mapping[str, torch
     found (else ``ValueError`` listing the missing ones); a missing value head keeps its fresh weights.
     Returns the names of critic parameters left at their fresh values.
     """
+    mapped, missing = map_policy_state_to_critic(critic, state)
+    critic.load_state_dict(mapped, strict=False)
+    return missing
+
+
+def map_policy_state_to_critic(
+    critic: nn.Module, state: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``state`` under the critic's names, and the critic's names it leaves fresh (see
+    ``load_policy_state_into_critic``, which loads the result; a sharded critic loads it through
+    ``torch.distributed.checkpoint``)."""
     own = critic.state_dict()
-    prefix = getattr(critic.backbone, "base_model_prefix", "")
+    backbone = critic.get_submodule("backbone")
+    prefix = getattr(backbone, "base_model_prefix", "")
     mapped: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         candidates = [key, f"backbone.{key}"]
@@ -139,8 +161,7 @@ def load_policy_state_into_critic(critic: CriticModel, state: Mapping[str, torch
             f"checkpoint lacks {len(missing_backbone)} backbone tensors of the critic (e.g. {shown}); "
             "it is not a checkpoint of this architecture"
         )
-    critic.load_state_dict(mapped, strict=False)
-    return missing
+    return mapped, missing
 
 
 def load_reference(model_path: str | Path, seed: int, dtype: torch.dtype) -> PreTrainedModel:

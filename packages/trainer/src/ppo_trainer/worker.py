@@ -38,6 +38,7 @@ from ppo_trainer import checkpoint
 from ppo_trainer.backend import DataParallel, TorchTrainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
+from ppo_trainer.models import count_parameters
 from ppo_value_transport import Box, pack, require_values, unpack, unpack_fields
 from ppo_weight_sync import EngineEndpoint, WeightSender, checksum
 
@@ -132,14 +133,48 @@ class TrainWorker:
         self._dp = groups.default
         memory = make_memory_backend(self.config, self.device)
         self._lifecycle = Lifecycle(memory, groups, name=f"{self.role}-{self.rank}")
-        dp = DataParallel(self.rank, self.world_size, self._all_reduce if self.world_size > 1 else None)
+        dp = DataParallel(
+            self.rank,
+            self.world_size,
+            self._all_reduce if self.world_size > 1 else None,
+            shard_group=self._live_dp_group if self._should_shard() else None,
+        )
         trainer = TorchTrainer(self.config, dp, region=memory.region)
         self._trainer = trainer
         memory.track(TorchTrainer.WEIGHTS_TAG, trainer.weight_tensors)
         memory.track(TorchTrainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
+        if trainer.sharded:
+            # Before the groups go: nothing FSDP gathered may stay outside the tracked shards. After
+            # they are rebuilt: FSDP must run on the new group, not the destroyed one it holds.
+            self._lifecycle.add_pre_sleep_hook("release_gathered_params", trainer.release_gathered)
+            self._lifecycle.add_post_wake_hook("rebind_fsdp_groups", trainer.after_groups_rebuilt)
         if self.role == "actor":
             self._lifecycle.add_pre_sleep_hook("disconnect_engines", self._disconnect)
-        return {"rank": self.rank, "device": str(self.device), "pid": os.getpid()}
+        return {
+            "rank": self.rank,
+            "device": str(self.device),
+            "pid": os.getpid(),
+            "data_parallel": "fsdp2" if trainer.sharded else "replicate",
+        }
+
+    def _should_shard(self) -> bool:
+        share = 0.0
+        if self.config.data_parallel == "auto" and self.device.type == "cuda" and self.world_size > 1:
+            state_bytes = 16 * count_parameters(self.config.model_path)
+            share = state_bytes / torch.cuda.get_device_properties(self.device).total_memory
+            # Every rank must decide alike (FSDP's collectives): the largest share counts.
+            share = float(self._all_reduce_max(torch.tensor([share])))
+        return self.config.shards(self.world_size, share)
+
+    def _all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        assert self._dp is not None
+        on_device = tensor.to(self.device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self._dp.group)
+        return on_device.to(tensor.device)
+
+    def _live_dp_group(self) -> dist.ProcessGroup:
+        assert self._dp is not None  # set in setup() before the trainer is built
+        return self._dp.group
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         assert self._dp is not None
@@ -243,7 +278,16 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ weights to the engines
     def _sync_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights as sent, on rank 0. Sharded, every rank must call it: each tensor is gathered
+        by a collective; the other ranks drop what they gathered and return an empty list."""
         dtype = _SYNC_DTYPES[self.config.weight_sync_dtype]
+        if self.trainer.sharded:
+            gathered = self.trainer.named_weights(dtype)  # fresh tensors, not the parameters' storage
+            if self.rank == 0:
+                return list(gathered)
+            for _ in gathered:
+                pass
+            return []
         # On CPU, hand out copies: turning a tensor into numpy (checksum, gloo transfers) pins its storage
         # for good, and the memory backend could then no longer release the parameter behind it.
         copy = self.device.type == "cpu"
@@ -287,6 +331,8 @@ class TrainWorker:
             self.wake_up()
         try:
             if self.rank != 0:
+                if self.trainer.sharded:
+                    self._sync_weights()  # rank 0 gathers the shards this rank holds
                 return {}
             assert self._sender is not None  # made by connect_engines on rank 0
             if not self._sender.is_connected:
@@ -308,7 +354,8 @@ class TrainWorker:
         if was_asleep:
             self.wake_up()
         try:
-            return checksum(self._sync_weights()) if self.rank == 0 else ""
+            weights = self._sync_weights() if self.rank == 0 or self.trainer.sharded else []
+            return checksum(weights) if self.rank == 0 else ""
         finally:
             if was_asleep:
                 self.sleep()
