@@ -62,10 +62,6 @@ def _block_class_names(model: nn.Module) -> set[str]:
     return names
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
-
-
 def _fsdp_param_groups(model: nn.Module) -> Iterator[object]:
     """Every FSDP parameter group under ``model`` (torch 2.11 keeps one per module, 2.15 a list)."""
     for module in model.modules():
