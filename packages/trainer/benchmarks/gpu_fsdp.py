@@ -74,7 +74,9 @@ def run(
     slots = TwoGpus(pg, gpu_share=0.4 if on_gpu else 0.0)
     critic = TrainGroup("critic", slots, TrainerConfig(role="critic", **common), timeout_s=300)
     actor = TrainGroup("actor", slots, TrainerConfig(role="actor", **common), timeout_s=300)
-    assert actor.data_parallel == critic.data_parallel == kind, (actor.data_parallel, kind)
+    resolved = actor.data_parallel
+    if critic.data_parallel != resolved or kind not in ("auto", resolved):
+        raise RuntimeError(f"asked for {kind}, got actor {resolved} and critic {critic.data_parallel}")
     with torch.device("meta"):
         shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
     spec = {n: ("float32", list(p.shape)) for n, p in shapes.named_parameters()}
@@ -126,7 +128,8 @@ def run(
             actor.update_weights(str(step))
             out["update_s"].append(time.perf_counter() - start)
         match = ray.get(engine.state.remote())["checksum"] == actor.weights_checksum()
-        return {"kind": kind, "backend": backend, "weights_match": match, **out}
+        shown = kind if kind == resolved else f"{kind} ({resolved})"
+        return {"kind": resolved, "shown": shown, "backend": backend, "weights_match": match, **out}
     finally:
         for group in (actor, critic):
             group.shutdown()
@@ -144,12 +147,12 @@ def print_report(results: list[dict[str, Any]], params: int) -> None:
     for r in results:
         later = slice(1, None) if len(r["actor_s"]) > 1 else slice(None)  # the first step warms up
         print(
-            f"| {r['kind']} | {max(r['actor_gib']):.2f} | {max(r['critic_gib']):.2f} "
+            f"| {r['shown']} | {max(r['actor_gib']):.2f} | {max(r['critic_gib']):.2f} "
             f"| {statistics.median(r['actor_s'][later]):.2f} | {statistics.median(r['critic_s'][later]):.2f} "
             f"| {statistics.median(r['update_s'][later]):.2f} | {r['weights_match']} |"
         )
     for r in results:
-        print(f"{r['kind']}: critic value loss by step {[round(v, 4) for v in r['value_loss']]}")
+        print(f"{r['shown']}: critic value loss by step {[round(v, 4) for v in r['value_loss']]}")
 
 
 def main() -> int:
@@ -158,7 +161,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--backend", default="torch_memory_saver")
-    parser.add_argument("--kinds", nargs="*", default=["replicate", "fsdp2"])
+    parser.add_argument(
+        "--kinds", nargs="*", default=["replicate", "fsdp2"], help="replicate, fsdp2 and/or auto"
+    )
     parser.add_argument("--cpu-dry-run", action="store_true", help="run the sequence on CPU, tiny model")
     args = parser.parse_args()
     if args.cpu_dry_run:
