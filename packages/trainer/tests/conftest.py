@@ -46,7 +46,7 @@ def gpu_workers_script() -> ModuleType:
     return module
 
 
-def save_tiny_llama(folder: Path, seed: int = 0) -> Path:
+def save_tiny_llama(folder: Path, seed: int = 0, tie_word_embeddings: bool = False) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -57,7 +57,7 @@ def save_tiny_llama(folder: Path, seed: int = 0) -> Path:
         num_key_value_heads=2,
         vocab_size=VOCAB,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder)

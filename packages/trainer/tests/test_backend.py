@@ -252,3 +252,38 @@ def test_fsdp2_critic_trains_saves_and_loads_a_policy_checkpoint(
         loaded["backbone.embed_tokens.weight"], policy_weights["model.embed_tokens.weight"], atol=0, rtol=0
     )
     assert torch.equal(loaded["value_head.weight"], head)
+
+
+def test_tied_weights_checkpoints_load_across_kinds(
+    tmp_path: Path, fields_factory: Callable, one_rank_group: dist.ProcessGroup
+) -> None:
+    from conftest import save_tiny_llama
+
+    from ppo_trainer import checkpoint
+
+    model = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    samples = Samples.from_fields(fields_factory(8, seed=14))
+    values = torch.zeros(len(samples), samples.max_response)
+    config = TrainerConfig(role="actor", model_path=str(model), lr=1e-3)
+    shard = DataParallel(shard_group=lambda: one_rank_group)
+    plain, sharded = TorchTrainer(config), TorchTrainer(config, shard)
+    plain.train_actor(samples, values)
+    sharded.train_actor(samples, values)
+    checkpoint.save_shard(plain, tmp_path / "plain", step=1)
+    checkpoint.save_shard(sharded, tmp_path / "sharded", step=1)
+    # One tensor for the tied pair, under the same name whichever kind wrote it.
+    assert (
+        load_file(str(tmp_path / "plain" / "model.safetensors")).keys()
+        == load_file(str(tmp_path / "sharded" / "model.safetensors")).keys()
+    )
+
+    into_plain, into_sharded = TorchTrainer(config), TorchTrainer(config, shard)
+    checkpoint.load_shard(into_plain, tmp_path / "sharded")
+    checkpoint.load_shard(into_sharded, tmp_path / "plain")
+    for a, b, c in zip(
+        sharded.named_weights(), into_plain.named_weights(), into_sharded.named_weights(), strict=True
+    ):
+        torch.testing.assert_close(b[1], a[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c[1], dict(plain.named_weights())[c[0]], atol=0, rtol=0)
+    head = dict(into_sharded.named_weights())
+    assert torch.equal(head["lm_head.weight"], head["model.embed_tokens.weight"])  # still tied

@@ -150,15 +150,13 @@ def save_shard(trainer: TorchTrainer, folder: Path, step: int | None) -> None:
 
 
 def _drop_tied_aliases(model: nn.Module, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """``state`` with one name per tied parameter (safetensors refuses shared tensors); the first
-    name in ``named_parameters`` order is kept, as the replicated path's ``save_model`` keeps one."""
-    seen: dict[int, str] = {}
-    aliases: set[str] = set()
+    """``state`` with one name per tied parameter (safetensors refuses shared tensors). The name kept
+    is the alphabetically first, the one safetensors' ``save_model`` keeps on the replicated path, so
+    both kinds write the same keys."""
+    names_of: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            aliases.add(name)
-        else:
-            seen[id(param)] = name
+        names_of.setdefault(id(param), []).append(name)
+    aliases = {name for names in names_of.values() for name in sorted(names)[1:]}
     return {name: t.contiguous() for name, t in state.items() if name not in aliases}
 
 
