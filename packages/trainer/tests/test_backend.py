@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig
+from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig, sharding
 from ppo_trainer.backend import DataParallel
 from ppo_trainer.models import count_parameters, load_critic, load_policy_state_into_critic
 
@@ -238,7 +238,13 @@ def test_fsdp2_critic_trains_saves_and_loads_a_policy_checkpoint(
     assert checkpoint.load_shard(fresh, tmp_path / "critic") == 2
     for (name, a), (_, b) in zip(fresh.named_weights(), sharded.named_weights(), strict=True):
         assert torch.equal(a, b), name
-    assert fresh.optimizer.state_dict()["state"].keys() == sharded.optimizer.state_dict()["state"].keys()
+    restored, saved = fresh.optimizer.state_dict()["state"], sharded.optimizer.state_dict()["state"]
+    assert restored.keys() == saved.keys()
+    for index, moments in saved.items():
+        for key, value in moments.items():
+            got = restored[index][key]
+            assert isinstance(got, DTensor) == isinstance(value, DTensor), key
+            torch.testing.assert_close(sharding.full_tensor(got), sharding.full_tensor(value), atol=0, rtol=0)
 
     # A policy checkpoint loads into the sharded critic's backbone; the value head stays as it was.
     policy = TorchTrainer(TrainerConfig(role="actor", model_path=str(tiny_model), lr=1e-3))
@@ -287,3 +293,13 @@ def test_tied_weights_checkpoints_load_across_kinds(
         torch.testing.assert_close(c[1], dict(plain.named_weights())[c[0]], atol=0, rtol=0)
     head = dict(into_sharded.named_weights())
     assert torch.equal(head["lm_head.weight"], head["model.embed_tokens.weight"])  # still tied
+    # The tie's source name is the one kept, so a critic finds its backbone's embedding.
+    assert "model.embed_tokens.weight" in load_file(str(tmp_path / "sharded" / "model.safetensors"))
+    critic_config = TrainerConfig(role="critic", model_path=str(model), lr=1e-3)
+    for critic, folder in (
+        (TorchTrainer(critic_config), "sharded"),
+        (TorchTrainer(critic_config, shard), "plain"),
+    ):
+        assert checkpoint.load_shard(critic, tmp_path / folder) is None  # a policy checkpoint: step unknown
+        embedding = dict(critic.named_weights())["backbone.embed_tokens.weight"]
+        torch.testing.assert_close(embedding, head["model.embed_tokens.weight"], atol=0, rtol=0)

@@ -320,6 +320,20 @@ def test_fsdp2_matches_one_rank_and_checkpoints_load_across_kinds(
     assert_same_saved_weights(tmp_path / "one2", tmp_path / "fsdp2")
 
 
+def test_fsdp2_refuses_uneven_batches_naming_the_fix(all_groups: dict[str, TrainGroup]) -> None:
+    from conftest import make_fields
+
+    fsdp = all_groups["actor_fsdp"]
+    fsdp.wake_up()
+    fields = make_fields(8, seed=81)
+    uneven = [{k: v[:3] for k, v in fields.items()}, {k: v[3:] for k, v in fields.items()}]
+    with pytest.raises(ValueError, match="split the batch evenly over the ranks"):
+        fsdp.compute_log_probs([pack_fields(h) for h in uneven])
+    # Nothing was left half-done: an even batch runs on the same ranks right after.
+    even = [{k: v[:4] for k, v in fields.items()}, {k: v[4:] for k, v in fields.items()}]
+    assert [len(unpack(box)) for box in fsdp.compute_log_probs([pack_fields(h) for h in even])] == [4, 4]
+
+
 def test_fsdp2_sleeps_wakes_and_updates_engines(
     all_groups: dict[str, TrainGroup], initial: Path, tiny_model: Path
 ) -> None:

@@ -13,8 +13,10 @@ Data parallelism comes in two kinds (``DataParallel.shard_group``):
 
 Losses are divided by the token (or sequence) count of the whole global mini-batch, so the sum over
 ranks equals the gradient of the global mean and a 2-rank run matches a 1-rank run on the same global
-batch up to float summation order. FSDP averages what it reduces, so the sharded backward scales the
-loss by the world size to get that sum.
+batch up to float summation order (on CUDA, also up to bf16 rounding: FSDP computes with bf16 copies
+of the parameters where the replicated path autocasts). FSDP averages what it reduces, so the sharded
+backward scales the loss by the group size to get that sum. Sharded, every forward and backward is a
+collective, so all ranks must hold the same number of samples (checked, ``ValueError`` otherwise).
 """
 
 from __future__ import annotations
@@ -77,15 +79,19 @@ class TorchTrainer:
         self.autocast_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else None
         self.model: nn.Module
         self.reference: nn.Module | None = None
+        self.sharded = self.dp.shard_group is not None
+        # Sharded, the models stay in host memory until fully_shard moves them one block at a time:
+        # the device never holds a whole model, only the shards and the block being split.
+        load_to = torch.device("cpu") if self.sharded else self.device
         with self.region(self.WEIGHTS_TAG):
             if config.role == "actor":
-                self.model = nn.Module.to(load_causal_lm(config.model_path, config.seed), self.device)
+                self.model = nn.Module.to(load_causal_lm(config.model_path, config.seed), load_to)
                 if self.alg.needs_reference:
                     ref_dtype = torch.bfloat16 if self.autocast_dtype is not None else torch.float32
                     reference = load_reference(config.model_path, config.seed, ref_dtype)
-                    self.reference = nn.Module.to(reference, self.device)
+                    self.reference = nn.Module.to(reference, load_to)
             else:
-                self.model = load_critic(config.model_path, config.seed).to(self.device)
+                self.model = load_critic(config.model_path, config.seed).to(load_to)
         if self.device.type == "cpu":
             # from_pretrained maps safetensors files into memory; give every tensor its own resizable
             # storage so the memory backend can release and restore it.
@@ -96,15 +102,15 @@ class TorchTrainer:
                             t.data = t.data.clone()
         # The class transformers writes into config.json; FSDP renames the class it wraps.
         self.architecture = type(self.model).__name__
-        self.sharded = self.dp.shard_group is not None
+        # FSDP averages gradients over its group; the losses are already divided by the global count.
+        self._loss_scale = 1.0
         if self.dp.shard_group is not None:
             with self.region(self.WEIGHTS_TAG):
                 group = self.dp.shard_group()
                 sharding.shard_model(self.model, group, self.device.type, self.autocast_dtype)
                 if self.reference is not None:
                     sharding.shard_model(self.reference, group, self.device.type, None)
-        # FSDP averages gradients over ranks; the losses are already divided by the global count.
-        self._loss_scale = float(self.dp.world_size) if self.sharded else 1.0
+            self._loss_scale = float(group.size())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -136,9 +142,10 @@ class TorchTrainer:
         step: each tensor is gathered, in ``dtype``, by a collective over the ranks.
         """
         gathered: dict[int, torch.Tensor] = {}
-        for name, tensor in self.model.state_dict().items():
+        # keep_vars: tied weights come back as the same Parameter under each name (one gather each).
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
             key = id(tensor)
-            if key not in gathered:  # tied weights: one gather, one tensor under each name
+            if key not in gathered:
                 gathered[key] = sharding.full_tensor(tensor.detach(), dtype)
             yield name, gathered[key]
 
@@ -194,11 +201,27 @@ class TorchTrainer:
 
     def compute_log_probs(self, samples: Samples) -> torch.Tensor:
         """Log-probs of the response tokens under the current policy, ``[N, R_max]`` (0 on padding)."""
+        self._require_even_split(samples)
         return self._rank_log_probs(self.model, samples)
+
+    def _require_even_split(self, samples: Samples) -> None:
+        """Sharded ranks run their forward passes in lockstep: all must hold as many samples."""
+        if not self.sharded or self.dp.world_size == 1:
+            return
+        n = float(len(samples))
+        # With sums only: the counts are all equal exactly when world_size * sum(n^2) == sum(n)^2.
+        total, squares = self.dp.all_reduce(torch.tensor([n, n * n], dtype=torch.float64)).tolist()
+        if self.dp.world_size * squares != total * total:
+            raise ValueError(
+                f"FSDP2 ranks must hold as many samples each: rank {self.dp.rank} holds {int(n)} of "
+                f"{int(total)} over {self.dp.world_size} ranks; split the batch evenly over the ranks "
+                "(or use data_parallel='replicate')"
+            )
 
     @torch.no_grad()
     def compute_values(self, samples: Samples) -> torch.Tensor:
         """Critic values before each response token, ``[N, R_max]`` (0 on padding)."""
+        self._require_even_split(samples)
         self.model.eval()
         out = torch.zeros(len(samples), samples.max_response)
         for rows in chunks(range(len(samples)), self.config.micro_batch_size):

@@ -30,7 +30,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, load_model, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -118,14 +118,11 @@ def save_shard(trainer: TorchTrainer, folder: Path, step: int | None) -> None:
         else:
             optimizer_state = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
     elif rank == 0:
-        model_state = {}
+        model_state = trainer.model.state_dict()
         optimizer_state = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
     if rank != 0:
         return
-    if trainer.sharded:
-        save_file(_drop_tied_aliases(trainer.model, model_state), str(folder / "model.safetensors"))
-    else:
-        save_model(trainer.model, str(folder / "model.safetensors"))
+    save_file(_drop_tied_aliases(trainer.model, model_state), str(folder / "model.safetensors"))
     torch.save(optimizer_state, folder / "optimizer.pt")
     state: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -150,14 +147,21 @@ def save_shard(trainer: TorchTrainer, folder: Path, step: int | None) -> None:
 
 
 def _drop_tied_aliases(model: nn.Module, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """``state`` with one name per tied parameter (safetensors refuses shared tensors). The name kept
-    is the alphabetically first, the one safetensors' ``save_model`` keeps on the replicated path, so
-    both kinds write the same keys."""
+    """``state`` with one name per tied parameter (safetensors refuses shared tensors).
+
+    The name kept is the tie's source (``model.embed_tokens.weight``, not ``lm_head.weight``, which
+    transformers lists in ``_tied_weights_keys``): a critic built from this checkpoint looks its
+    backbone's embedding up by that name. Without such a list, the alphabetically first is kept.
+    """
+    derived = set(getattr(model, "_tied_weights_keys", None) or ())  # a list or {derived: source}
     names_of: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
-    aliases = {name for names in names_of.values() for name in sorted(names)[1:]}
-    return {name: t.contiguous() for name, t in state.items() if name not in aliases}
+    aliases: set[str] = set()
+    for names in names_of.values():
+        keep = sorted(names, key=lambda n: (n in derived, n))[0]
+        aliases.update(n for n in names if n != keep)
+    return {name: t.detach().contiguous() for name, t in state.items() if name not in aliases}
 
 
 def _compare_names(model: nn.Module, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:

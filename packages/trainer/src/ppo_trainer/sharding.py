@@ -113,8 +113,9 @@ def _check_live(mesh: DeviceMesh, group: dist.ProcessGroup) -> dist.ProcessGroup
         reason = ""
     if found is not group:
         raise RuntimeError(
-            f"the device mesh's group name no longer leads to the rebuilt group{reason}; the process "
-            "groups must be recreated in the order they were first made"
+            f"the device mesh's group name no longer leads to the given group{reason}: either the "
+            "process groups were not recreated in the order they were first made, or the group given "
+            "is not the one the model was sharded over"
         )
     return group
 

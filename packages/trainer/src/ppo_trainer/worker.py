@@ -329,17 +329,21 @@ class TrainWorker:
         was_asleep = self.lifecycle.is_asleep
         if was_asleep:
             self.wake_up()
+        weights: list[tuple[str, torch.Tensor]] = []
         try:
+            # Sharded, every rank gathers before rank 0 talks to the engines: were rank 0 to fail to
+            # connect while its peers waited in a gather, they would hang until the collective timeout.
+            if self.trainer.sharded or self.rank == 0:
+                weights = self._sync_weights()
             if self.rank != 0:
-                if self.trainer.sharded:
-                    self._sync_weights()  # rank 0 gathers the shards this rank holds
                 return {}
             assert self._sender is not None  # made by connect_engines on rank 0
             if not self._sender.is_connected:
                 self._sender.connect(self._engines)
-            self._sender.update(self._sync_weights(), version)
+            self._sender.update(weights, version)
             return self._sender.pop_metrics() | {"reconnected": float(was_asleep)}
         finally:
+            weights = []  # the gathered copy must not outlive the cache release of the sleep below
             if was_asleep:
                 # Through self.sleep(): the sender's staging buffers, freed at disconnect, and the dtype
                 # copies of the weights sit in torch's cache and must go back to the device too.
@@ -353,10 +357,13 @@ class TrainWorker:
         was_asleep = self.lifecycle.is_asleep
         if was_asleep:
             self.wake_up()
+        weights: list[tuple[str, torch.Tensor]] = []
         try:
-            weights = self._sync_weights() if self.rank == 0 or self.trainer.sharded else []
+            if self.rank == 0 or self.trainer.sharded:
+                weights = self._sync_weights()
             return checksum(weights) if self.rank == 0 else ""
         finally:
+            weights = []  # the gathered copy must not outlive the cache release of the sleep below
             if was_asleep:
                 self.sleep()
 
