@@ -180,12 +180,9 @@ def test_count_parameters_reads_only_the_config(tiny_model: Path, tmp_path: Path
 @pytest.fixture
 def one_rank_group() -> Iterator[dist.ProcessGroup]:
     """A 1-rank gloo default group in this process (FSDP2 needs one even without peers)."""
-    import socket
+    from ppo_weight_sync.group import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
     try:
         yield dist.group.WORLD  # type: ignore[misc]
     finally:

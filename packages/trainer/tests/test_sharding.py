@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from ppo_weight_sync.group import free_port
+
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ranks(tmp_path: Path, backend: str, world: int = 2) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [

@@ -96,10 +96,9 @@ class TorchTrainer:
             # from_pretrained maps safetensors files into memory; give every tensor its own resizable
             # storage so the memory backend can release and restore it.
             with torch.no_grad():
-                for module in (self.model, self.reference):
-                    if module is not None:
-                        for t in [*module.parameters(), *module.buffers()]:
-                            t.data = t.data.clone()
+                for module in self._models():
+                    for t in [*module.parameters(), *module.buffers()]:
+                        t.data = t.data.clone()
         # The class transformers writes into config.json; FSDP renames the class it wraps.
         self.architecture = type(self.model).__name__
         # FSDP averages gradients over its group; the losses are already divided by the global count.
@@ -120,12 +119,14 @@ class TorchTrainer:
             foreach=self.device.type == "cuda",
         )
 
+    def _models(self) -> list[nn.Module]:
+        """The trained model and, with a KL term, the frozen reference."""
+        return [m for m in (self.model, self.reference) if m is not None]
+
     # ------------------------------------------------------------------ tensors the lifecycle moves
     def weight_tensors(self) -> list[torch.Tensor]:
         """What the memory backend moves for the weights (the local shards when sharded)."""
-        tensors = [p.data for p in self.model.parameters()] + list(self.model.buffers())
-        if self.reference is not None:
-            tensors += [p.data for p in self.reference.parameters()] + list(self.reference.buffers())
+        tensors = [t for m in self._models() for t in [*(p.data for p in m.parameters()), *m.buffers()]]
         return [t for t in sharding.local_tensors(tensors) if t.device.type == self.device.type]
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
@@ -154,16 +155,14 @@ class TorchTrainer:
         if self.dp.shard_group is None:
             return
         group = self.dp.shard_group()
-        for module in (self.model, self.reference):
-            if module is not None:
-                sharding.rebind_process_groups(module, group)
+        for module in self._models():
+            sharding.rebind_process_groups(module, group)
 
     def release_gathered(self) -> None:
         """Free parameters FSDP keeps gathered after a forward without backward (before sleeping)."""
         if self.sharded:
-            for module in (self.model, self.reference):
-                if module is not None:
-                    sharding.reshard(module)
+            for module in self._models():
+                sharding.reshard(module)
 
     # ------------------------------------------------------------------ forward passes
     def _autocast(self) -> ContextManager[object]:

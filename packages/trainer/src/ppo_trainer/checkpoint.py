@@ -146,6 +146,14 @@ def save_shard(trainer: TorchTrainer, folder: Path, step: int | None) -> None:
                 shutil.copy2(source / name, hf / name)
 
 
+def _parameter_names(model: nn.Module) -> list[list[str]]:
+    """Every name of each parameter: one name, or several for tied weights."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    return list(names_of.values())
+
+
 def _drop_tied_aliases(model: nn.Module, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """``state`` with one name per tied parameter (safetensors refuses shared tensors).
 
@@ -154,11 +162,8 @@ def _drop_tied_aliases(model: nn.Module, state: Mapping[str, Any]) -> dict[str, 
     backbone's embedding up by that name. Without such a list, the alphabetically first is kept.
     """
     derived = set(getattr(model, "_tied_weights_keys", None) or ())  # a list or {derived: source}
-    names_of: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
     aliases: set[str] = set()
-    for names in names_of.values():
+    for names in _parameter_names(model):
         keep = sorted(names, key=lambda n: (n in derived, n))[0]
         aliases.update(n for n in names if n != keep)
     return {name: t.detach().contiguous() for name, t in state.items() if name not in aliases}
@@ -167,10 +172,7 @@ def _drop_tied_aliases(model: nn.Module, state: Mapping[str, Any]) -> dict[str, 
 def _compare_names(model: nn.Module, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
     """The model's names the file lacks (a tied alias counts as present) and the file's extra names."""
     expected = set(model.state_dict())
-    groups: dict[int, set[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), set()).add(name)
-    alias_of = {name: names for names in groups.values() for name in names}
+    alias_of = {name: set(names) for names in _parameter_names(model) for name in names}
     missing = [n for n in expected if n not in state and not (alias_of.get(n, set()) & state.keys())]
     return missing, [n for n in state if n not in expected]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,16 +40,11 @@ from ppo_trainer.config import TrainerConfig
 from ppo_trainer.models import count_parameters
 from ppo_value_transport import Box, pack, require_values, unpack, unpack_fields
 from ppo_weight_sync import EngineEndpoint, WeightSender, checksum
+from ppo_weight_sync.group import free_port
 
 log = logging.getLogger(__name__)
 
 _SYNC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def node_address() -> str:
@@ -163,23 +157,19 @@ class TrainWorker:
             state_bytes = 16 * count_parameters(self.config.model_path)
             share = state_bytes / torch.cuda.get_device_properties(self.device).total_memory
             # Every rank must decide alike (FSDP's collectives): the largest share counts.
-            share = float(self._all_reduce_max(torch.tensor([share])))
+            share = float(self._all_reduce(torch.tensor([share]), dist.ReduceOp.MAX))
         return self.config.shards(self.world_size, share)
-
-    def _all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        assert self._dp is not None
-        on_device = tensor.to(self.device)
-        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self._dp.group)
-        return on_device.to(tensor.device)
 
     def _live_dp_group(self) -> dist.ProcessGroup:
         assert self._dp is not None  # set in setup() before the trainer is built
         return self._dp.group
 
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
         assert self._dp is not None
         on_device = tensor.to(self.device)
-        dist.all_reduce(on_device, op=dist.ReduceOp.SUM, group=self._dp.group)
+        dist.all_reduce(on_device, op=op, group=self._dp.group)
         return on_device.to(tensor.device)
 
     @property
