@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from pathlib import Path
 
@@ -14,12 +15,12 @@ from pydantic import ValidationError
 from ppo_driver.config import (
     ConfigError,
     RunConfig,
-    SharedCriticResidentWarning,
     apply_overrides,
     dump_config,
     load_config,
     parse_override,
 )
+from ppo_lifecycle import ResidentSharedCriticWarning
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -28,8 +29,10 @@ def test_default_is_valid_and_frozen() -> None:
     config = load_config()
     assert config.placement.critic == "shared"
     assert config.algorithm.estimator == "ppo"
-    with pytest.raises(ValidationError):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         config.train.steps = 3  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        config.train = config.train  # type: ignore[misc]
 
 
 def test_cpu_default_file_equals_embedded_default() -> None:
@@ -94,12 +97,52 @@ def test_unknown_field_suggests_the_close_name() -> None:
         load_config(None, ["train.stpes=3"])
 
 
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("algorithm.gama", "unknown field 'algorithm.gama'; did you mean 'gamma'"),
+        ("rollout.sampling.max_new_token", "did you mean 'max_new_tokens'"),
+        ("train.actor_rl", "did you mean 'actor_lr'"),
+        ("rollout.eval_intervall", "did you mean 'eval_interval'"),
+        ("rollout.sampling.seed", "unknown field 'rollout.sampling.seed'"),
+    ],
+)
+def test_unknown_field_in_a_package_section(key: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(None, [f"{key}=1"])
+
+
+def test_sections_are_the_packages_settings() -> None:
+    """Each setting has one default: the package's."""
+    from ppo_rollout import RolloutSettings, SamplingSettings
+    from ppo_trainer import AlgorithmConfig, TrainSettings
+
+    config = load_config()
+    assert config.algorithm == AlgorithmConfig()
+    assert config.rollout.sampling == SamplingSettings()
+    # A section set in part keeps the other defaults.
+    part = load_config(None, ["rollout.sampling.temperature=0.5", "algorithm.gamma=0.9"])
+    assert dataclasses.replace(part.rollout.sampling, temperature=1.0) == SamplingSettings()
+    assert dataclasses.replace(part.algorithm, gamma=1.0) == AlgorithmConfig()
+    assert isinstance(config.rollout, RolloutSettings)
+    assert isinstance(config.train, TrainSettings)
+    for name in TrainSettings.__dataclass_fields__:
+        assert getattr(config.train, name) == getattr(TrainSettings(), name)
+
+
 def test_shared_critic_without_offload_needs_the_debug_flag() -> None:
     with pytest.raises(ConfigError, match=r"offload\.allow_resident_shared_critic"):
         load_config(None, ["offload.enabled=false"])
-    with pytest.warns(SharedCriticResidentWarning, match="debug only"):
+    # One warning, from ppo-lifecycle's rule, at load; the plan the loop uses is the one built then.
+    with pytest.warns(ResidentSharedCriticWarning, match="allow_resident_shared_critic") as caught:
         config = load_config(None, ["offload.enabled=false", "offload.allow_resident_shared_critic=true"])
+    assert len(caught) == 1
     assert not config.offload.enabled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from ppo_driver import build
+
+        assert build.offload_plan(config).table["critic_train"] == {"actor", "critic", "rollout"}
 
 
 def test_reward_kl_with_shared_critic_names_the_reason() -> None:

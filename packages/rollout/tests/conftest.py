@@ -65,14 +65,14 @@ def slots(ray_session: None) -> Iterator[Slots]:
 @pytest.fixture(scope="session")
 def manager(slots: Slots, tiny_model: Path) -> Iterator[object]:
     """Two built-in engines on a placement group's bundles, the copy task, dp_size 2."""
-    from ppo_rollout import RolloutConfig, RolloutManager, SamplingConfig
+    from ppo_rollout import RolloutConfig, RolloutManager, SamplingSettings
 
     config = RolloutConfig(
         model_path=str(tiny_model),
         task="copy",
         num_engines=2,
         prompts_per_step=4,
-        sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, n_samples_per_prompt=3, seed=7),
+        sampling=SamplingSettings(temperature=1.0, max_new_tokens=6, n_samples_per_prompt=3),
         eval_prompts=4,
         seed=3,
         timeout_s=120.0,

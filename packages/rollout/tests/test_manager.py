@@ -161,10 +161,14 @@ def test_weight_update_reaches_every_engine(manager: RolloutManager, tmp_path: P
 
 
 def test_config_and_split_errors(tiny_model: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="exactly one of 'task'"):
-        RolloutConfig(model_path=str(tiny_model))
+    with pytest.raises(ValueError, match=r"exactly one of rollout\.task"):
+        RolloutConfig(model_path=str(tiny_model), task=None)
+    with pytest.raises(ValueError, match=r"exactly one of rollout\.task"):
+        RolloutConfig(model_path=str(tiny_model), dataset=str(tmp_path / "p.jsonl"))
     with pytest.raises(ValueError, match="no file at"):
-        RolloutConfig(model_path=str(tiny_model), dataset=str(tmp_path / "missing.jsonl"))
+        RolloutConfig(model_path=str(tiny_model), task=None, dataset=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="not a built-in task"):
+        RolloutConfig(model_path=str(tiny_model), task="sudoku")
     cfg = RolloutConfig(model_path=str(tiny_model), task="copy", prompts_per_step=3)
     with pytest.raises(
         ValueError, match=r"prompts_per_step \(3\) must be a multiple of the data-parallel size \(2\)"

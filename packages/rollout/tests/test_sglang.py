@@ -17,6 +17,7 @@ from ppo_rollout import (
     RolloutConfig,
     RolloutManager,
     SamplingConfig,
+    SamplingSettings,
     SGLangClient,
     SGLangError,
     SGLangOptions,
@@ -80,7 +81,8 @@ def sglang_manager(
         gpus_per_engine=1,
         task="copy",
         prompts_per_step=2,
-        sampling=SamplingConfig(max_new_tokens=5, n_samples_per_prompt=2, seed=1),
+        sampling=SamplingSettings(max_new_tokens=5, n_samples_per_prompt=2),
+        seed=1,
         sglang=SGLangOptions(
             command=STANDIN, extra_args=("--standin-record", str(record)), startup_timeout_s=240
         ),

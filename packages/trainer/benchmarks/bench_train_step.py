@@ -124,10 +124,10 @@ def bench(device_name: str, repeats: int, warmup: int) -> list[tuple[str, float,
         config = TrainerConfig(
             role="actor",
             model_path=str(path),
-            algorithm=AlgorithmConfig(lam=1.0),
+            algorithm=AlgorithmConfig(lam=1.0, num_mini_batches=1),
             device=device_name,  # type: ignore[arg-type]
             micro_batch_size=micro,
-            lr=1e-5,
+            actor_lr=1e-5,
         )
         trainer = TorchTrainer(config)
         model = AutoModelForCausalLM.from_pretrained(path).float().to(device)

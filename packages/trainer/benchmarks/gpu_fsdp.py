@@ -61,11 +61,12 @@ def run(
     ray.get(pg.ready(), timeout=120)
     common: dict[str, Any] = {
         "model_path": str(model),
-        "algorithm": AlgorithmConfig(lam=1.0),
+        "algorithm": AlgorithmConfig(lam=1.0, num_mini_batches=1),
         "device": device,
         "memory_backend": backend,
         "micro_batch_size": 8,
-        "lr": 1e-5,
+        "actor_lr": 1e-5,
+        "critic_lr": 1e-5,
         "weight_sync_backend": "nccl" if on_gpu else "gloo",
         "data_parallel": kind,
     }

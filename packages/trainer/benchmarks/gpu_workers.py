@@ -111,14 +111,15 @@ def run(
     pg = placement_group([{"GPU": 1, "CPU": 1}] if on_gpu else [{"CPU": 1}])
     ray.get(pg.ready(), timeout=120)
     slots = OneGpu(pg, gpu_share=0.5 if on_gpu else 0.0)
-    alg = AlgorithmConfig(lam=1.0)
+    alg = AlgorithmConfig(lam=1.0, num_mini_batches=1)
     common: dict[str, Any] = {
         "model_path": str(model),
         "algorithm": alg,
         "device": device,
         "memory_backend": backend,
         "micro_batch_size": 8,
-        "lr": 1e-5,
+        "actor_lr": 1e-5,
+        "critic_lr": 1e-5,
         "weight_sync_backend": "nccl" if on_gpu else "gloo",
     }
     stage(backend, "starting the critic group")

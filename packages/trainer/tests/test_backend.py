@@ -19,9 +19,17 @@ from ppo_trainer.models import count_parameters, load_critic, load_policy_state_
 
 
 def trainer(model: Path, role: str = "actor", **kwargs) -> TorchTrainer:  # type: ignore[no-untyped-def]
-    alg = kwargs.pop("algorithm", AlgorithmConfig(lam=1.0))
+    alg = kwargs.pop("algorithm", AlgorithmConfig(lam=1.0, num_mini_batches=1))
     lr = kwargs.pop("lr", 1e-2)
-    return TorchTrainer(TrainerConfig(role=role, model_path=str(model), algorithm=alg, lr=lr, **kwargs))  # type: ignore[arg-type]
+    config = TrainerConfig(
+        role=role,  # type: ignore[arg-type]
+        model_path=str(model),
+        algorithm=alg,
+        actor_lr=lr,
+        critic_lr=lr,
+        **kwargs,
+    )
+    return TorchTrainer(config)
 
 
 def test_log_probs_are_taken_before_each_response_token(tiny_model: Path, fields_factory: Callable) -> None:
@@ -109,7 +117,7 @@ def test_micro_batch_size_does_not_change_the_update(
 ) -> None:
     samples = Samples.from_fields(fields_factory(6, seed=5))
     values = torch.randn(len(samples), samples.max_response) * samples.response_mask
-    alg = AlgorithmConfig(lam=0.9, loss_aggregation=aggregation, entropy_coef=0.01)  # type: ignore[arg-type]
+    alg = AlgorithmConfig(num_mini_batches=1, lam=0.9, loss_aggregation=aggregation, entropy_coef=0.01)  # type: ignore[arg-type]
     updated = []
     for micro in (1, 4, 6):
         t = trainer(tiny_model, micro_batch_size=micro, algorithm=alg)
@@ -132,7 +140,12 @@ def test_critic_value_loss_goes_down(tiny_model: Path, fields_factory: Callable)
 def test_grpo_and_kl_loss_train_without_a_critic(tiny_model: Path, fields_factory: Callable) -> None:
     samples = Samples.from_fields(fields_factory(8, seed=8, samples_per_prompt=4))
     alg = AlgorithmConfig(
-        estimator="grpo", use_kl_loss=True, kl_loss_coef=0.1, kl_estimator="k3", ppo_epochs=2
+        num_mini_batches=1,
+        estimator="grpo",
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_estimator="k3",
+        ppo_epochs=2,
     )
     t = trainer(tiny_model, algorithm=alg, micro_batch_size=4)
     assert t.reference is not None
@@ -148,7 +161,7 @@ def test_grpo_and_kl_loss_train_without_a_critic(tiny_model: Path, fields_factor
 def test_ppo_actor_moves_towards_rewarded_responses(tiny_model: Path, fields_factory: Callable) -> None:
     samples = Samples.from_fields(fields_factory(8, seed=9))
     values = torch.zeros(len(samples), samples.max_response)
-    alg = AlgorithmConfig(lam=1.0, eps_clip=0.2, kl_coef=0.0)
+    alg = AlgorithmConfig(lam=1.0, eps_clip=0.2, kl_coef=0.0, num_mini_batches=1)
     t = trainer(tiny_model, algorithm=alg, micro_batch_size=4)
     before = t.compute_log_probs(samples)
     for _ in range(4):
@@ -193,8 +206,10 @@ def test_fsdp2_with_a_sharded_reference_trains_like_replication(
     tiny_model: Path, fields_factory: Callable, one_rank_group: dist.ProcessGroup
 ) -> None:
     samples = Samples.from_fields(fields_factory(8, seed=12, samples_per_prompt=4))
-    alg = AlgorithmConfig(estimator="grpo", use_kl_loss=True, kl_loss_coef=0.1, ppo_epochs=2)
-    config = TrainerConfig(role="actor", model_path=str(tiny_model), algorithm=alg, lr=1e-3)
+    alg = AlgorithmConfig(
+        estimator="grpo", use_kl_loss=True, kl_loss_coef=0.1, ppo_epochs=2, num_mini_batches=1
+    )
+    config = TrainerConfig(role="actor", model_path=str(tiny_model), algorithm=alg, actor_lr=1e-3)
     plain = TorchTrainer(config)
     sharded = TorchTrainer(config, DataParallel(shard_group=lambda: one_rank_group))
     assert (plain.sharded, sharded.sharded) == (False, True)
@@ -221,7 +236,7 @@ def test_fsdp2_critic_trains_saves_and_loads_a_policy_checkpoint(
     from ppo_trainer import checkpoint
 
     samples = Samples.from_fields(fields_factory(8, seed=13))
-    config = TrainerConfig(role="critic", model_path=str(tiny_model), lr=1e-3)
+    config = TrainerConfig(role="critic", model_path=str(tiny_model), critic_lr=1e-3)
     shard = DataParallel(shard_group=lambda: one_rank_group)
     plain, sharded = TorchTrainer(config), TorchTrainer(config, shard)
     for _ in range(2):
@@ -244,7 +259,7 @@ def test_fsdp2_critic_trains_saves_and_loads_a_policy_checkpoint(
             torch.testing.assert_close(sharding.full_tensor(got), sharding.full_tensor(value), atol=0, rtol=0)
 
     # A policy checkpoint loads into the sharded critic's backbone; the value head stays as it was.
-    policy = TorchTrainer(TrainerConfig(role="actor", model_path=str(tiny_model), lr=1e-3))
+    policy = TorchTrainer(TrainerConfig(role="actor", model_path=str(tiny_model), actor_lr=1e-3))
     policy.train_actor(samples, torch.zeros(len(samples), samples.max_response))
     checkpoint.save_shard(policy, tmp_path / "actor", step=1)
     head = dict(fresh.named_weights())["value_head.weight"].clone()
@@ -267,7 +282,7 @@ def test_tied_weights_checkpoints_load_across_kinds(
     model = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
     samples = Samples.from_fields(fields_factory(8, seed=14))
     values = torch.zeros(len(samples), samples.max_response)
-    config = TrainerConfig(role="actor", model_path=str(model), lr=1e-3)
+    config = TrainerConfig(role="actor", model_path=str(model), actor_lr=1e-3)
     shard = DataParallel(shard_group=lambda: one_rank_group)
     plain, sharded = TorchTrainer(config), TorchTrainer(config, shard)
     plain.train_actor(samples, values)
@@ -292,7 +307,7 @@ def test_tied_weights_checkpoints_load_across_kinds(
     assert torch.equal(head["lm_head.weight"], head["model.embed_tokens.weight"])  # still tied
     # The tie's source name is the one kept, so a critic finds its backbone's embedding.
     assert "model.embed_tokens.weight" in load_file(str(tmp_path / "sharded" / "model.safetensors"))
-    critic_config = TrainerConfig(role="critic", model_path=str(model), lr=1e-3)
+    critic_config = TrainerConfig(role="critic", model_path=str(model), critic_lr=1e-3)
     for critic, folder in (
         (TorchTrainer(critic_config), "sharded"),
         (TorchTrainer(critic_config, shard), "plain"),

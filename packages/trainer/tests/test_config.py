@@ -38,7 +38,9 @@ def test_algorithm_config_rejects(kwargs: dict, field: str) -> None:
     [
         ({"role": "reward"}, "role"),
         ({"model_path": ""}, "model_path"),
-        ({"lr": 0.0}, "lr"),
+        ({"actor_lr": 0.0}, "actor_lr"),
+        ({"critic_lr": -1.0}, "critic_lr"),
+        ({"lr": 1e-3}, "Unexpected keyword argument"),  # lr is actor_lr or critic_lr, by role
         ({"micro_batch_size": 0}, "micro_batch_size"),
         ({"cpu_threads": 0}, "cpu_threads"),
         ({"device": "tpu"}, "device"),
@@ -66,6 +68,10 @@ def test_configs_are_frozen_and_derived_by_replace() -> None:
     assert actor.algorithm.kl_coef == 0.05
     assert critic.algorithm.kl_coef == 0.0
     assert actor.compute_dtype == "float32"
+    assert (actor.lr, critic.lr) == (actor.actor_lr, actor.critic_lr)
+    two = TrainerConfig(role="critic", model_path="/m", actor_lr=1e-3, critic_lr=2e-3)
+    assert two.lr == 2e-3
+    assert dataclasses.replace(two, role="actor").lr == 1e-3
     assert TrainerConfig(role="actor", model_path="/m", device="cuda").compute_dtype == "bfloat16"
     assert AlgorithmConfig(eps_clip=0.2).clip_high == 0.2
     assert AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1).needs_reference

@@ -23,15 +23,25 @@ from ppo_weight_sync.testing.engine import TensorEngine
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
 
-ALGORITHM = AlgorithmConfig(lam=1.0, gamma=1.0, entropy_coef=0.0)
+ALGORITHM = AlgorithmConfig(lam=1.0, gamma=1.0, entropy_coef=0.0, num_mini_batches=1)
 
 
 def configs(model: Path, **overrides: Any) -> tuple[TrainerConfig, TrainerConfig]:
     actor = TrainerConfig(
-        role="actor", model_path=str(model), algorithm=ALGORITHM, lr=1e-3, micro_batch_size=3, **overrides
+        role="actor",
+        model_path=str(model),
+        algorithm=ALGORITHM,
+        actor_lr=1e-3,
+        micro_batch_size=3,
+        **overrides,
     )
     critic = TrainerConfig(
-        role="critic", model_path=str(model), algorithm=ALGORITHM, lr=1e-3, micro_batch_size=3, **overrides
+        role="critic",
+        model_path=str(model),
+        algorithm=ALGORITHM,
+        critic_lr=1e-3,
+        micro_batch_size=3,
+        **overrides,
     )
     return actor, critic
 

@@ -59,13 +59,17 @@ class OffloadPlan:
         if critic not in get_args(CriticMode):
             raise ValueError(f"critic must be one of {get_args(CriticMode)}, got {critic!r}")
         if critic == "shared" and not offload:
-            message = (
-                "critic='shared' puts the critic on the actor's GPUs, so offload must be on "
-                "(offload=True); set allow_resident_shared_critic=True only to debug with both resident"
-            )
             if not allow_resident_shared_critic:
-                raise ValueError(message)
-            warnings.warn(message, ResidentSharedCriticWarning, stacklevel=2)
+                raise ValueError(
+                    "critic='shared' puts the critic on the actor's GPUs, so offload must be on "
+                    "(offload=True); set allow_resident_shared_critic=True only to debug with both resident"
+                )
+            warnings.warn(
+                "allow_resident_shared_critic=True: the shared critic stays resident next to the actor, "
+                "so both models occupy memory at once (debug only)",
+                ResidentSharedCriticWarning,
+                stacklevel=2,
+            )
         roles = ["actor", "rollout"] + ([] if critic == "none" else ["critic"])
         table: dict[Phase, frozenset[str]] = {}
         for phase in PHASES:

@@ -1,35 +1,44 @@
 """The run configuration: one YAML file plus ``--set a.b=c`` overrides, validated once at load.
 
-Every model is frozen and forbids unknown keys, so a typo is an error that names the key, and no
-code downstream can edit the configuration in place. Rules that span several fields (a critic needs
-the ppo estimator, a shared critic needs offload, batch divisibility, ...) live in
-``RunConfig._check_rules``: each raises a ``ValueError`` that names the field and the fix, or logs
-the decision it takes.
+``RunConfig`` composes the packages' own settings: ``algorithm`` is ppo-trainer's ``AlgorithmConfig``,
+``train`` extends ppo-trainer's ``TrainSettings`` and ``rollout`` ppo-rollout's ``RolloutSettings``
+with the loop's fields; each setting is declared (default, bounds, description, the rules within its
+section) once, in the package that uses it. The sections the driver alone reads (model, placement,
+offload, checkpoint, logging, ray) are declared here.
+
+Every section is frozen and forbids unknown keys, so a typo is an error that names the key (with a
+"did you mean"), and no code downstream can edit the configuration in place. Rules that span sections
+(a critic needs the ppo estimator, a shared critic needs offload, batch divisibility, ...) live in
+``RunConfig._check_rules``: each raises a ``ValueError`` that names the field and the fix.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic.dataclasses import is_pydantic_dataclass
+from pydantic.fields import FieldInfo
+
+from ppo_lifecycle import OffloadPlan
+from ppo_rollout.config import RolloutSettings
+from ppo_trainer.config import AlgorithmConfig, DType, MemoryBackendName, TrainSettings
+
+SECTION = ConfigDict(extra="forbid", validate_default=True)
 
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names each bad field and how to fix it."""
 
 
-class SharedCriticResidentWarning(UserWarning):
-    """A shared critic kept resident next to the actor (debug only: both models stay in memory)."""
-
-
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    model_config = ConfigDict(frozen=True, **SECTION)
 
 
 class TinyModelConfig(_Section):
@@ -56,9 +65,7 @@ class ModelConfig(_Section):
         default=None, description="Hugging Face model folder; null: the built-in tiny model"
     )
     tiny: TinyModelConfig = TinyModelConfig()
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        default="auto", description="compute dtype; auto: bfloat16 on cuda, float32 on cpu"
-    )
+    dtype: DType = Field(default="auto", description="compute dtype; auto: bfloat16 on cuda, float32 on cpu")
 
 
 class PlacementConfig(_Section):
@@ -95,85 +102,36 @@ class PlacementConfig(_Section):
         return self.resolved_rollout_gpus // self.gpus_per_engine
 
 
-class SamplingConfig(_Section):
-    temperature: float = Field(default=1.0, ge=0, description="0: greedy")
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0, description="0: no top-k")
-    max_new_tokens: int = Field(default=4, ge=1)
-    n_samples_per_prompt: int = Field(default=8, ge=1)
-    stop_token_ids: tuple[int, ...] = ()
+# The packages declare their own sections (defaults, bounds, descriptions, the rules inside one section);
+# the driver adds the loop's fields to them and checks the rules that span sections.
 
 
-class RolloutSection(_Section):
-    engine: Literal["builtin", "sglang"] = "builtin"
-    task: str | None = Field(default="copy_small", description="built-in task name; null when dataset is set")
-    dataset: str | None = Field(default=None, description="JSONL file of prompts (instead of task)")
-    prompt_field: str = "prompt"
-    reward: str | None = Field(
-        default=None, description="reward name or 'module:function'; null: the task's own"
-    )
-    prompts_per_step: int = Field(default=8, ge=1)
-    sampling: SamplingConfig = SamplingConfig()
-    eval_prompts: int = Field(default=16, ge=0, description="prompts of each evaluation (greedy)")
-    max_prompt_length: int = Field(default=256, ge=2, description="in tokens")
+@pydantic_dataclass(frozen=True, kw_only=True, config=SECTION)
+class RolloutSection(RolloutSettings):
+    """The ``rollout`` section: ppo-rollout's ``RolloutSettings`` and how often the loop evaluates."""
+
     eval_interval: int = Field(
         default=0, ge=0, description="evaluate every N steps; 0: only at the last step"
     )
 
-    @model_validator(mode="after")
-    def _task_xor_dataset(self) -> RolloutSection:
-        if (self.task is None) == (self.dataset is None):
-            raise ValueError(
-                "set exactly one of rollout.task (a built-in task) and rollout.dataset (a JSONL path); "
-                f"got task={self.task!r}, dataset={self.dataset!r}"
-            )
-        return self
 
+@pydantic_dataclass(frozen=True, kw_only=True, config=SECTION)
+class TrainSection(TrainSettings):
+    """The ``train`` section: ppo-trainer's ``TrainSettings`` and the loop's own fields."""
 
-class AlgorithmSection(_Section):
-    estimator: Literal["ppo", "grpo"] = "ppo"
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda")
-    eps_clip: float = Field(default=0.2, gt=0, lt=1)
-    eps_clip_high: float | None = Field(default=None, gt=0, description="null: same as eps_clip")
-    eps_clip_c: float | None = Field(default=None, gt=1, description="dual-clip constant; null: off")
-    value_clip: float = Field(default=0.2, gt=0)
-    kl_coef: float = Field(default=0.0, ge=0, description="reward-level KL penalty")
-    use_kl_loss: bool = False
-    kl_loss_coef: float = Field(default=0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    entropy_coef: float = Field(default=0.0, ge=0)
-    normalize_advantages: bool = True
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    ppo_epochs: int = Field(default=1, ge=1, description="passes over each step's batch")
-    num_mini_batches: int = Field(default=4, ge=1, description="optimizer steps per pass")
-
-
-class TrainSection(_Section):
     steps: int = Field(default=60, ge=1)
-    seed: int = 1234
+    seed: int = Field(default=1234, description="seeds the models, the prompts and every step's sampling")
     global_batch_size: int | None = Field(
         default=None,
         ge=1,
         description="samples per step; null: rollout.prompts_per_step x n_samples_per_prompt",
     )
-    micro_batch_size: int = Field(default=8, ge=1)
-    actor_lr: float = Field(default=3e-3, gt=0)
-    critic_lr: float = Field(default=3e-3, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    grad_clip: float = Field(default=1.0, gt=0)
     num_critic_only_steps: int = Field(default=0, ge=0, description="first steps train the critic only")
-    data_parallel: Literal["auto", "replicate", "fsdp2"] = Field(
-        default="auto",
-        description="replicate: each rank holds the whole model and optimizer; fsdp2: a shard each "
-        "(torch fully_shard); auto: fsdp2 on CUDA with more than one rank when the replicated training "
-        "state (16 bytes a parameter) would take over a quarter of a GPU, else replicate",
-    )
 
 
 class OffloadSection(_Section):
     enabled: bool = True
-    backend: Literal["auto", "host", "pinned", "torch_memory_saver"] = "auto"
+    backend: MemoryBackendName = "auto"
     allow_resident_shared_critic: bool = Field(
         default=False, description="debug: keep a shared critic resident next to the actor (offload off)"
     )
@@ -210,12 +168,18 @@ class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     placement: PlacementConfig = PlacementConfig()
     rollout: RolloutSection = RolloutSection()
-    algorithm: AlgorithmSection = AlgorithmSection()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainSection = TrainSection()
     offload: OffloadSection = OffloadSection()
     checkpoint: CheckpointSection = CheckpointSection()
     logging: LoggingSection = LoggingSection()
     ray: RayConfig = RayConfig()
+    _offload_plan: OffloadPlan = PrivateAttr()
+
+    @property
+    def offload_plan(self) -> OffloadPlan:
+        """Which roles are resident in each phase; built (and its rule checked) once, at validation."""
+        return self._offload_plan
 
     @property
     def use_critic(self) -> bool:
@@ -239,27 +203,28 @@ class RunConfig(_Section):
                 "algorithm.estimator='ppo' needs a critic (GAE uses its values); "
                 "set placement.critic=shared or dedicated, or algorithm.estimator=grpo"
             )
-        if p.critic == "shared":
-            if a.kl_coef != 0:
-                raise ValueError(
-                    f"algorithm.kl_coef={a.kl_coef} (reward-level KL) cannot be used with "
-                    "placement.critic='shared': the critic would need the actor's log-probs to compute "
-                    "the KL-shaped rewards it trains on; set algorithm.kl_coef=0 and use KL as a loss "
-                    "term (algorithm.use_kl_loss=true, algorithm.kl_loss_coef>0), or a dedicated critic"
-                )
-            if not o.enabled:
-                if not o.allow_resident_shared_critic:
-                    raise ValueError(
-                        "placement.critic='shared' needs offload.enabled=true (actor and critic take "
-                        "turns on the same devices); set offload.enabled=true, or "
-                        "offload.allow_resident_shared_critic=true to debug with both resident"
-                    )
-                warnings.warn(
-                    "offload.allow_resident_shared_critic=true: the shared critic stays resident next "
-                    "to the actor; both models occupy memory at once (debug only)",
-                    SharedCriticResidentWarning,
-                    stacklevel=2,
-                )
+        if p.critic == "shared" and a.kl_coef != 0:
+            raise ValueError(
+                f"algorithm.kl_coef={a.kl_coef} (reward-level KL) cannot be used with "
+                "placement.critic='shared': the critic would need the actor's log-probs to compute "
+                "the KL-shaped rewards it trains on; set algorithm.kl_coef=0 and use KL as a loss "
+                "term (algorithm.use_kl_loss=true, algorithm.kl_loss_coef>0), or a dedicated critic"
+            )
+        # Which role is resident when: ppo-lifecycle owns that rule (a shared critic needs offload,
+        # or warns once with ResidentSharedCriticWarning when allowed for debugging).
+        try:
+            self._offload_plan = OffloadPlan.build(
+                colocate=p.colocate,
+                critic=p.critic,
+                offload=o.enabled,
+                allow_resident_shared_critic=o.allow_resident_shared_critic,
+            )
+        except ValueError:
+            raise ValueError(
+                "placement.critic='shared' needs offload.enabled=true (actor and critic take turns on "
+                "the same devices); set offload.enabled=true, or offload.allow_resident_shared_critic=true "
+                "to debug with both resident"
+            ) from None
         if p.critic_gpus is not None and p.critic != "dedicated":
             raise ValueError(
                 f"placement.critic_gpus={p.critic_gpus} only applies to placement.critic='dedicated' "
@@ -275,11 +240,6 @@ class RunConfig(_Section):
                     f"train.num_critic_only_steps ({t.num_critic_only_steps}) must be below train.steps "
                     f"({t.steps}), or the actor never trains; lower it or raise train.steps"
                 )
-        if a.use_kl_loss and a.kl_loss_coef == 0:
-            raise ValueError(
-                "algorithm.use_kl_loss=true with algorithm.kl_loss_coef=0 has no effect; "
-                "set algorithm.kl_loss_coef>0 or algorithm.use_kl_loss=false"
-            )
         # Devices and engines.
         if p.colocate and p.rollout_gpus is not None and p.rollout_gpus != p.actor_gpus:
             raise ValueError(
@@ -299,8 +259,6 @@ class RunConfig(_Section):
                 "model.path is null (the built-in tiny model, whose tokenizer is made for a built-in "
                 "task) but rollout.task is null; set rollout.task, or model.path to a Hugging Face model"
             )
-        if r.task is not None:
-            _check_task(r.task)
         if r.engine == "sglang":
             if p.device != "cuda":
                 raise ValueError("rollout.engine='sglang' needs placement.device='cuda'")
@@ -359,15 +317,6 @@ class RunConfig(_Section):
                 "set rollout.sampling.n_samples_per_prompt >= 2"
             )
         return self
-
-
-def _check_task(name: str) -> None:
-    try:
-        from ppo_rollout.tasks import TASKS
-    except ImportError:  # the rollout package checks the name itself when it starts
-        return
-    if name not in TASKS:
-        raise ValueError(f"rollout.task={name!r} is not a built-in task; use one of {sorted(TASKS)}")
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -446,7 +395,7 @@ def format_errors(exc: ValidationError) -> str:
     for err in exc.errors():
         loc = ".".join(str(part) for part in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
+        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             msg = f"unknown field {loc!r}" + _suggest(err["loc"])
         elif loc:
             msg = f"{loc}: {msg}"
@@ -458,18 +407,27 @@ def format_errors(exc: ValidationError) -> str:
 
 def _suggest(loc: tuple[int | str, ...]) -> str:
     """'; did you mean ...' from the fields of the section that holds the unknown key."""
-    model: type[BaseModel] = RunConfig
+    fields: dict[str, FieldInfo] = dict(RunConfig.model_fields)
     for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = field.annotation if field is not None else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        info = fields.get(str(part))
+        inner = _fields(info.annotation) if info is not None else None
+        if inner is None:
             return ""
-        model = ann
-    names = list(model.model_fields)
+        fields = inner
+    names = list(fields)
     close = difflib.get_close_matches(str(loc[-1]), names, n=1)
     if close:
         return f"; did you mean {close[0]!r}?"
     return f"; valid fields here: {', '.join(names)}"
+
+
+def _fields(section: object) -> dict[str, FieldInfo] | None:
+    """The fields of a section: a pydantic model or a pydantic dataclass; None for anything else."""
+    if isinstance(section, type) and issubclass(section, BaseModel):
+        return dict(section.model_fields)
+    if isinstance(section, type) and is_pydantic_dataclass(section):
+        return dict(section.__pydantic_fields__)
+    return None
 
 
 def dump_config(config: RunConfig) -> str:

@@ -1,7 +1,7 @@
 """Rollout engines (built-in and SGLang), the rollout manager, tasks and rewards."""
 
 from .batch import FIELDS, Sample, balanced_split, rank_fields, split_samples
-from .config import RolloutConfig, SamplingConfig, SGLangOptions
+from .config import RolloutConfig, RolloutSettings, SamplingConfig, SamplingSettings, SGLangOptions
 from .data import JsonlPrompts, PromptSource, TaskPrompts
 from .engine.builtin import MEMORY_TAGS, BuiltinEngine, BuiltinEngineActor
 from .engine.core import GenerationCore, GenerationOutput, sample_tokens
@@ -40,6 +40,7 @@ __all__ = [
     "RolloutBatch",
     "RolloutConfig",
     "RolloutManager",
+    "RolloutSettings",
     "SGLangClient",
     "SGLangError",
     "SGLangOptions",
@@ -47,6 +48,7 @@ __all__ = [
     "SGLangServerSpec",
     "Sample",
     "SamplingConfig",
+    "SamplingSettings",
     "Task",
     "TaskPrompts",
     "balanced_split",

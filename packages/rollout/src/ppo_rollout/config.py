@@ -1,97 +1,135 @@
-"""Frozen, validated configuration for sampling and rollout."""
+"""Frozen, validated configuration for sampling and rollout.
+
+Each setting is declared once, here, with its default, bounds and description: ``SamplingSettings``
+is the run config's ``rollout.sampling`` section and ``RolloutSettings`` its ``rollout`` section (the
+driver adds its own loop fields to it). ``SamplingConfig`` is one generate call (the settings and a
+seed); ``RolloutConfig`` is what the manager runs (the settings and what the driver derives from the
+placement: model folder, engines, device, dtype, seed, timeouts).
+
+They are pydantic dataclasses: every field is checked on construction, an unknown keyword is an error,
+and a bad value raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
+"""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-__all__ = ["RolloutConfig", "SGLangOptions", "SamplingConfig"]
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+__all__ = ["RolloutConfig", "RolloutSettings", "SGLangOptions", "SamplingConfig", "SamplingSettings"]
+
+# Unknown keys are errors, and defaults are validated like any input.
+STRICT = ConfigDict(extra="forbid", validate_default=True)
+
+# Declared once and shared by the run's section and one generate call, whose defaults differ.
+MaxNewTokens = Annotated[int, Field(ge=1, description="response length limit, in tokens")]
+SamplesPerPrompt = Annotated[int, Field(ge=1, description="samples drawn for each prompt")]
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Sampling for one generate call.
+@dataclass(frozen=True, kw_only=True, config=STRICT)
+class SamplingSettings:
+    """How responses are sampled: the ``rollout.sampling`` section.
 
-    ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` turn those filters off.
+    ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` turn those filters off. The
+    defaults are a PPO rollout's: several samples of each prompt (PPO and GRPO compare them), a few
+    tokens long (the built-in tasks' answers).
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 16
-    n_samples_per_prompt: int = 1
-    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's eos token(s)
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False, description="0: greedy")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="1: off")
+    top_k: int = Field(default=0, ge=0, description="0: no top-k")
+    max_new_tokens: MaxNewTokens = 4
+    n_samples_per_prompt: SamplesPerPrompt = 8
+    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field(
+        default=(), description="in addition to the model's eos token(s)"
+    )
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
+class SamplingConfig(SamplingSettings):
+    """One generate call: the sampling settings and the seed it draws from.
+
+    A call's defaults are one sample of up to 16 tokens (what a caller of an engine expects); the
+    rollout manager builds its calls from the run's ``SamplingSettings`` with ``of``.
+    """
+
+    max_new_tokens: MaxNewTokens = 16
+    n_samples_per_prompt: SamplesPerPrompt = 1
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(
-                f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"sampling.top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.n_samples_per_prompt < 1:
-            raise ValueError(f"sampling.n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(
-                f"sampling.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
-            )
-        # Accept lists from YAML/JSON but store a tuple (hashable, immutable).
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+    @classmethod
+    def of(cls, settings: SamplingSettings, seed: int) -> SamplingConfig:
+        """``settings`` (a ``SamplingSettings`` or a ``SamplingConfig``) drawing from ``seed``."""
+        values = {name: getattr(settings, name) for name in SamplingSettings.__dataclass_fields__}
+        return cls(**values, seed=seed)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, config=STRICT)
 class SGLangOptions:
     """How the SGLang adapter launches servers. ``command`` replaces ``python -m sglang.launch_server``."""
 
     command: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()  # appended verbatim, e.g. ("--mem-fraction-static", "0.7")
     host: str = "127.0.0.1"
-    startup_timeout_s: float = 600.0
-    request_timeout_s: float = 600.0
-    stop_grace_s: float = 15.0
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    stop_grace_s: float = Field(default=15.0, ge=0)
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    """What the rollout manager runs. Exactly one of ``task`` and ``dataset`` is set."""
+@dataclass(frozen=True, kw_only=True, config=STRICT)
+class RolloutSettings:
+    """What to generate and how to score it: the ``rollout`` section. Exactly one of ``task`` and
+    ``dataset`` is set."""
+
+    engine: Literal["builtin", "sglang"] = "builtin"
+    task: str | None = Field(default="copy_small", description="built-in task name; null when dataset is set")
+    dataset: str | None = Field(default=None, description="JSONL file of prompts (instead of task)")
+    prompt_field: str = "prompt"
+    reward: str | None = Field(
+        default=None, description="reward name or 'module:function'; null: the task's own"
+    )
+    prompts_per_step: int = Field(default=8, ge=1)
+    sampling: SamplingSettings = SamplingSettings()
+    eval_prompts: int = Field(default=16, ge=0, description="prompts of each evaluation (greedy)")
+    max_prompt_length: int = Field(default=256, ge=2, description="in tokens, including <bos>")
+
+    def __post_init__(self) -> None:
+        if (self.task is None) == (self.dataset is None):
+            raise ValueError(
+                "set exactly one of rollout.task (a built-in task name) and rollout.dataset (a JSONL "
+                f"path); got task={self.task!r}, dataset={self.dataset!r}"
+            )
+        if self.task is not None:
+            from .tasks import TASKS  # the task table lives with the tasks
+
+            if self.task not in TASKS:
+                raise ValueError(
+                    f"rollout.task={self.task!r} is not a built-in task; use one of {sorted(TASKS)}"
+                )
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
+class RolloutConfig(RolloutSettings):
+    """What the rollout manager runs: the ``RolloutSettings`` plus where and how the engines run.
+
+    ``seed`` seeds the prompt order, every step's sampling (a fixed function of seed, step and engine)
+    and the SGLang servers; ``eval_sampling`` None is greedy with the training ``max_new_tokens``.
+    """
 
     model_path: str
-    engine: Literal["builtin", "sglang"] = "builtin"
-    num_engines: int = 1
-    gpus_per_engine: int = 0  # 0 on CPU runs
-    task: str | None = None
-    dataset: str | None = None  # JSONL path
-    prompt_field: str = "prompt"
-    reward: str | None = None  # registered name or "module:function"; None: the task's reward
-    prompts_per_step: int = 8
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    eval_prompts: int = 0
-    eval_sampling: SamplingConfig | None = None  # None: greedy with the training max_new_tokens
-    max_prompt_length: int = 256  # in tokens, including <bos>
+    num_engines: int = Field(default=1, ge=1)
+    gpus_per_engine: int = Field(default=0, ge=0, description="0 on CPU runs")
+    eval_sampling: SamplingSettings | None = None
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int = 0
-    sglang: SGLangOptions = field(default_factory=SGLangOptions)
-    timeout_s: float = 600.0  # any single wait on an engine
+    sglang: SGLangOptions = SGLangOptions()
+    timeout_s: float = Field(default=600.0, gt=0, description="any single wait on an engine")
 
     def __post_init__(self) -> None:
-        if self.engine not in ("builtin", "sglang"):
-            raise ValueError(f"rollout.engine must be 'builtin' or 'sglang', got {self.engine!r}")
-        if (self.task is None) == (self.dataset is None):
-            raise ValueError(
-                "rollout: set exactly one of 'task' (a built-in task name) and 'dataset' (a JSONL path)"
-            )
-        if self.num_engines < 1:
-            raise ValueError(f"rollout.num_engines must be >= 1, got {self.num_engines}")
-        if self.gpus_per_engine < 0:
-            raise ValueError(f"rollout.gpus_per_engine must be >= 0, got {self.gpus_per_engine}")
+        super().__post_init__()
         if self.engine == "sglang" and self.gpus_per_engine < 1:
             raise ValueError(
                 "rollout.gpus_per_engine must be >= 1 with engine 'sglang' (SGLang serves on GPUs)"
@@ -100,13 +138,5 @@ class RolloutConfig:
             raise ValueError("rollout.gpus_per_engine must be >= 1 with device 'cuda'")
         if self.engine == "builtin" and self.gpus_per_engine > 1:
             raise ValueError("the built-in engine runs on one device: set rollout.gpus_per_engine to 0 or 1")
-        if self.prompts_per_step < 1:
-            raise ValueError(f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        if self.eval_prompts < 0:
-            raise ValueError(f"rollout.eval_prompts must be >= 0, got {self.eval_prompts}")
-        if self.max_prompt_length < 2:
-            raise ValueError(f"rollout.max_prompt_length must be >= 2, got {self.max_prompt_length}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"rollout.timeout_s must be > 0, got {self.timeout_s}")
         if self.dataset is not None and not Path(self.dataset).is_file():
             raise ValueError(f"rollout.dataset: no file at {self.dataset!r}; give a JSONL file path")

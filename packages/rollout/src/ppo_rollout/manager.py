@@ -13,7 +13,7 @@ from ppo_value_transport import Box, pack_fields
 from ppo_weight_sync import EngineEndpoint
 
 from .batch import Sample, rank_fields, split_samples
-from .config import RolloutConfig, SamplingConfig
+from .config import RolloutConfig, SamplingConfig, SamplingSettings
 from .data import JsonlPrompts, PromptSource, TaskPrompts
 from .engine.builtin import MEMORY_TAGS
 from .engine.core import GenerationOutput
@@ -152,9 +152,12 @@ class RolloutManager:
         return out
 
     def _run(
-        self, prompts: list[list[int]], sampling: SamplingConfig, step: int, stream: int
+        self, prompts: list[list[int]], settings: SamplingSettings, step: int, stream: int
     ) -> list[GenerationOutput]:
         """Contiguous, near-equal chunks of prompts to each engine; outputs in prompt order."""
+        # Every step's seeds derive from the run's seed (``config.seed``), whatever the settings hold.
+        base = self.config.seed
+        sampling = SamplingConfig.of(settings, base)
         k = len(self.engines)
         bounds = [round(j * len(prompts) / k) for j in range(k + 1)]
         waits: list[tuple[int, Waiter]] = []
@@ -164,7 +167,7 @@ class RolloutManager:
                 waits.append(
                     (
                         bounds[j],
-                        engine.submit_generate(chunk, sampling, _seed(sampling.seed, step, j, stream)),
+                        engine.submit_generate(chunk, sampling, _seed(base, step, j, stream)),
                     )
                 )
         outputs: list[GenerationOutput] = []
@@ -234,12 +237,11 @@ class RolloutManager:
             return {}
         if self._offloaded:
             raise RuntimeError("rollout engines are offloaded; call onload() before evaluate()")
-        sampling = cfg.eval_sampling or SamplingConfig(
+        sampling = cfg.eval_sampling or SamplingSettings(
             temperature=0.0,
             max_new_tokens=cfg.sampling.max_new_tokens,
             stop_token_ids=cfg.sampling.stop_token_ids,
             n_samples_per_prompt=1,
-            seed=cfg.sampling.seed,
         )
         rows = self.source.eval_rows(cfg.eval_prompts)
         outputs = self._run(self._encode(rows), sampling, step, stream=1)

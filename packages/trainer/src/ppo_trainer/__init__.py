@@ -2,7 +2,7 @@
 
 from ppo_trainer.backend import DataParallel, TorchTrainer
 from ppo_trainer.batch import Samples
-from ppo_trainer.config import AlgorithmConfig, TrainerConfig
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig, TrainSettings
 from ppo_trainer.group import LocalSlots, Slots, TrainGroup, TrainResult
 from ppo_trainer.models import CriticModel, load_causal_lm, load_critic, load_policy_state_into_critic
 from ppo_trainer.worker import TrainWorker
@@ -19,6 +19,7 @@ __all__ = [
     "TorchTrainer",
     "TrainGroup",
     "TrainResult",
+    "TrainSettings",
     "TrainWorker",
     "TrainerConfig",
     "__version__",
