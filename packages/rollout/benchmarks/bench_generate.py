@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from ppo_rollout import GenerationCore, SamplingConfig, make_tiny_model
+from ppo_rollout import SamplingConfig, make_tiny_model
+from ppo_rollout.engine.core import GenerationCore
 
 PRESETS = {
     # name: (hidden, layers, heads, intermediate, vocab, batch, prompt_len, new_tokens)

@@ -10,17 +10,12 @@ import ray
 import torch
 
 from ppo_rollout import make_tiny_model
+from ppo_testsupport import skip_gpu_tests_without_cuda
 
 torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+pytest_collection_modifyitems = skip_gpu_tests_without_cuda("needs CUDA")
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ppo_rollout import FIELDS, Sample, balanced_split, rank_fields, split_samples
+from ppo_rollout.batch import FIELDS, Sample, balanced_split, rank_fields, split_samples
 
 
 @given(

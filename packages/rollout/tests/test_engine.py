@@ -11,7 +11,8 @@ import pytest
 import ray
 from transformers import AutoModelForCausalLM
 
-from ppo_rollout import BuiltinEngine, GenerationCore, RolloutManager, SamplingConfig, make_tiny_model
+from ppo_rollout import BuiltinEngine, RolloutManager, SamplingConfig, make_tiny_model
+from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.handles import BuiltinEngineHandle
 from ppo_weight_sync import RayEngineEndpoint, WeightSender, checksum
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppo_rollout import BuiltinEngine, GenerationCore, GenerationOutput, SamplingConfig, make_tiny_model
+from ppo_rollout import BuiltinEngine, GenerationOutput, SamplingConfig, make_tiny_model
+from ppo_rollout.engine.core import GenerationCore
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 

@@ -11,16 +11,11 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ppo_rollout import (
-    FIELDS,
-    JsonlPrompts,
-    RewardError,
-    RolloutConfig,
-    RolloutManager,
-    get_task,
-    register_reward,
-)
+from ppo_rollout import RewardError, RolloutConfig, RolloutManager, register_reward
+from ppo_rollout.batch import FIELDS
+from ppo_rollout.data import JsonlPrompts
 from ppo_rollout.rewards import char_match
+from ppo_rollout.tasks import get_task
 from ppo_value_transport import unpack_fields
 from ppo_weight_sync import WeightSender, checksum
 

@@ -12,8 +12,6 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from ppo_rollout import (
-    FIELDS,
-    GenerationCore,
     RolloutConfig,
     RolloutManager,
     SamplingConfig,
@@ -24,6 +22,8 @@ from ppo_rollout import (
     SGLangServer,
     SGLangServerSpec,
 )
+from ppo_rollout.batch import FIELDS
+from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.handles import SGLangEngineHandle
 from ppo_rollout.engine.sglang import _ok, free_port
 from ppo_value_transport import unpack_fields

@@ -10,17 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ppo_rollout import (
-    TASKS,
-    RewardError,
-    RewardInput,
-    build_char_tokenizer,
-    compute_rewards,
-    get_task,
-    register_reward,
-    resolve_reward,
-)
-from ppo_rollout.rewards import char_match, exact_match
+from ppo_rollout import RewardError, RewardInput, register_reward
+from ppo_rollout.rewards import char_match, compute_rewards, exact_match, resolve_reward
+from ppo_rollout.tasks import TASKS, get_task
+from ppo_rollout.tokenizer import build_char_tokenizer
 
 
 def _inp(response: str, label: str, i: int = 0) -> RewardInput:

@@ -1,39 +1,25 @@
-"""Rollout engines (built-in and SGLang), the rollout manager, tasks and rewards."""
+"""Rollout engines (built-in and SGLang), the rollout manager, tasks and rewards.
 
-from .batch import FIELDS, Sample, balanced_split, rank_fields, split_samples
+The names here are the package's public interface (the README's "Stable interface"); everything else
+(the generation core, batch packing, prompt sources, the task table) is imported from its module.
+"""
+
 from .config import RolloutConfig, RolloutSettings, SamplingConfig, SamplingSettings, SGLangOptions
-from .data import JsonlPrompts, PromptSource, TaskPrompts
-from .engine.builtin import MEMORY_TAGS, BuiltinEngine, BuiltinEngineActor
-from .engine.core import GenerationCore, GenerationOutput, sample_tokens
+from .engine.builtin import BuiltinEngine, BuiltinEngineActor
+from .engine.core import GenerationOutput
 from .engine.sglang import SGLangClient, SGLangError, SGLangServer, SGLangServerSpec
 from .manager import RolloutBatch, RolloutManager
-from .rewards import (
-    RewardError,
-    RewardFn,
-    RewardInput,
-    check_rewards,
-    compute_rewards,
-    register_reward,
-    registered_rewards,
-    resolve_reward,
-)
+from .rewards import RewardError, RewardFn, RewardInput, register_reward
 from .slots import EngineSlots
-from .tasks import TASKS, Task, get_task, make_tiny_model
-from .tokenizer import build_char_tokenizer
+from .tasks import make_tiny_model
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FIELDS",
-    "MEMORY_TAGS",
-    "TASKS",
     "BuiltinEngine",
     "BuiltinEngineActor",
     "EngineSlots",
-    "GenerationCore",
     "GenerationOutput",
-    "JsonlPrompts",
-    "PromptSource",
     "RewardError",
     "RewardFn",
     "RewardInput",
@@ -46,21 +32,8 @@ __all__ = [
     "SGLangOptions",
     "SGLangServer",
     "SGLangServerSpec",
-    "Sample",
     "SamplingConfig",
     "SamplingSettings",
-    "Task",
-    "TaskPrompts",
-    "balanced_split",
-    "build_char_tokenizer",
-    "check_rewards",
-    "compute_rewards",
-    "get_task",
     "make_tiny_model",
-    "rank_fields",
     "register_reward",
-    "registered_rewards",
-    "resolve_reward",
-    "sample_tokens",
-    "split_samples",
 ]

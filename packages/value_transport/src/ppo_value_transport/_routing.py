@@ -89,8 +89,8 @@ def require_values(rank: int, values: Box | None, role: str = "actor") -> Box:
     """
     if values is None:
         raise MissingValuesError(
-            f"{role} rank {rank} needs critic values but received none; the critic must return a "
-            "values Box for every rank of its last pipeline stage (see ppo_value_transport.pair_values)"
+            f"{role} rank {rank} needs critic values but received none; the critic must return one "
+            f"values Box per {role} rank, in rank order (route() hands the i-th Box to rank i)"
         )
     if not isinstance(values, Box):
         raise MissingValuesError(
