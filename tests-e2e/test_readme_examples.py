@@ -19,6 +19,7 @@ EXPECTED = {
     "placement": r"^rollout \(2, 3\) \(2, 3\) 1\.0$",
     "ppo_driver": r"True$",
     "rollout": r"'eval/samples': 8\.0",
+    "testsupport": r"^\['rank 0 of 2 arg0', 'rank 1 of 2 arg1'\]$",
     "trainer": r"^3 \d+\.\d+ \d+\.\d+$",
     "value_transport": r"\['same', 'same', 'same'\]",
     "weight_sync": r"^step-1 True$",

@@ -1,9 +1,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,48 +9,16 @@ import torch
 import torch.distributed as dist
 
 from ppo_lifecycle import ReloadableProcessGroups, group_timeout
+from ppo_testsupport import run_ranks
 
 WORKER = Path(__file__).with_name("_pg_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [3])
 def test_gloo_ranks_all_reduce_sleep_wake_for_ten_cycles(tmp_path: Path, world: int) -> None:
-    cycles, port = 10, _free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                str(r),
-                str(world),
-                str(port),
-                str(cycles),
-                str(tmp_path / f"{r}.json"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=150)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{outputs[r][-3000:]}"
+    cycles = 10
+    run_ranks(WORKER, world, lambda r: [cycles, tmp_path / f"{r}.json"], timeout_s=150)
     records = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
     for r, rec in enumerate(records):
         # sum over ranks of (rank + cycle)

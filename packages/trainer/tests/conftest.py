@@ -13,6 +13,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from ppo_testsupport import skip_gpu_tests_without_cuda
+
 torch.set_num_threads(1)
 # Under `uv run`, Ray would package the working tree and start every worker through uv (minutes here);
 # the workers use this interpreter's environment instead.
@@ -23,13 +25,9 @@ VOCAB = 16
 Fields = dict[str, list[torch.Tensor]]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (run benchmarks/gpu.sh on a GPU machine)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+pytest_collection_modifyitems = skip_gpu_tests_without_cuda(
+    "needs CUDA (run benchmarks/gpu.sh on a GPU machine)"
+)
 
 
 @pytest.fixture(scope="session")

@@ -3,48 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ppo_weight_sync.group import free_port
+from ppo_testsupport import run_ranks
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 
 
-def run_ranks(tmp_path: Path, backend: str, world: int = 2) -> list[dict]:
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                str(r),
-                str(world),
-                str(port),
-                str(tmp_path / f"{r}.json"),
-                backend,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=240)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{outputs[r][-3000:]}"
+def fsdp_ranks(tmp_path: Path, backend: str, world: int = 2) -> list[dict]:
+    run_ranks(WORKER, world, lambda r: [tmp_path / f"{r}.json", backend], timeout_s=240)
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
 
@@ -66,7 +36,7 @@ def check_records(records: list[dict]) -> None:
 
 @pytest.mark.timeout(300)
 def test_fsdp_runs_on_the_rebuilt_group_after_sleep_and_wake(tmp_path: Path) -> None:
-    check_records(run_ranks(tmp_path, "gloo"))
+    check_records(fsdp_ranks(tmp_path, "gloo"))
 
 
 @pytest.mark.gpu
@@ -74,4 +44,4 @@ def test_fsdp_runs_on_the_rebuilt_group_after_sleep_and_wake(tmp_path: Path) -> 
 def test_fsdp_on_nccl_survives_sleep_and_wake(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    check_records(run_ranks(tmp_path, "nccl"))
+    check_records(fsdp_ranks(tmp_path, "nccl"))

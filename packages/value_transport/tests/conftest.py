@@ -14,16 +14,12 @@ import pytest
 import ray
 import torch
 
+from ppo_testsupport import skip_gpu_tests_without_cuda
+
 HERE = Path(__file__).resolve().parent
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+pytest_collection_modifyitems = skip_gpu_tests_without_cuda("needs CUDA")
 
 
 PYTHONPATH = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
