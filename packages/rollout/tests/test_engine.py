@@ -71,7 +71,7 @@ def test_pause_holds_generation_between_steps_and_an_update_lands_while_paused(
     engine = BuiltinEngine(tiny_model, timeout_s=30.0)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=20)
     result: list[object] = []
-    assert engine.pause_generation()["success"]
+    assert engine.pause_generation().success
     worker = threading.Thread(target=lambda: result.append(engine.generate(PROMPTS, sampling)))
     worker.start()
     time.sleep(1.0)
@@ -81,7 +81,7 @@ def test_pause_holds_generation_between_steps_and_an_update_lands_while_paused(
     # A load while paused (what update_weights_from_distributed does between pause and continue).
     new = AutoModelForCausalLM.from_pretrained(other_model).state_dict()
     engine._load_weights(new.items())
-    assert engine.continue_generation()["success"]
+    assert engine.continue_generation().success
     worker.join(30)
     assert not worker.is_alive()
     # Generated entirely with the new weights: the pause came before the first step.
@@ -101,25 +101,33 @@ def test_release_and_resume_memory_keep_weights_bit_identical(tiny_model: Path) 
     engine = BuiltinEngine(tiny_model)
     before_sum = engine.weights_checksum()
     before = engine.generate(PROMPTS, SAMPLING)
-    reply = engine.release_memory_occupation(["weights", "kv_cache"])
-    assert reply["success"], reply
+    reply = engine.release_memory_occupation(tags=["weights", "kv_cache"])
+    assert reply.success, reply
     assert engine.released_tags() == ["kv_cache", "weights"]
-    assert engine.release_memory_occupation()["success"]  # idempotent
+    assert engine.release_memory_occupation(tags=None).success  # idempotent
     with pytest.raises(RuntimeError, match="weights are released; call resume_memory_occupation"):
         engine.generate(PROMPTS, SAMPLING)
-    assert engine.resume_memory_occupation(None)["success"]
-    assert engine.resume_memory_occupation(None)["success"]  # idempotent
+    assert engine.resume_memory_occupation(tags=None).success
+    assert engine.resume_memory_occupation(tags=None).success  # idempotent
     assert engine.weights_checksum() == before_sum
     assert engine.generate(PROMPTS, SAMPLING) == before
-    bad = engine.release_memory_occupation(["bogus"])
-    assert not bad["success"]
-    assert "unknown memory tags ['bogus']" in bad["message"]
+    bad = engine.release_memory_occupation(tags=["bogus"])
+    assert not bad.success
+    assert "unknown memory tags ['bogus']" in bad.message
 
 
 def test_flush_and_version_before_any_update(tiny_model: Path) -> None:
     engine = BuiltinEngine(tiny_model)
-    assert engine.flush_cache()["success"]
+    assert engine.flush_cache().success
     assert engine.get_weight_version() is None
-    reply = engine.update_weights_from_distributed(["x"], ["float32"], [[1]], group_name="nope")
-    assert not reply["success"]
-    assert "not joined" in reply["message"]
+    reply = engine.update_weights_from_distributed(
+        names=["x"],
+        dtypes=["float32"],
+        shapes=[[1]],
+        group_name="nope",
+        weight_version=None,
+        flush_cache=True,
+        load_format=None,
+    )
+    assert not reply.success
+    assert "not joined" in reply.message

@@ -81,23 +81,23 @@ def test_release_frees_gpu_memory_and_resume_restores_it(medium_model: Path) -> 
     torch.cuda.empty_cache()
     free0 = torch.cuda.mem_get_info()[0]
     _stage("release test: releasing")
-    reply = engine.release_memory_occupation()
-    assert reply["success"], reply
+    reply = engine.release_memory_occupation(tags=None)
+    assert reply.success, reply
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free1 = torch.cuda.mem_get_info()[0]
     print(
         f"released {(free1 - free0) / 2**20:.0f} MiB of {model_bytes / 2**20:.0f} MiB of weights "
-        f"({reply['message']})",
+        f"({reply.message})",
         flush=True,
     )
     assert free1 - free0 >= 0.8 * model_bytes
     with pytest.raises(RuntimeError, match="released"):
         engine.generate(PROMPTS, s)
     _stage("release test: resuming")
-    reply = engine.resume_memory_occupation()
-    assert reply["success"], reply
-    print(f"resumed ({reply['message']})", flush=True)
+    reply = engine.resume_memory_occupation(tags=None)
+    assert reply.success, reply
+    print(f"resumed ({reply.message})", flush=True)
     _stage("release test: comparing weights and generations")
     after = engine.named_tensors()
     assert [n for n, _ in after] == [n for n, _ in weights]

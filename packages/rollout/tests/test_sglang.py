@@ -25,9 +25,8 @@ from ppo_rollout import (
 from ppo_rollout.batch import FIELDS
 from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.handles import SGLangEngineHandle
-from ppo_rollout.engine.sglang import _ok, free_port
 from ppo_value_transport import unpack_fields
-from ppo_weight_sync import EngineUnavailableError, WeightSender
+from ppo_weight_sync import EngineReply, EngineUnavailableError, WeightSender, free_port, reply_from_http
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,12 +60,17 @@ def test_argv_holds_the_derived_arguments() -> None:
 
 
 def test_reply_shapes_are_normalised() -> None:
-    assert _ok(None, "released") == {"success": True, "message": "released"}
-    assert _ok({"success": False, "message": "no"}, "") == {"success": False, "message": "no"}
-    assert _ok({"message": "Generation paused successfully.", "status": "ok"}, "")["success"]
-    assert _ok({"error": {"message": "boom"}}, "") == {"success": False, "message": "boom"}
-    assert _ok({"object": "error", "message": "bad", "code": 400}, "") == {"success": False, "message": "bad"}
-    assert _ok("Cache flushed.\n", "") == {"success": True, "message": "Cache flushed."}
+    assert reply_from_http(200, None) == EngineReply(True, "HTTP 200")
+    assert reply_from_http(400, {"success": False, "message": "no"}) == EngineReply(False, "no")
+    assert reply_from_http(200, {"message": "Generation paused successfully.", "status": "ok"}).success
+    assert reply_from_http(400, {"error": {"message": "boom"}}) == EngineReply(False, "boom")
+    assert reply_from_http(400, {"object": "error", "message": "bad", "code": 400}) == EngineReply(
+        False, "bad"
+    )
+    assert reply_from_http(200, "Cache flushed.\n") == EngineReply(True, "Cache flushed.")
+    # a 400 is never a success, whatever the body says; a lost group is a field, not a message prefix
+    assert not reply_from_http(400, {"success": True, "message": "?"}).success
+    assert reply_from_http(400, {"success": False, "message": "x", "group_lost": True}).group_lost
 
 
 @pytest.fixture(scope="module")
@@ -189,16 +193,13 @@ def test_control_and_memory_routes(
 ) -> None:
     manager, _ = sglang_manager
     client, record = standin
-    assert client.pause_generation()["success"]
-    assert client.continue_generation()["success"]
-    assert client.flush_cache()["success"]
-    assert client.release_memory_occupation(["weights", "kv_cache"]) == {
-        "success": True,
-        "message": "released",
-    }
+    assert client.pause_generation().success
+    assert client.continue_generation().success
+    assert client.flush_cache().success
+    assert client.release_memory_occupation(tags=["weights", "kv_cache"]).success
     with pytest.raises(SGLangError, match=r"refused /generate: RuntimeError: engine .*weights are released"):
         client.generate([[1, 5]], SamplingConfig(max_new_tokens=2))
-    assert client.resume_memory_occupation(None)["success"]
+    assert client.resume_memory_occupation(tags=None).success
     assert _requests(record)[-1]["body"] == {"tags": None}
     manager.offload()  # the manager's path: both tags on every engine
     assert _requests(record)[-1] == {
@@ -207,9 +208,9 @@ def test_control_and_memory_routes(
         "body": {"tags": ["weights", "kv_cache"]},
     }
     manager.onload()
-    refused = client.release_memory_occupation(["bogus"])
-    assert not refused["success"]
-    assert "unknown memory tags" in refused["message"]
+    refused = client.release_memory_occupation(tags=["bogus"])
+    assert not refused.success
+    assert "unknown memory tags" in refused.message
     assert _requests(record)[-1]["body"] == {"tags": ["bogus"]}
     assert client.health()
 

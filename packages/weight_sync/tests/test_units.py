@@ -14,8 +14,8 @@ from ppo_weight_sync import (
     HttpEngineEndpoint,
     ThreadUpdateLock,
     WeightSender,
+    free_port,
 )
-from ppo_weight_sync.group import free_port
 from ppo_weight_sync.testing import TensorEngine
 from ppo_weight_sync.testing.http_engine import serve
 

@@ -258,8 +258,8 @@ class RolloutManager:
         for engine in self.engines:
             call = engine.release_memory_occupation if op == "release" else engine.resume_memory_occupation
             reply = call(tags, self.config.timeout_s)
-            if not reply.get("success", False):
-                failures.append(f"{engine.name}: {reply.get('message')}")
+            if not reply.success:
+                failures.append(f"{engine.name}: {reply.message}")
         if failures:
             raise RuntimeError(f"{op} of rollout memory failed on " + "; ".join(failures))
 

@@ -39,21 +39,11 @@ from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.models import count_parameters
 from ppo_value_transport import Box, pack, require_values, unpack, unpack_fields
-from ppo_weight_sync import EngineEndpoint, WeightSender, checksum
-from ppo_weight_sync.group import free_port
+from ppo_weight_sync import EngineEndpoint, WeightSender, checksum, free_port, node_address
 
 log = logging.getLogger(__name__)
 
 _SYNC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def node_address() -> str:
-    try:
-        import ray
-
-        return str(ray.util.get_node_ip_address())
-    except Exception:  # outside Ray: a single-node run
-        return "127.0.0.1"
 
 
 def make_memory_backend(config: TrainerConfig, device: torch.device) -> MemoryBackend:

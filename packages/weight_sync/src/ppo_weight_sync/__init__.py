@@ -9,16 +9,21 @@ from ppo_weight_sync.endpoints import (
     HttpEngineEndpoint,
     Pending,
     RayEngineEndpoint,
+    reply_from_http,
 )
 from ppo_weight_sync.errors import (
     EngineRejectedError,
     EngineTimeoutError,
     EngineUnavailableError,
     WeightSyncError,
+    check_reply,
 )
 from ppo_weight_sync.lock import PROCESS_LOCK, RayUpdateLock, ThreadUpdateLock, UpdateLock
+from ppo_weight_sync.net import free_port, node_address
+from ppo_weight_sync.ops import EngineOps, EngineReply, WeightOps
 from ppo_weight_sync.receiver import WeightReceiver
 from ppo_weight_sync.sender import WeightSender
+from ppo_weight_sync.transports import Sent, Transport, TransportFactory
 
 __version__ = "0.1.0"
 
@@ -28,18 +33,28 @@ __all__ = [
     "RECEIVER_LOAD_FORMATS",
     "STREAM_FORMAT_PREFIX",
     "EngineEndpoint",
+    "EngineOps",
     "EngineRejectedError",
+    "EngineReply",
     "EngineTimeoutError",
     "EngineUnavailableError",
     "HttpEngineEndpoint",
     "Pending",
     "RayEngineEndpoint",
     "RayUpdateLock",
+    "Sent",
     "ThreadUpdateLock",
+    "Transport",
+    "TransportFactory",
     "UpdateLock",
+    "WeightOps",
     "WeightReceiver",
     "WeightSender",
     "WeightSyncError",
+    "check_reply",
     "checksum",
+    "free_port",
+    "node_address",
     "plan_buckets",
+    "reply_from_http",
 ]

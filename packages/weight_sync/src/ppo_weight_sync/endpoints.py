@@ -1,8 +1,10 @@
 """Engine endpoints: how the sender reaches an engine (a Ray actor handle, or an SGLang-style HTTP URL).
 
-Every operation returns a :class:`Pending`; ``result(timeout_s)`` gives the engine's reply (SGLang's
-``{"success": bool, "message": str}`` for the weight operations) or raises
-:class:`~ppo_weight_sync.errors.EngineUnavailableError` / ``EngineTimeoutError`` naming the engine.
+An endpoint's methods are the :class:`~ppo_weight_sync.ops.EngineOps` weight and generation operations,
+with the same keyword arguments, each returning a :class:`Pending` of the same result:
+``result(timeout_s)`` gives the engine's :class:`~ppo_weight_sync.ops.EngineReply` (the version string or
+None for ``get_weight_version``) or raises :class:`~ppo_weight_sync.errors.EngineUnavailableError` /
+``EngineTimeoutError`` naming the engine.
 """
 
 from __future__ import annotations
@@ -10,23 +12,36 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import threading
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from ppo_weight_sync.buckets import FLATTENED_BUCKET, STREAM_FORMAT_PREFIX
 from ppo_weight_sync.errors import EngineTimeoutError, EngineUnavailableError
 from ppo_weight_sync.http_client import JsonHttpClient
+from ppo_weight_sync.ops import EngineReply
 
-__all__ = ["EngineEndpoint", "HttpEngineEndpoint", "Pending", "RayEngineEndpoint"]
+__all__ = [
+    "RECEIVER_LOAD_FORMATS",
+    "EngineEndpoint",
+    "HttpEngineEndpoint",
+    "Pending",
+    "RayEngineEndpoint",
+    "reply_from_http",
+]
 
 # load formats an engine may accept besides per-tensor broadcast (load_format None, every SGLang).
 RECEIVER_LOAD_FORMATS: tuple[str, ...] = (STREAM_FORMAT_PREFIX, FLATTENED_BUCKET)
 
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+U = TypeVar("U")
 
-class Pending(Protocol):
+
+class Pending(Protocol[T_co]):
     """A call in flight. ``done()`` never blocks; ``result`` waits at most ``timeout_s`` seconds."""
 
     def done(self) -> bool: ...
-    def result(self, timeout_s: float) -> Any: ...
+    def result(self, timeout_s: float) -> T_co: ...
 
 
 @runtime_checkable
@@ -36,6 +51,7 @@ class EngineEndpoint(Protocol):
     ``load_formats`` lists the transfer formats the engine accepts beyond per-tensor broadcast:
     ``"flattened_bucket"`` (SGLang's name: one flat buffer per call) and ``"ppo_flat_stream:"`` (ours:
     one call per update, flat buffers per bucket; :class:`~ppo_weight_sync.WeightReceiver` accepts both).
+    The operations are :class:`~ppo_weight_sync.ops.EngineOps`' (same names, same keyword arguments).
     """
 
     name: str
@@ -51,7 +67,7 @@ class EngineEndpoint(Protocol):
         world_size: int,
         group_name: str,
         backend: str,
-    ) -> Pending: ...
+    ) -> Pending[EngineReply]: ...
 
     def update_weights_from_distributed(
         self,
@@ -63,13 +79,39 @@ class EngineEndpoint(Protocol):
         weight_version: str | None,
         flush_cache: bool,
         load_format: str | None,
-    ) -> Pending: ...
+    ) -> Pending[EngineReply]: ...
 
-    def destroy_weights_update_group(self, *, group_name: str) -> Pending: ...
-    def pause_generation(self) -> Pending: ...
-    def continue_generation(self) -> Pending: ...
-    def flush_cache(self) -> Pending: ...
-    def get_weight_version(self) -> Pending: ...
+    def destroy_weights_update_group(self, *, group_name: str) -> Pending[EngineReply]: ...
+    def pause_generation(self) -> Pending[EngineReply]: ...
+    def continue_generation(self) -> Pending[EngineReply]: ...
+    def flush_cache(self) -> Pending[EngineReply]: ...
+    def get_weight_version(self) -> Pending[str | None]: ...
+
+
+def reply_from_http(status: int, body: Any) -> EngineReply:
+    """An answered request as an :class:`EngineReply`, whatever shape SGLang's route answers in.
+
+    ``{"success", "message"}`` (weight routes); ``{"object": "error", ...}`` (FastAPI validation and
+    ``HTTPException``, 400); ``{"error": {"message"}}`` (``_create_error_response``); ``{"message",
+    "status": "ok"}`` (pause/continue); text (flush_cache); ``null`` (memory routes). A status outside
+    2xx is never a success, whatever the body says.
+    """
+    ok_status = 200 <= status < 300
+    if isinstance(body, Mapping):
+        if body.get("object") == "error":
+            return EngineReply(False, str(body.get("message", body)))
+        if "success" in body:
+            reply = EngineReply.from_json(body)
+            return reply if ok_status or not reply.success else EngineReply(False, reply.message)
+        if "error" in body:
+            err = body["error"]
+            return EngineReply(False, str(err.get("message", err) if isinstance(err, Mapping) else err))
+        if body.get("status") not in (None, "ok"):
+            return EngineReply(False, str(body))
+        message = str(body.get("message", "")) if "message" in body else str(body)
+        return EngineReply(ok_status, message)
+    text = "" if body is None else str(body).strip()
+    return EngineReply(ok_status, text or f"HTTP {status}")
 
 
 def _check_gpus(num_gpus: int) -> int:
@@ -83,9 +125,9 @@ def _check_gpus(num_gpus: int) -> int:
 # ---------------------------------------------------------------- Ray
 
 
-class _RayPending:
-    def __init__(self, ref: Any, engine: str, op: str) -> None:
-        self._ref, self._engine, self._op = ref, engine, op
+class _RayPending(Generic[T]):
+    def __init__(self, ref: Any, engine: str, op: str, kind: type[T]) -> None:
+        self._ref, self._engine, self._op, self._kind = ref, engine, op, kind
 
     def done(self) -> bool:
         import ray
@@ -93,12 +135,12 @@ class _RayPending:
         ready, _ = ray.wait([self._ref], timeout=0)
         return bool(ready)
 
-    def result(self, timeout_s: float) -> Any:
+    def result(self, timeout_s: float) -> T:
         import ray
         from ray import exceptions as rex
 
         try:
-            return ray.get(self._ref, timeout=timeout_s)
+            value = ray.get(self._ref, timeout=timeout_s)
         except rex.GetTimeoutError:
             raise EngineTimeoutError(self._engine, self._op, timeout_s) from None
         except (rex.RayActorError, rex.ActorUnavailableError) as exc:
@@ -107,10 +149,18 @@ class _RayPending:
             ) from exc
         except rex.RayTaskError as exc:
             raise EngineUnavailableError(self._engine, self._op, f"raised {exc.cause!r}") from exc
+        if not isinstance(value, self._kind):
+            raise EngineUnavailableError(
+                self._engine,
+                self._op,
+                f"answered a {type(value).__name__}, not a {self._kind.__name__} "
+                "(does the actor implement EngineOps?)",
+            )
+        return value
 
 
 class RayEngineEndpoint:
-    """An engine that is a Ray actor exposing the operations as methods.
+    """An engine that is a Ray actor exposing :class:`~ppo_weight_sync.ops.EngineOps` as methods.
 
     Create the actor with ``max_concurrency >= 2`` so that the weight calls run while it generates.
     """
@@ -127,49 +177,91 @@ class RayEngineEndpoint:
         self.name = name or f"ray-actor-{handle._actor_id.hex()[:12]}"
         self.load_formats = tuple(load_formats)
 
-    def _call(self, op: str, **kwargs: Any) -> Pending:
+    def _call(self, op: str, kind: type[T], **kwargs: Any) -> Pending[T]:
         try:
             ref = getattr(self.handle, op).remote(**kwargs)
         except Exception as exc:  # submitting to a dead actor can raise here rather than on get
             raise EngineUnavailableError(self.name, op, f"could not submit: {exc}") from exc
-        return _RayPending(ref, self.name, op)
+        return _RayPending(ref, self.name, op, kind)
 
-    def init_weights_update_group(self, **kwargs: Any) -> Pending:
-        return self._call("init_weights_update_group", **kwargs)
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> Pending[EngineReply]:
+        return self._call(
+            "init_weights_update_group",
+            EngineReply,
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
 
-    def update_weights_from_distributed(self, **kwargs: Any) -> Pending:
-        return self._call("update_weights_from_distributed", **kwargs)
+    def update_weights_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool,
+        load_format: str | None,
+    ) -> Pending[EngineReply]:
+        return self._call(
+            "update_weights_from_distributed",
+            EngineReply,
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            load_format=load_format,
+        )
 
-    def destroy_weights_update_group(self, *, group_name: str) -> Pending:
-        return self._call("destroy_weights_update_group", group_name=group_name)
+    def destroy_weights_update_group(self, *, group_name: str) -> Pending[EngineReply]:
+        return self._call("destroy_weights_update_group", EngineReply, group_name=group_name)
 
-    def pause_generation(self) -> Pending:
-        return self._call("pause_generation")
+    def pause_generation(self) -> Pending[EngineReply]:
+        return self._call("pause_generation", EngineReply)
 
-    def continue_generation(self) -> Pending:
-        return self._call("continue_generation")
+    def continue_generation(self) -> Pending[EngineReply]:
+        return self._call("continue_generation", EngineReply)
 
-    def flush_cache(self) -> Pending:
-        return self._call("flush_cache")
+    def flush_cache(self) -> Pending[EngineReply]:
+        return self._call("flush_cache", EngineReply)
 
-    def get_weight_version(self) -> Pending:
-        return self._call("get_weight_version")
+    def get_weight_version(self) -> Pending[str | None]:
+        return _Mapped(self._call("get_weight_version", object), _version)
 
     def __repr__(self) -> str:
         return f"RayEngineEndpoint(name={self.name!r}, num_gpus={self.num_gpus})"
 
 
+def _version(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
 # ---------------------------------------------------------------- HTTP (standard library only)
 
 
-class _FuturePending:
-    def __init__(self, future: concurrent.futures.Future[Any], engine: str, op: str) -> None:
+class _FuturePending(Generic[T]):
+    def __init__(self, future: concurrent.futures.Future[T], engine: str, op: str) -> None:
         self._future, self._engine, self._op = future, engine, op
 
     def done(self) -> bool:
         return self._future.done()
 
-    def result(self, timeout_s: float) -> Any:
+    def result(self, timeout_s: float) -> T:
         try:
             return self._future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
@@ -213,8 +305,7 @@ class HttpEngineEndpoint:
                 self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix=f"http-{self.name}")
             return self._pool
 
-    def request(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
-        """One blocking request; returns the decoded JSON (or text) body, including 400 answers."""
+    def _answer(self, method: str, route: str, body: dict[str, Any] | None) -> tuple[int, Any]:
         op = route.strip("/")
         try:
             reply = self._http.request(method, route, body)
@@ -222,39 +313,87 @@ class HttpEngineEndpoint:
             raise EngineTimeoutError(self.name, op, self.timeout_s) from None
         except (http.client.HTTPException, OSError) as exc:
             raise EngineUnavailableError(self.name, op, f"unreachable: {type(exc).__name__}: {exc}") from exc
-        if 200 <= reply.status < 300:
-            return reply.body
-        if reply.status == 400:
-            # SGLang answers a refused operation with 400: JSON for the weight operations, text for
-            # flush_cache. Either is a refusal, not a dead engine.
-            payload = reply.body
-            return payload if isinstance(payload, dict) else {"success": False, "message": str(payload)}
-        raise EngineUnavailableError(self.name, op, f"HTTP {reply.status}: {reply.body!r}")
+        # 400 is SGLang's answer to a refused operation (JSON for the weight operations, text for
+        # flush_cache): a refusal, not a dead engine. Anything else outside 2xx is an unusable engine.
+        if not (200 <= reply.status < 300 or reply.status == 400):
+            raise EngineUnavailableError(self.name, op, f"HTTP {reply.status}: {reply.body!r}")
+        return reply.status, reply.body
 
-    def _submit(self, method: str, route: str, body: dict[str, Any] | None = None) -> Pending:
-        future = self._executor().submit(self.request, method, route, body)
+    def request(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
+        """One blocking request; returns the decoded JSON (or text) body, including 400 answers."""
+        status, payload = self._answer(method, route, body)
+        if status == 400 and not isinstance(payload, dict):
+            return {"success": False, "message": str(payload)}
+        return payload
+
+    def call(self, method: str, route: str, body: dict[str, Any] | None = None) -> EngineReply:
+        """One blocking request to an operation's route; its answer as an :class:`EngineReply`."""
+        return reply_from_http(*self._answer(method, route, body))
+
+    def _submit(self, method: str, route: str, body: dict[str, Any] | None = None) -> Pending[EngineReply]:
+        future = self._executor().submit(self.call, method, route, body)
         return _FuturePending(future, self.name, route.strip("/"))
 
-    def init_weights_update_group(self, **kwargs: Any) -> Pending:
-        return self._submit("POST", "/init_weights_update_group", kwargs)
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> Pending[EngineReply]:
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return self._submit("POST", "/init_weights_update_group", body)
 
-    def update_weights_from_distributed(self, **kwargs: Any) -> Pending:
-        return self._submit("POST", "/update_weights_from_distributed", kwargs)
+    def update_weights_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool,
+        load_format: str | None,
+    ) -> Pending[EngineReply]:
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        # Left out when None, which is io_struct.py's default for both.
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
+        return self._submit("POST", "/update_weights_from_distributed", body)
 
-    def destroy_weights_update_group(self, *, group_name: str) -> Pending:
+    def destroy_weights_update_group(self, *, group_name: str) -> Pending[EngineReply]:
         return self._submit("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
-    def pause_generation(self) -> Pending:
+    def pause_generation(self) -> Pending[EngineReply]:
         return self._submit("POST", "/pause_generation", {})
 
-    def continue_generation(self) -> Pending:
+    def continue_generation(self) -> Pending[EngineReply]:
         return self._submit("POST", "/continue_generation", {})
 
-    def flush_cache(self) -> Pending:
+    def flush_cache(self) -> Pending[EngineReply]:
         return self._submit("POST", "/flush_cache")
 
-    def get_weight_version(self) -> Pending:
-        return _Mapped(self._submit("GET", "/get_weight_version"), lambda r: r.get("weight_version"))
+    def get_weight_version(self) -> Pending[str | None]:
+        future = self._executor().submit(self.request, "GET", "/get_weight_version")
+        return _Mapped(_FuturePending(future, self.name, "get_weight_version"), _weight_version_of)
 
     def close(self) -> None:
         with self._pool_lock:
@@ -267,12 +406,17 @@ class HttpEngineEndpoint:
         return f"HttpEngineEndpoint({self.base_url!r}, num_gpus={self.num_gpus})"
 
 
-class _Mapped:
-    def __init__(self, inner: Pending, fn: Any) -> None:
+def _weight_version_of(body: Any) -> str | None:
+    version = body.get("weight_version") if isinstance(body, Mapping) else None
+    return None if version is None else str(version)
+
+
+class _Mapped(Generic[T, U]):
+    def __init__(self, inner: Pending[T], fn: Callable[[T], U]) -> None:
         self._inner, self._fn = inner, fn
 
     def done(self) -> bool:
         return self._inner.done()
 
-    def result(self, timeout_s: float) -> Any:
+    def result(self, timeout_s: float) -> U:
         return self._fn(self._inner.result(timeout_s))

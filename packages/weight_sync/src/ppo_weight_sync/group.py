@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import socket
 import threading
 from datetime import timedelta
 from typing import Any
@@ -19,25 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["WeightGroup", "free_port", "local_address"]
+from ppo_weight_sync.net import free_port, node_address  # re-exported: older imports name this module
 
-
-def free_port(address: str = "") -> int:
-    """A TCP port that is free on ``address`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return int(sock.getsockname()[1])
-
-
-def local_address() -> str:
-    """This host's address as other hosts see it (the interface of the default route), else 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            # connect() on UDP sends nothing; it only selects the outgoing interface.
-            sock.connect(("10.255.255.255", 1))
-            return str(sock.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
+__all__ = ["WeightGroup", "free_port", "node_address"]
 
 
 _BIND_LOCK = threading.Lock()

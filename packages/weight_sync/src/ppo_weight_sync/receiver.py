@@ -3,7 +3,8 @@
 An engine holds one receiver per rank it puts in the group and forwards the SGLang-named operations to
 it. The receiver joins the group, receives each bucket (tensor by tensor, one flattened buffer, or a
 stream of flattened buffers), checks names/dtypes/shapes against what the engine holds, and hands
-``(name, tensor)`` pairs to the engine's own loader. Replies have SGLang's ``{"success", "message"}`` shape.
+``(name, tensor)`` pairs to the engine's own loader. It satisfies :class:`~ppo_weight_sync.ops.WeightOps`;
+every operation answers an :class:`~ppo_weight_sync.ops.EngineReply`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,8 +28,8 @@ from ppo_weight_sync.buckets import (
     unpack,
 )
 from ppo_weight_sync.device_sync import on_device, wait_stream
-from ppo_weight_sync.errors import RECEIVE_FAILED
 from ppo_weight_sync.group import WeightGroup
+from ppo_weight_sync.ops import EngineReply, WeightOps
 
 __all__ = ["WeightReceiver"]
 
@@ -36,10 +37,6 @@ log = logging.getLogger(__name__)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 Expected = Callable[[], Mapping[str, tuple[torch.dtype, tuple[int, ...]]]]
-
-
-def _reply(success: bool, message: str) -> dict[str, Any]:
-    return {"success": success, "message": message}
 
 
 class WeightReceiver:
@@ -80,17 +77,18 @@ class WeightReceiver:
 
     def init_weights_update_group(
         self,
+        *,
         master_address: str,
         master_port: int,
         rank_offset: int,
         world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> dict[str, Any]:
+        group_name: str,
+        backend: str,
+    ) -> EngineReply:
         rank = rank_offset + self.local_rank
         with self._lock:
             if group_name in self._building:
-                return _reply(False, f"Group {group_name!r} is already being joined.")
+                return EngineReply.refused(f"Group {group_name!r} is already being joined.")
             stale = self._groups.pop(group_name, None)
             self._building.add(group_name)
         # The rendezvous runs outside the lock: a join that waits for a peer that never comes (bounded by
@@ -111,31 +109,31 @@ class WeightReceiver:
                 )
         except Exception as exc:
             log.warning("init_weights_update_group %s failed: %s", group_name, exc)
-            return _reply(False, f"Failed to init group {group_name!r} as rank {rank}: {exc}")
+            return EngineReply.refused(f"Failed to init group {group_name!r} as rank {rank}: {exc}")
         finally:
             with self._lock:
                 self._building.discard(group_name)
         with self._lock:
             self._groups[group_name] = group
-        return _reply(True, f"Joined group {group_name!r} as rank {rank}.")
+        return EngineReply.ok(f"Joined group {group_name!r} as rank {rank}.")
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
         with self._lock:
             group = self._groups.pop(group_name, None)
             busy = group_name in self._busy
             if not busy:
                 self._buffers.pop(group_name, None)
         if group is None:
-            return _reply(True, f"Group {group_name!r} is not joined; nothing to destroy.")
+            return EngineReply.ok(f"Group {group_name!r} is not joined; nothing to destroy.")
         if busy:
             # Its update is waiting on a sender that gave up; that update destroys the group when it ends.
-            return _reply(True, f"Group {group_name!r} will be destroyed when its update ends.")
+            return EngineReply.ok(f"Group {group_name!r} will be destroyed when its update ends.")
         # Bounded: with NCCL the destroy waits for the sender to destroy its side too.
         if not group.destroy_within(self.timeout_s):
-            return _reply(
-                True, f"Destroyed group {group_name!r} (aborted: the peers did not destroy theirs)."
+            return EngineReply.ok(
+                f"Destroyed group {group_name!r} (aborted: the peers did not destroy theirs)."
             )
-        return _reply(True, f"Destroyed group {group_name!r}.")
+        return EngineReply.ok(f"Destroyed group {group_name!r}.")
 
     def get_weight_version(self) -> str | None:
         return self.weight_version
@@ -171,29 +169,28 @@ class WeightReceiver:
 
     def update_weights_from_distributed(
         self,
+        *,
         names: list[str],
         dtypes: list[str],
         shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        **_ignored: Any,  # SGLang fields with no meaning here (torch_empty_cache, ...)
-    ) -> dict[str, Any]:
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool,
+        load_format: str | None,
+    ) -> EngineReply:
         try:
             metas = metas_from_request(names, dtypes, shapes)
             buckets = self._buckets(metas, load_format)
         except ValueError as exc:
-            return _reply(False, f"Bad update request: {exc}")
+            return EngineReply.refused(f"Bad update request: {exc}")
         with self._lock:
             group = self._groups.get(group_name)
             if group is None:
-                return _reply(
-                    False, f"Group {group_name!r} is not joined; call init_weights_update_group first."
+                return EngineReply.refused(
+                    f"Group {group_name!r} is not joined; call init_weights_update_group first."
                 )
             if group_name in self._busy:
-                return _reply(False, f"An update over group {group_name!r} is already running.")
+                return EngineReply.refused(f"An update over group {group_name!r} is already running.")
             self._busy.add(group_name)
         try:
             # A mismatch is found before any byte moves; the data is still drained so the group stays in
@@ -220,9 +217,9 @@ class WeightReceiver:
                     if self._groups.get(group_name) is group:
                         del self._groups[group_name]
                 group.destroy(abort=True)
-                return _reply(False, f"{RECEIVE_FAILED} {group_name!r}: {exc}")
+                return EngineReply.lost(f"Failed to receive weights over group {group_name!r}: {exc}")
             if problem is not None:
-                return _reply(False, f"Rejected update, nothing loaded: {problem}")
+                return EngineReply.refused(f"Rejected update, nothing loaded: {problem}")
             if weight_version is not None:
                 self.weight_version = weight_version
         finally:
@@ -235,7 +232,7 @@ class WeightReceiver:
                 group.destroy(abort=True)  # destroyed while this update ran (idempotent if already)
         if flush_cache and self._on_flush is not None:
             self._on_flush()
-        return _reply(True, "Succeeded to update parameter online.")
+        return EngineReply.ok("Succeeded to update parameter online.")
 
     @staticmethod
     def _buckets(metas: list[TensorMeta], load_format: str | None) -> list[list[TensorMeta]] | None:
@@ -297,3 +294,9 @@ class WeightReceiver:
                 work = post(k + 1)
             if load:
                 self._load(unpack(buffers[k % len(buffers)][: sizes[k]], bucket))
+
+
+if TYPE_CHECKING:  # mypy checks that the receiver has the weight operations' exact signatures
+
+    def _is_weight_ops(receiver: WeightReceiver) -> WeightOps:
+        return receiver

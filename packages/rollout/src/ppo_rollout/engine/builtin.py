@@ -19,13 +19,13 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
 
 from ppo_lifecycle import default_backend
-from ppo_weight_sync import WeightReceiver, checksum
+from ppo_weight_sync import EngineOps, EngineReply, WeightReceiver, checksum
 
 from ..config import SamplingConfig
 from .core import GenerationCore, GenerationOutput
@@ -33,10 +33,6 @@ from .core import GenerationCore, GenerationOutput
 __all__ = ["MEMORY_TAGS", "BuiltinEngine", "BuiltinEngineActor"]
 
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
-
-
-def _reply(success: bool, message: str) -> dict[str, Any]:
-    return {"success": success, "message": message}
 
 
 class BuiltinEngine:
@@ -109,23 +105,23 @@ class BuiltinEngine:
         with self._step_lock:
             yield
 
-    def pause_generation(self) -> dict[str, Any]:
+    def pause_generation(self) -> EngineReply:
         """Holds in-flight generation before its next decode step; returns once no step is running."""
         with self._cond:
             self._paused = True
         with self._step_lock:  # the step in progress, if any, has finished
             pass
-        return _reply(True, "Generation paused.")
+        return EngineReply.ok("Generation paused.")
 
-    def continue_generation(self) -> dict[str, Any]:
+    def continue_generation(self) -> EngineReply:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
-        return _reply(True, "Generation continued.")
+        return EngineReply.ok("Generation continued.")
 
-    def flush_cache(self) -> dict[str, Any]:
+    def flush_cache(self) -> EngineReply:
         # No prefix cache is kept between requests; the KV cache of a call dies with the call.
-        return _reply(True, "Cache flushed (the built-in engine holds no cache between requests).")
+        return EngineReply.ok("Cache flushed (the built-in engine holds no cache between requests).")
 
     def is_paused(self) -> bool:
         with self._cond:
@@ -143,41 +139,46 @@ class BuiltinEngine:
 
     def init_weights_update_group(
         self,
+        *,
         master_address: str,
         master_port: int,
         rank_offset: int,
         world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> dict[str, Any]:
+        group_name: str,
+        backend: str,
+    ) -> EngineReply:
         return self._receiver.init_weights_update_group(
-            master_address, master_port, rank_offset, world_size, group_name, backend
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
         )
 
     def update_weights_from_distributed(
         self,
+        *,
         names: list[str],
         dtypes: list[str],
         shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        weight_version: str | None = None,
-        flush_cache: bool = True,
-        load_format: str | None = None,
-        **extra: Any,
-    ) -> dict[str, Any]:
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool,
+        load_format: str | None,
+    ) -> EngineReply:
         return self._receiver.update_weights_from_distributed(
-            names,
-            dtypes,
-            shapes,
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
             group_name=group_name,
-            flush_cache=flush_cache,
             weight_version=weight_version,
+            flush_cache=flush_cache,
             load_format=load_format,
-            **extra,
         )
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
-        return self._receiver.destroy_weights_update_group(group_name)
+    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
+        return self._receiver.destroy_weights_update_group(group_name=group_name)
 
     def get_weight_version(self) -> str | None:
         return self._receiver.get_weight_version()
@@ -208,16 +209,16 @@ class BuiltinEngine:
             raise ValueError(f"unknown memory tags {unknown}; the engine knows {list(MEMORY_TAGS)}")
         return chosen
 
-    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+    def release_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply:
         """Moves the tagged memory off the device (idempotent per tag). Refused while generating."""
         try:
             chosen = self._tags(tags)
         except ValueError as exc:
-            return _reply(False, str(exc))
+            return EngineReply.refused(str(exc))
         with self._cond:
             if self._active:
-                return _reply(
-                    False, f"engine {self.name}: {self._active} generate call(s) in flight; wait for them"
+                return EngineReply.refused(
+                    f"engine {self.name}: {self._active} generate call(s) in flight; wait for them"
                 )
             with self._step_lock:
                 stats = self._memory.release(chosen)
@@ -226,18 +227,18 @@ class BuiltinEngine:
                     # that training on the same GPU can use them.
                     torch.cuda.empty_cache()
             self._released.update(chosen)
-        return _reply(True, f"Released {chosen}: {stats.bytes} bytes in {stats.seconds:.3f} s.")
+        return EngineReply.ok(f"Released {chosen}: {stats.bytes} bytes in {stats.seconds:.3f} s.")
 
-    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+    def resume_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply:
         """Brings the tagged memory back (idempotent per tag)."""
         try:
             chosen = self._tags(tags)
         except ValueError as exc:
-            return _reply(False, str(exc))
+            return EngineReply.refused(str(exc))
         with self._cond, self._step_lock:
             stats = self._memory.restore(chosen)
             self._released.difference_update(chosen)
-        return _reply(True, f"Resumed {chosen}: {stats.bytes} bytes in {stats.seconds:.3f} s.")
+        return EngineReply.ok(f"Resumed {chosen}: {stats.bytes} bytes in {stats.seconds:.3f} s.")
 
     def released_tags(self) -> list[str]:
         with self._cond:
@@ -257,6 +258,12 @@ class BuiltinEngine:
 
     def ready(self) -> bool:
         return True
+
+
+if TYPE_CHECKING:  # mypy checks that the engine has the engine operations' exact signatures
+
+    def _is_engine_ops(engine: BuiltinEngine) -> EngineOps:
+        return engine
 
 
 # The same class as a Ray actor; create with .options(max_concurrency>=2, ...).

@@ -8,12 +8,12 @@ from typing import Any, Protocol, cast
 
 import ray
 
-from ppo_weight_sync import EngineEndpoint, HttpEngineEndpoint, RayEngineEndpoint
+from ppo_weight_sync import EngineEndpoint, EngineReply, HttpEngineEndpoint, RayEngineEndpoint, free_port
 
 from ..config import SamplingConfig
 from .builtin import BuiltinEngineActor
 from .core import GenerationOutput
-from .sglang import SGLangClient, SGLangError, SGLangServer, SGLangServerSpec, free_port
+from .sglang import SGLangClient, SGLangError, SGLangServer, SGLangServerSpec
 
 __all__ = ["BuiltinEngineHandle", "EngineHandle", "SGLangEngineHandle", "SGLangServerActor", "Waiter"]
 
@@ -30,8 +30,8 @@ class EngineHandle(Protocol):
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
     ) -> Waiter: ...
     def endpoint(self) -> EngineEndpoint: ...
-    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]: ...
-    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]: ...
+    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply: ...
+    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply: ...
     def weights_checksum(self, timeout_s: float) -> str: ...
     def shutdown(self) -> None: ...
 
@@ -98,15 +98,17 @@ class BuiltinEngineHandle:
     def endpoint(self) -> EngineEndpoint:
         return RayEngineEndpoint(self.actor, num_gpus=self._gpus, name=self.name)
 
-    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]:
-        return _ray_get(
-            self.actor.release_memory_occupation.remote(tags), timeout_s, self.name, "release memory"
+    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply:
+        reply: EngineReply = _ray_get(
+            self.actor.release_memory_occupation.remote(tags=tags), timeout_s, self.name, "release memory"
         )
+        return reply
 
-    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]:
-        return _ray_get(
-            self.actor.resume_memory_occupation.remote(tags), timeout_s, self.name, "resume memory"
+    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply:
+        reply: EngineReply = _ray_get(
+            self.actor.resume_memory_occupation.remote(tags=tags), timeout_s, self.name, "resume memory"
         )
+        return reply
 
     def weights_checksum(self, timeout_s: float) -> str:
         return _ray_get(self.actor.weights_checksum.remote(), timeout_s, self.name, "weights checksum")
@@ -203,11 +205,11 @@ class SGLangEngineHandle:
     def endpoint(self) -> EngineEndpoint:
         return HttpEngineEndpoint(self.url, num_gpus=self._gpus, name=self.name)
 
-    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]:
-        return self.client.release_memory_occupation(tags)
+    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply:
+        return self.client.release_memory_occupation(tags=tags)
 
-    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> dict[str, Any]:
-        return self.client.resume_memory_occupation(tags)
+    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply:
+        return self.client.resume_memory_occupation(tags=tags)
 
     def weights_checksum(self, timeout_s: float) -> str:
         raise SGLangError(

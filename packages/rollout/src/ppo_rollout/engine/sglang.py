@@ -26,28 +26,20 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ppo_weight_sync import HttpEngineEndpoint
+from ppo_weight_sync import EngineOps, EngineReply, HttpEngineEndpoint, reply_from_http
 
 from ..config import SamplingConfig
 from .core import GenerationOutput
 
-__all__ = ["SGLangClient", "SGLangError", "SGLangServer", "SGLangServerSpec", "free_port"]
+__all__ = ["SGLangClient", "SGLangError", "SGLangServer", "SGLangServerSpec"]
 
 DEFAULT_COMMAND: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
 
 
 class SGLangError(RuntimeError):
     """An SGLang server refused a request, answered something unexpected, or failed to start."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -208,27 +200,12 @@ class SGLangServer:
         return proc.returncode
 
 
-def _ok(reply: Any, default: str) -> dict[str, Any]:
-    """SGLang's routes answer in several shapes; give every one ``{"success", "message"}``."""
-    if isinstance(reply, dict) and reply.get("object") == "error":  # FastAPI validation / HTTPException
-        return {"success": False, "message": str(reply.get("message", reply))}
-    if isinstance(reply, dict) and "success" in reply:
-        return {"success": bool(reply["success"]), "message": str(reply.get("message", ""))}
-    if isinstance(reply, dict) and "error" in reply:
-        err = reply["error"]
-        return {"success": False, "message": str(err.get("message", err) if isinstance(err, dict) else err)}
-    if isinstance(reply, dict) and reply.get("status") not in (None, "ok"):
-        return {"success": False, "message": str(reply)}
-    if isinstance(reply, dict) and "message" in reply:
-        return {"success": True, "message": str(reply["message"])}
-    return {"success": True, "message": default if reply in (None, "", {}) else str(reply).strip()}
-
-
 class SGLangClient:
     """The engine operations over a server's HTTP routes (stdlib HTTP via ``HttpEngineEndpoint``)."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, name: str = "", num_gpus: int = 1) -> None:
         self.endpoint = HttpEngineEndpoint(base_url, num_gpus=num_gpus, timeout_s=timeout_s, name=name)
+        self.timeout_s = timeout_s
         self.name = self.endpoint.name
         self.base_url = self.endpoint.base_url
 
@@ -270,7 +247,9 @@ class SGLangClient:
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
         reply = self._post("/generate", body)
         if isinstance(reply, dict) and ("error" in reply or reply.get("object") == "error"):
-            raise SGLangError(f"SGLang server {self.name} refused /generate: {_ok(reply, '')['message']}")
+            raise SGLangError(
+                f"SGLang server {self.name} refused /generate: {reply_from_http(400, reply).message}"
+            )
         if isinstance(reply, dict) and len(input_ids) == 1:
             reply = [reply]
         if not isinstance(reply, list) or len(reply) != len(input_ids):
@@ -307,75 +286,75 @@ class SGLangClient:
             finish_reason=str(kind),
         )
 
-    # -- the engine operations -----------------------------------------------------------------------
+    # -- the engine operations (EngineOps, over the endpoint's HTTP calls) ---------------------------
     def init_weights_update_group(
         self,
+        *,
         master_address: str,
         master_port: int,
         rank_offset: int,
         world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> dict[str, Any]:
-        body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        return _ok(self._post("/init_weights_update_group", body), "joined")
+        group_name: str,
+        backend: str,
+    ) -> EngineReply:
+        return self.endpoint.init_weights_update_group(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        ).result(self.timeout_s)
 
     def update_weights_from_distributed(
         self,
+        *,
         names: list[str],
         dtypes: list[str],
         shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        weight_version: str | None = None,
-        flush_cache: bool = True,
-        load_format: str | None = None,
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shapes,
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-        }
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        if load_format is not None:
-            body["load_format"] = load_format
-        return _ok(self._post("/update_weights_from_distributed", body), "updated")
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool,
+        load_format: str | None,
+    ) -> EngineReply:
+        return self.endpoint.update_weights_from_distributed(
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            load_format=load_format,
+        ).result(self.timeout_s)
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
-        return _ok(self._post("/destroy_weights_update_group", {"group_name": group_name}), "destroyed")
+    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
+        return self.endpoint.destroy_weights_update_group(group_name=group_name).result(self.timeout_s)
 
-    def pause_generation(self) -> dict[str, Any]:
-        return _ok(self._post("/pause_generation"), "paused")
+    def pause_generation(self) -> EngineReply:
+        return self.endpoint.pause_generation().result(self.timeout_s)
 
-    def continue_generation(self) -> dict[str, Any]:
-        return _ok(self._post("/continue_generation"), "continued")
+    def continue_generation(self) -> EngineReply:
+        return self.endpoint.continue_generation().result(self.timeout_s)
 
-    def flush_cache(self) -> dict[str, Any]:
-        return _ok(self.endpoint.request("POST", "/flush_cache"), "flushed")
+    def flush_cache(self) -> EngineReply:
+        return self.endpoint.flush_cache().result(self.timeout_s)
 
     def get_weight_version(self) -> str | None:
-        reply = self.endpoint.request("GET", "/get_weight_version")
-        if not isinstance(reply, dict):
-            raise SGLangError(f"SGLang server {self.name}: /get_weight_version answered {reply!r}")
-        version = reply.get("weight_version")
-        return None if version is None else str(version)
+        return self.endpoint.get_weight_version().result(self.timeout_s)
 
-    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+    def release_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply:
         body = {"tags": None if tags is None else list(tags)}
-        return _ok(self._post("/release_memory_occupation", body), "released")
+        return self.endpoint.call("POST", "/release_memory_occupation", body)
 
-    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+    def resume_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply:
         body = {"tags": None if tags is None else list(tags)}
-        return _ok(self._post("/resume_memory_occupation", body), "resumed")
+        return self.endpoint.call("POST", "/resume_memory_occupation", body)
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+if TYPE_CHECKING:  # mypy checks that the client has the engine operations' exact signatures
+
+    def _is_engine_ops(client: SGLangClient) -> EngineOps:
+        return client

@@ -21,6 +21,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from ppo_weight_sync.routes import serve_engine_route
+
 if TYPE_CHECKING:  # imported lazily: the failure knobs act before torch is loaded
     from ..config import SamplingConfig
     from ..engine.builtin import BuiltinEngine
@@ -79,32 +81,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, "", text=True)
             elif path == "/generate":
                 self._generate(body or {})
-            elif path == "/get_weight_version":
-                self._send(200, {"weight_version": engine.get_weight_version()})
-            elif path == "/flush_cache":
-                ok = engine.flush_cache()["success"]
-                self._send(200 if ok else 400, "Cache flushed.\n", text=True)
-            elif path == "/pause_generation":
-                engine.pause_generation()
-                self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
-            elif path == "/continue_generation":
-                engine.continue_generation()
-                self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
-            elif path in ("/release_memory_occupation", "/resume_memory_occupation"):
-                tags = (body or {}).get("tags")
-                op = getattr(engine, path.strip("/"))
-                reply = op(tags)
-                if reply["success"]:
-                    self._send(200, None)  # SGLang answers null on success
+            elif (answer := serve_engine_route(engine, method, path, body)) is not None:
+                if isinstance(answer.body, str):
+                    self._send(answer.status, answer.body, text=True)
                 else:
-                    self._send(400, {"error": {"message": reply["message"]}})
-            elif path in (
-                "/init_weights_update_group",
-                "/update_weights_from_distributed",
-                "/destroy_weights_update_group",
-            ):
-                reply = getattr(engine, path.strip("/"))(**(body or {}))
-                self._send(200 if reply["success"] else 400, reply)
+                    self._send(answer.status, answer.body)
             else:
                 self._send(404, {"detail": "Not Found"})
         except Exception as exc:  # a server answers; it does not die

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ppo_weight_sync.buckets import checksum, dtype_from_name
 from ppo_weight_sync.device_sync import on_device, wait_stream
+from ppo_weight_sync.ops import EngineOps, EngineReply
 from ppo_weight_sync.receiver import WeightReceiver
 
 __all__ = ["Spec", "TensorEngine", "llama_like_spec", "make_weights"]
@@ -102,37 +103,72 @@ class TensorEngine:
     def _on_flush(self) -> None:
         self.flushes += 1
 
-    # SGLang's operations -------------------------------------------------------------------
+    # The engine operations (EngineOps) -------------------------------------------------------
 
-    def init_weights_update_group(self, **kwargs: Any) -> dict[str, Any]:
-        return self.receiver.init_weights_update_group(**kwargs)
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> EngineReply:
+        return self.receiver.init_weights_update_group(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
 
-    def update_weights_from_distributed(self, **kwargs: Any) -> dict[str, Any]:
-        return self.receiver.update_weights_from_distributed(**kwargs)
+    def update_weights_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool,
+        load_format: str | None,
+    ) -> EngineReply:
+        return self.receiver.update_weights_from_distributed(
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            load_format=load_format,
+        )
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
-        return self.receiver.destroy_weights_update_group(group_name)
+    def destroy_weights_update_group(self, group_name: str) -> EngineReply:
+        # group_name may come positionally too: subclasses in other packages' tests pass it that way.
+        return self.receiver.destroy_weights_update_group(group_name=group_name)
 
     def get_weight_version(self) -> str | None:
         return self.receiver.get_weight_version()
 
-    def pause_generation(self) -> dict[str, Any]:
+    def pause_generation(self) -> EngineReply:
         self.paused = True
-        return {"success": True, "message": "Generation paused successfully."}
+        return EngineReply.ok("Generation paused.")
 
-    def continue_generation(self) -> dict[str, Any]:
+    def continue_generation(self) -> EngineReply:
         self.paused = False
-        return {"success": True, "message": "Generation continued successfully."}
+        return EngineReply.ok("Generation continued.")
 
-    def flush_cache(self) -> dict[str, Any]:
+    def flush_cache(self) -> EngineReply:
         self._on_flush()
-        return {"success": True, "message": "Cache flushed."}
+        return EngineReply.ok("Cache flushed.")
 
-    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        return {"success": True, "message": "nothing to release: this engine only holds weights"}
+    def release_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply:
+        return EngineReply.ok("nothing to release: this engine only holds weights")
 
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        return {"success": True, "message": "nothing to resume: this engine only holds weights"}
+    def resume_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply:
+        return EngineReply.ok("nothing to resume: this engine only holds weights")
 
     def set_spec(self, spec: Spec, seed: int | None = None) -> None:
         """Hold ``spec``'s weights from now on (``seed=None``: zeros); the group membership is kept."""
@@ -169,3 +205,9 @@ class TensorEngine:
         with on_device(self.device):
             wait_stream(self.device, self.timeout_s, "named_tensors: waiting for queued work on the weights")
             return {n: t.detach().cpu().clone() for n, t in self.weights.items()}
+
+
+if TYPE_CHECKING:  # mypy checks that TensorEngine has the engine operations' exact signatures
+
+    def _is_engine_ops(engine: TensorEngine) -> EngineOps:
+        return engine

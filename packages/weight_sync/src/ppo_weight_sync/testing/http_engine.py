@@ -28,15 +28,10 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO, Any
 
+from ppo_weight_sync.routes import serve_engine_route, validation_error
 from ppo_weight_sync.testing.engine import Spec, TensorEngine
 
 __all__ = ["ClosingHTTPServer", "EngineHTTPServer", "serve", "start_process", "wait_until_ready"]
-
-_WEIGHT_ROUTES = {
-    "/init_weights_update_group": "init_weights_update_group",
-    "/update_weights_from_distributed": "update_weights_from_distributed",
-    "/destroy_weights_update_group": "destroy_weights_update_group",
-}
 
 
 class ClosingHTTPServer(ThreadingHTTPServer):
@@ -140,13 +135,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _get(self) -> None:
         engine = self.server.engine
-        if self.path == "/get_weight_version":
-            self._send(200, {"weight_version": engine.get_weight_version()})
+        answer = serve_engine_route(engine, "GET", self.path, None)
+        if answer is not None:
+            self._send(answer.status, answer.body)
         elif self.path == "/health":
             self._send(200, "")
-        elif self.path == "/flush_cache":
-            engine.flush_cache()
-            self._send(200, "Cache flushed.\n")
         elif self.path == "/state":
             self._send(200, engine.state())
         else:
@@ -157,20 +150,12 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self._body()
         except ValueError as exc:
-            self._send(400, {"success": False, "message": f"bad JSON: {exc}"})
+            refusal = validation_error(f"bad JSON: {exc}")
+            self._send(refusal.status, refusal.body)
             return
-        if self.path in _WEIGHT_ROUTES:
-            try:
-                reply = getattr(engine, _WEIGHT_ROUTES[self.path])(**body)
-            except TypeError as exc:  # an unknown or missing field
-                reply = {"success": False, "message": str(exc)}
-            self._send(200 if reply["success"] else 400, reply)
-        elif self.path in ("/pause_generation", "/continue_generation"):
-            reply = getattr(engine, self.path.strip("/"))()
-            self._send(200, {"message": reply["message"], "status": "ok"})
-        elif self.path == "/flush_cache":
-            engine.flush_cache()
-            self._send(200, "Cache flushed.\n")
+        answer = serve_engine_route(engine, "POST", self.path, body)
+        if answer is not None:
+            self._send(answer.status, answer.body)
         elif self.path in self.server.extra_routes:
             try:
                 self._send(200, self.server.extra_routes[self.path](body))
@@ -179,8 +164,6 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/set_load_delay":
             engine.set_load_delay(float(body.get("seconds", 0.0)))
             self._send(200, {"success": True, "message": "ok"})
-        elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
-            self._send(200, getattr(engine, self.path.strip("/"))(body.get("tags")))
         else:
             self._send(404, {"detail": "Not Found"})
 

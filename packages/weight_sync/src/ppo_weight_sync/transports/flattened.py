@@ -1,0 +1,33 @@
+"""``flattened_bucket`` (SGLang's name): one update call and one flat buffer per bucket, the tensors'
+bytes back to back (SGLang's ``FlattenedTensorBucket`` layout). The version goes with the last bucket."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ppo_weight_sync.buckets import FLATTENED_BUCKET, plan_buckets
+from ppo_weight_sync.transports.base import Sent
+from ppo_weight_sync.transports.broadcast import GroupLink, GroupTransport, Metadata, Pipeline
+
+__all__ = ["FlattenedBucketTransport"]
+
+
+class FlattenedBucketTransport(GroupTransport):
+    def __init__(self, link: GroupLink) -> None:
+        super().__init__(link, FLATTENED_BUCKET)
+
+    def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
+        meta = Metadata.of(items)
+        plan = plan_buckets(meta.sizes, self.link.bucket_bytes)
+        pipe = Pipeline(self.link, self.staging, [t for _, t in items], plan)
+        for k, (a, b) in enumerate(plan):
+            last = k == len(plan) - 1
+            pipe.calls = self.call_update(meta, a, b, version=version if last else None, flush_cache=last)
+            pipe.send_flat(k)  # packs bucket k+1 while bucket k is on the wire
+            pipe.drain()
+            if last:
+                pipe.settle()
+            pipe.replies(pipe.calls)
+        return Sent(sum(meta.sizes), len(plan))

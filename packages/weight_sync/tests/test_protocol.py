@@ -1,0 +1,144 @@
+"""The engine protocol declared once: every implementation has its exact operations, replies are typed,
+errors are chosen from structured fields, and the HTTP routes validate as SGLang's do."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+from typing import Any
+
+import pytest
+
+from ppo_weight_sync import (
+    EngineOps,
+    EngineRejectedError,
+    EngineReply,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    HttpEngineEndpoint,
+    RayEngineEndpoint,
+    WeightOps,
+    WeightReceiver,
+    check_reply,
+)
+from ppo_weight_sync.endpoints import EngineEndpoint
+from ppo_weight_sync.routes import serve_engine_route
+from ppo_weight_sync.testing import TensorEngine
+
+WEIGHT_OPS = [
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "destroy_weights_update_group",
+    "get_weight_version",
+]
+ENDPOINT_OPS = [*WEIGHT_OPS, "pause_generation", "continue_generation", "flush_cache"]
+ENGINE_OPS = [*ENDPOINT_OPS, "release_memory_occupation", "resume_memory_occupation"]
+
+
+def _params(fn: Any) -> list[tuple[str, Any]]:
+    """Parameter names and defaults, without self: the part of a signature that can drift."""
+    sig = inspect.signature(fn)
+    # ray.remote(cls) adds a tracing parameter of its own to the class's methods
+    return [(p.name, p.default) for p in sig.parameters.values() if p.name not in ("self", "_ray_trace_ctx")]
+
+
+@pytest.mark.parametrize(
+    ("impl", "ops", "protocol"),
+    [
+        (TensorEngine, ENGINE_OPS, EngineOps),
+        (WeightReceiver, WEIGHT_OPS, WeightOps),
+        (RayEngineEndpoint, ENDPOINT_OPS, EngineEndpoint),
+        (HttpEngineEndpoint, ENDPOINT_OPS, EngineEndpoint),
+    ],
+)
+def test_every_implementation_has_the_protocols_parameters_and_no_defaults(
+    impl: type, ops: list[str], protocol: type
+) -> None:
+    for op in ops:
+        theirs, ours = _params(getattr(impl, op)), _params(getattr(EngineOps, op))
+        assert [n for n, _ in theirs] == [n for n, _ in ours], f"{impl.__name__}.{op} drifted"
+        assert all(d is inspect.Parameter.empty for _, d in theirs), f"{impl.__name__}.{op} has defaults"
+        assert not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD
+            for p in inspect.signature(getattr(impl, op)).parameters.values()
+        ), f"{impl.__name__}.{op} takes **kwargs"
+
+
+def test_a_tensor_engine_is_engine_ops_and_answers_typed_replies() -> None:
+    engine = TensorEngine({"w": ("float32", [2])})
+    assert isinstance(engine, EngineOps)
+    assert isinstance(engine.receiver, WeightOps)
+    assert engine.pause_generation() == EngineReply(True, "Generation paused.")
+    reply = engine.update_weights_from_distributed(
+        names=["w"],
+        dtypes=["float32"],
+        shapes=[[2]],
+        group_name="none",
+        weight_version="v1",
+        flush_cache=True,
+        load_format=None,
+    )
+    assert reply == EngineReply(False, "Group 'none' is not joined; call init_weights_update_group first.")
+    assert engine.get_weight_version() is None
+
+
+def test_reply_json_round_trip() -> None:
+    for reply in (EngineReply.ok("fine"), EngineReply.refused("no"), EngineReply.lost("gone")):
+        assert EngineReply.from_json(reply.to_json()) == reply
+    assert EngineReply.ok("fine").to_json() == {"success": True, "message": "fine"}  # SGLang's shape
+    assert EngineReply.lost("gone").to_json() == {"success": False, "message": "gone", "group_lost": True}
+
+
+def test_the_error_class_comes_from_the_reply_fields_not_its_text() -> None:
+    assert check_reply("e0", "op", EngineReply.ok("x")) == EngineReply.ok("x")
+    # A refusal whose text looks like a receive failure is still a refusal ...
+    with pytest.raises(EngineRejectedError, match="engine 'e0' rejected op: Failed to receive weights"):
+        check_reply("e0", "op", EngineReply.refused("Failed to receive weights over group 'g'"))
+    # ... and a lost group is unavailable whatever its text (SGLang's failures have their own words).
+    with pytest.raises(EngineUnavailableError, match="engine 'e0': op failed: Failed to update parameter"):
+        check_reply("e0", "op", EngineReply.lost("Failed to update parameter online: boom"))
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        EngineUnavailableError("e0", "update_weights_from_distributed", "the actor died"),
+        EngineTimeoutError("e1", "init_weights_update_group", 30.0),
+        EngineRejectedError("e2", "update_weights_from_distributed", "tensor 'x' is not a weight"),
+    ],
+)
+def test_errors_pickle_with_their_fields(error: Exception) -> None:
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert str(copy) == str(error)
+    assert copy.engine == error.engine  # type: ignore[attr-defined]
+    assert copy.op == error.op  # type: ignore[attr-defined]
+
+
+def test_routes_validate_like_sglang_and_fill_its_defaults() -> None:
+    engine = TensorEngine({"w": ("float32", [2])})
+    missing = serve_engine_route(engine, "POST", "/init_weights_update_group", {"master_address": "x"})
+    assert missing is not None
+    assert missing.status == 400
+    assert missing.body["object"] == "error"
+    assert "master_port" in missing.body["message"]
+    wrong = serve_engine_route(engine, "POST", "/update_weights_from_distributed", {"names": "w"})
+    assert wrong is not None
+    assert wrong.status == 400
+    assert wrong.body["object"] == "error"
+    # group_name left out: SGLang's default, "weight_update_group" (io_struct.py)
+    destroyed = serve_engine_route(engine, "POST", "/destroy_weights_update_group", {})
+    assert destroyed is not None
+    assert destroyed.status == 200
+    assert destroyed.body == {
+        "success": True,
+        "message": "Group 'weight_update_group' is not joined; nothing to destroy.",
+    }
+    released = serve_engine_route(engine, "POST", "/release_memory_occupation", {"tags": ["weights"]})
+    assert released is not None
+    assert (released.status, released.body) == (200, None)
+    assert serve_engine_route(engine, "POST", "/generate", {}) is None
+    flushed = serve_engine_route(engine, "GET", "/flush_cache", None)
+    assert flushed is not None
+    assert (flushed.status, flushed.body) == (200, "Cache flushed.\n")
+    assert engine.flushes == 1
