@@ -1,0 +1,45 @@
+"""Colocated weight updates over CUDA IPC: the sender packs buckets into two reusable GPU buffers that
+an engine process on the same GPU maps once and copies from (see :mod:`.packer`, :mod:`.mapping`,
+:mod:`.payload` for SGLang's ``update_weights_from_tensor`` body). Importing this needs torch only;
+the functions that touch handles need CUDA."""
+
+from ppo_weight_sync.ipc.handles import IpcHandle, device_index, device_uuid, export_buffer, open_handle
+from ppo_weight_sync.ipc.layout import ALIGN, BucketLayout, plan_layouts
+from ppo_weight_sync.ipc.mapping import IpcMappings, load_bucket
+from ppo_weight_sync.ipc.packer import BucketPacker, PipelineStats, send_buckets
+from ppo_weight_sync.ipc.payload import (
+    PPO_IPC_FORMAT,
+    FlattenedBucket,
+    IpcBucket,
+    decode_flattened_bucket,
+    decode_ipc_bucket,
+    encode_flattened_bucket,
+    encode_ipc_bucket,
+    export_flattened_bucket,
+    tensor_request,
+)
+
+__all__ = [
+    "ALIGN",
+    "PPO_IPC_FORMAT",
+    "BucketLayout",
+    "BucketPacker",
+    "FlattenedBucket",
+    "IpcBucket",
+    "IpcHandle",
+    "IpcMappings",
+    "PipelineStats",
+    "decode_flattened_bucket",
+    "decode_ipc_bucket",
+    "device_index",
+    "device_uuid",
+    "encode_flattened_bucket",
+    "encode_ipc_bucket",
+    "export_buffer",
+    "export_flattened_bucket",
+    "load_bucket",
+    "open_handle",
+    "plan_layouts",
+    "send_buckets",
+    "tensor_request",
+]

@@ -1,0 +1,183 @@
+"""Sender side of a colocated update: two reusable GPU bucket buffers, packed in turn, shared once.
+
+The pipeline (:func:`send_buckets`): bucket *k* is packed into buffer ``k % 2``; once its copies are
+done the engine is told (one message per bucket) and bucket *k+1* is packed into the other buffer while
+the engine copies *k* out. A buffer is packed again only after the engine answered for the bucket it
+held, and the engine answers only once its copies finished, so no byte is overwritten while read.
+
+Buffers stay allocated between updates (allocating 2 x 512 MiB per update would cost more than the
+copy) and are freed by :meth:`BucketPacker.free`, which the trainer calls before it sleeps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ppo_weight_sync.ipc.handles import IpcHandle, export_buffer
+from ppo_weight_sync.ipc.layout import BucketLayout, plan_layouts
+
+__all__ = ["BucketPacker", "PipelineStats", "send_buckets"]
+
+_POLL_S = 0.00002
+
+
+class BucketPacker:
+    """Two GPU buffers of ``bucket_bytes`` (or the biggest single tensor), their IPC exports per consumer."""
+
+    def __init__(self, device: torch.device, bucket_bytes: int, timeout_s: float) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"BucketPacker: device must be a CUDA device, got {device}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self._buffers: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        # Exports per consumer: one export is one consumer's one mapping (see handles.py).
+        self._exports: dict[str, list[IpcHandle]] = {}
+        self.generation = 0  # bumped whenever the buffers are replaced (consumers must map anew)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers)
+
+    def plan(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[BucketLayout]:
+        return plan_layouts([(n, t.dtype, tuple(t.shape)) for n, t in items], self.bucket_bytes)
+
+    def reserve(self, layouts: Sequence[BucketLayout]) -> bool:
+        """Make sure both buffers hold the biggest bucket; True when they were (re)allocated."""
+        need = max((layout.nbytes for layout in layouts), default=0)
+        if self._buffers and self._buffers[0].numel() >= need:
+            return False
+        self.free()
+        with torch.cuda.device(self.device):
+            self._buffers = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.generation += 1
+        return True
+
+    def handles(self, consumer: str) -> list[IpcHandle]:
+        """Both buffers exported for ``consumer`` (cached: exported once per consumer and allocation)."""
+        if not self._buffers:
+            raise RuntimeError("BucketPacker.handles: no buffers; call reserve() first")
+        cached = self._exports.get(consumer)
+        if cached is None:
+            with torch.cuda.device(self.device):
+                cached = [export_buffer(b) for b in self._buffers]
+            self._exports[consumer] = cached
+        return cached
+
+    def pack(self, slot: int, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
+        """Queue the copies of ``tensors`` (in ``layout``'s order) into buffer ``slot`` on this stream."""
+        buffer = self._buffers[slot]
+        with torch.cuda.device(self.device):
+            for tensor, offset, size in zip(tensors, layout.offsets, layout.sizes(), strict=True):
+                src = tensor.detach()
+                if src.device != self.device:
+                    src = src.to(self.device, non_blocking=True)
+                flat = src.contiguous().reshape(-1).view(torch.uint8)
+                buffer[offset : offset + size].copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._events[slot] = event
+
+    def wait_packed(self, slot: int, check: Callable[[], None] | None = None) -> None:
+        """Host wait (bounded) until buffer ``slot``'s copies are done: the engine reads it right after."""
+        event = self._events[slot]
+        if event is None:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not event.query():
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"packing a weight bucket on {self.device} did not finish in {self.timeout_s:g} s"
+                )
+            time.sleep(_POLL_S)
+        self._events[slot] = None
+
+    def forget(self, consumer: str) -> None:
+        """``consumer`` released its mappings (or died): its exports are spent."""
+        self._exports.pop(consumer, None)
+
+    def free(self) -> None:
+        """Drop both buffers and every export; the memory returns once the consumers released their
+        mappings (``torch.cuda.ipc_collect`` frees blocks whose consumers are done)."""
+        self._buffers = []
+        self._events = [None, None]
+        self._exports = {}
+        if torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    nbytes: int
+    buckets: int
+    seconds: float
+    wait_pack_s: float  # host time waiting for packing to finish
+    wait_reply_s: float  # host time waiting for the engines' answers
+
+
+PostBucket = Callable[[int, BucketLayout, bool], Sequence[Callable[[float], None]]]
+
+
+def send_buckets(
+    packer: BucketPacker,
+    items: Sequence[tuple[str, torch.Tensor]],
+    layouts: Sequence[BucketLayout],
+    post: PostBucket,
+    timeout_s: float,
+) -> PipelineStats:
+    """Pack and post every bucket, double-buffered. ``post(slot, layout, last)`` sends one bucket's
+    message to each engine on this GPU and returns one waiter per engine; a waiter blocks at most the
+    time given and raises when the engine failed or did not answer."""
+    start = time.perf_counter()
+    packer.reserve(layouts)
+    tensors = [t for _, t in items]
+    index = 0
+    per_bucket: list[list[torch.Tensor]] = []
+    for layout in layouts:
+        per_bucket.append(tensors[index : index + len(layout.names)])
+        index += len(layout.names)
+    if index != len(tensors):
+        raise ValueError(f"layouts cover {index} tensors, items hold {len(tensors)}")
+    waiting: list[Sequence[Callable[[float], None]] | None] = [None, None]
+    wait_pack = wait_reply = 0.0
+    if layouts:
+        packer.pack(0, layouts[0], per_bucket[0])
+    for k, layout in enumerate(layouts):
+        slot = k % 2
+        t0 = time.perf_counter()
+        packer.wait_packed(slot)
+        wait_pack += time.perf_counter() - t0
+        waiting[slot] = post(slot, layout, k == len(layouts) - 1)
+        if k + 1 < len(layouts):
+            other = 1 - slot
+            t0 = time.perf_counter()
+            for waiter in waiting[other] or ():
+                waiter(timeout_s)  # the bucket that buffer held is loaded: the buffer is free
+            waiting[other] = None
+            wait_reply += time.perf_counter() - t0
+            packer.pack(other, layouts[k + 1], per_bucket[k + 1])
+    t0 = time.perf_counter()
+    for k in range(len(layouts) - 2, len(layouts)):
+        if k >= 0:
+            for waiter in waiting[k % 2] or ():
+                waiter(timeout_s)
+            waiting[k % 2] = None
+    wait_reply += time.perf_counter() - t0
+    return PipelineStats(
+        nbytes=sum(sum(layout.sizes()) for layout in layouts),
+        buckets=len(layouts),
+        seconds=time.perf_counter() - start,
+        wait_pack_s=wait_pack,
+        wait_reply_s=wait_reply,
+    )

@@ -1,0 +1,258 @@
+"""CPU tests of the colocated (CUDA IPC) path: bucket layouts, wire formats, SGLang's payload, errors."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import pickle
+import pickletools
+import types
+
+import pytest
+import torch
+
+from ppo_weight_sync.ipc import (
+    ALIGN,
+    PPO_IPC_FORMAT,
+    BucketLayout,
+    BucketPacker,
+    IpcHandle,
+    decode_flattened_bucket,
+    decode_ipc_bucket,
+    encode_flattened_bucket,
+    encode_ipc_bucket,
+    plan_layouts,
+    tensor_request,
+)
+
+HANDLE = IpcHandle(
+    device_uuid="GPU-5c1b1f7e-0000-1111-2222-333344445555",
+    handle=bytes(range(64)),
+    storage_size_bytes=1 << 20,
+    storage_offset_bytes=4096,
+    ref_counter_handle=b"/torch_4242_1234567_0",
+    ref_counter_offset=17,
+    event_handle=bytes(reversed(range(64))),
+    event_sync_required=True,
+)
+
+METAS = [
+    ("embed", torch.bfloat16, (10, 7)),  # 140 bytes
+    ("norm", torch.float32, (3,)),  # 12
+    ("mask", torch.bool, (5,)),  # 5
+    ("big", torch.float16, (300,)),  # 600
+    ("ids", torch.int64, (2, 2)),  # 32
+]
+
+
+def test_plan_aligns_every_tensor_and_respects_the_bucket_size() -> None:
+    layouts = plan_layouts(METAS, bucket_bytes=800)
+    flat = [(n, o) for lay in layouts for n, o in zip(lay.names, lay.offsets, strict=True)]
+    assert [n for n, _ in flat] == [m[0] for m in METAS]  # order kept, nothing dropped
+    assert all(o % ALIGN == 0 for _, o in flat)
+    assert [lay.names for lay in layouts] == [("embed", "norm", "mask"), ("big", "ids")]
+    assert layouts[0].offsets == (0, 256, 512)
+    assert layouts[0].nbytes == 512 + 5
+    assert layouts[1].offsets == (0, 768)
+    assert all(lay.nbytes <= 800 for lay in layouts)
+
+
+def test_a_tensor_bigger_than_the_bucket_gets_its_own_bucket() -> None:
+    layouts = plan_layouts(METAS, bucket_bytes=300)
+    assert [lay.names for lay in layouts] == [("embed", "norm"), ("mask",), ("big",), ("ids",)]
+    assert layouts[2].nbytes == 600
+    assert plan_layouts([], bucket_bytes=100) == []
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, -5, 1.5])
+def test_plan_rejects_a_bad_bucket_size(bucket_bytes: object) -> None:
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
+        plan_layouts(METAS, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
+
+
+def test_views_round_trip_bytes_exactly() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        n: (torch.randn(s, generator=gen) * 100).to(d)
+        if d != torch.bool
+        else torch.rand(s, generator=gen) > 0.5
+        for n, d, s in METAS
+    }
+    (layout,) = plan_layouts(METAS, bucket_bytes=1 << 20)
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    for tensor, offset in zip(tensors.values(), layout.offsets, strict=True):
+        flat = tensor.reshape(-1).view(torch.uint8)
+        buffer[offset : offset + flat.numel()].copy_(flat)
+    views = dict(layout.views(buffer))
+    for name, tensor in tensors.items():
+        assert views[name].dtype == tensor.dtype
+        assert views[name].shape == tensor.shape
+        assert torch.equal(views[name], tensor)
+    with pytest.raises(ValueError, match=f"buffer holds {layout.nbytes - 1} bytes"):
+        layout.views(buffer[:-1])
+    with pytest.raises(ValueError, match="1-D uint8"):
+        layout.views(buffer.view(torch.int8))
+
+
+def test_layout_wire_round_trip_and_validation() -> None:
+    (layout,) = plan_layouts(METAS, bucket_bytes=1 << 20)
+    wire = json.loads(json.dumps(layout.to_wire()))
+    assert BucketLayout.from_wire(wire) == layout
+    with pytest.raises(ValueError, match=r"missing field\(s\) \['offsets'\]"):
+        BucketLayout.from_wire({k: v for k, v in wire.items() if k != "offsets"})
+    with pytest.raises(ValueError, match="unknown dtype 'floaty'"):
+        BucketLayout.from_wire({**wire, "dtypes": ["floaty", *wire["dtypes"][1:]]})
+    with pytest.raises(ValueError, match=r"offsets\['norm'\]: 100 overlaps"):
+        BucketLayout.from_wire({**wire, "offsets": [0, 100, 512, 768, 1536]})
+    with pytest.raises(ValueError, match=r"offsets\['norm'\]: 258 is not a multiple of torch.float32"):
+        BucketLayout.from_wire({**wire, "offsets": [0, 258, 512, 768, 1536]})
+    with pytest.raises(ValueError, match="one entry per tensor"):
+        BucketLayout.from_wire({**wire, "shapes": wire["shapes"][:2]})
+    with pytest.raises(ValueError, match="at least one tensor"):
+        BucketLayout(names=(), dtypes=(), shapes=(), offsets=())
+    with pytest.raises(ValueError, match=r"shapes\['a'\]: negative dimension"):
+        BucketLayout(names=("a",), dtypes=(torch.float32,), shapes=((2, -1),), offsets=(0,))
+
+
+def test_handle_wire_round_trip_and_errors() -> None:
+    wire = json.loads(json.dumps(HANDLE.to_wire()))
+    assert IpcHandle.from_wire(wire) == HANDLE
+    assert IpcHandle.from_wire(wire).key == (HANDLE.handle, 4096)
+    with pytest.raises(ValueError, match=r"missing field\(s\) \['event_handle'\]"):
+        IpcHandle.from_wire({k: v for k, v in wire.items() if k != "event_handle"})
+    with pytest.raises(ValueError, match=r"IpcHandle\.handle: not base64"):
+        IpcHandle.from_wire({**wire, "handle": "not base64!"})
+
+
+def test_our_bucket_message_round_trip_and_errors() -> None:
+    (layout,) = plan_layouts(METAS, bucket_bytes=1 << 20)
+    entry = encode_ipc_bucket("ppo_weights-1234", HANDLE, layout)
+    decoded = decode_ipc_bucket(entry)
+    assert (decoded.session, decoded.handle, decoded.layout) == ("ppo_weights-1234", HANDLE, layout)
+    assert len(entry) < 2000  # one small message per bucket
+    with pytest.raises(ValueError, match=f"{PPO_IPC_FORMAT} entry: not JSON"):
+        decode_ipc_bucket("{")
+    with pytest.raises(ValueError, match="session, handle and layout"):
+        decode_ipc_bucket(json.dumps({"session": "s"}))
+
+
+# The globals SGLang 0.5.23's SafeUnpickler allows that this payload uses (srt/utils/common.py,
+# SafeUnpickler.ALLOWED_GLOBALS), and the module prefixes 0.5.15.post1 allows (ALLOWED_MODULE_PREFIXES).
+SGLANG_0_5_23_ALLOWED = {
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch.storage", "TypedStorage"),
+    ("torch", "uint8"),
+    ("torch", "bfloat16"),
+    ("torch", "float32"),
+    ("torch", "float16"),
+    ("torch", "bool"),
+    ("torch", "int64"),
+    ("types", "SimpleNamespace"),
+}
+SGLANG_0_5_15_PREFIXES = ("torch.", "types.")
+
+
+def _globals_of(raw: bytes) -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    strings: list[str] = []
+    for op, arg, _ in pickletools.genops(raw):
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+            strings.append(str(arg))
+        elif op.name == "BINGET" or op.name == "LONG_BINGET" or op.name == "GET":
+            strings.append("<memo>")
+        if op.name == "STACK_GLOBAL":
+            found.add((strings[-2], strings[-1]))
+        if op.name == "GLOBAL":
+            module, name = str(arg).split(" ")
+            found.add((module, name))
+    return found
+
+
+def test_flattened_bucket_payload_has_sglangs_shape_and_only_allowed_globals() -> None:
+    (layout,) = plan_layouts(METAS, bucket_bytes=1 << 20)
+    entry = encode_flattened_bucket(HANDLE, layout)
+    raw = base64.b64decode(entry, validate=True)
+    assert raw[0] == 0x80  # a pickle, as SGLang's normalize_serialized_named_tensor_payload expects
+    # Resolve memoised module names: record globals with a permissive unpickler that builds nothing.
+    seen: list[tuple[str, str]] = []
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> object:
+            seen.append((module, name))
+            if name == "rebuild_cuda_tensor":
+                return lambda *args: ("rebuilt", args)
+            return super().find_class(module, name)
+
+    obj = Recorder(io.BytesIO(raw)).load()
+    assert set(seen) <= SGLANG_0_5_23_ALLOWED, set(seen) - SGLANG_0_5_23_ALLOWED
+    assert all((m + ".").startswith(SGLANG_0_5_15_PREFIXES) for m, _ in seen)
+    assert set(obj) == {"flattened_tensor", "metadata"}
+    tag, args = obj["flattened_tensor"]
+    assert tag == "rebuilt"
+    assert len(args) == 15
+    assert args[6] == HANDLE.device_uuid  # SGLang's patch: the UUID at argument 6
+    assert args[7] == HANDLE.handle
+    assert args[13] == HANDLE.event_handle
+    assert args[14] is True
+    assert args[1] == torch.Size([layout.nbytes])
+    assert args[5] == torch.uint8
+    # The metadata, read the way model_runner._update_weights_from_flattened_bucket reads it, gives
+    # FlattenedTensorBucket.reconstruct_tensors' slices: [start_idx:end_idx].view(dtype).reshape(shape).
+    metas = obj["metadata"]
+    assert all(isinstance(m, types.SimpleNamespace) for m in metas)
+    assert [m.name for m in metas] == [m[0] for m in METAS]
+    for m, (_, dtype, shape), offset in zip(metas, METAS, layout.offsets, strict=True):
+        assert m.dtype == dtype
+        assert m.shape == torch.Size(shape)
+        assert isinstance(m.shape, torch.Size)
+        assert m.start_idx == offset
+        assert m.end_idx - m.start_idx == m.numel == math.prod(shape) * dtype.itemsize
+
+
+def test_flattened_bucket_decodes_back_without_mapping() -> None:
+    layouts = plan_layouts(METAS, bucket_bytes=700)
+    for layout in layouts:
+        decoded = decode_flattened_bucket(encode_flattened_bucket(HANDLE, layout))
+        assert decoded.handle == HANDLE
+        assert decoded.layout == layout
+        assert decoded.nbytes == layout.nbytes
+
+
+def test_flattened_bucket_decoder_refuses_foreign_globals_and_garbage() -> None:
+    evil = base64.b64encode(pickle.dumps({"flattened_tensor": print, "metadata": []})).decode()
+    with pytest.raises(ValueError, match=r"global builtins\.print is not allowed"):
+        decode_flattened_bucket(evil)
+    with pytest.raises(ValueError, match="not base64"):
+        decode_flattened_bucket("%%%")
+    with pytest.raises(ValueError, match="not a valid payload"):
+        decode_flattened_bucket(base64.b64encode(b"\x80\x05garbage").decode())
+    not_shared = base64.b64encode(pickle.dumps({"flattened_tensor": [1], "metadata": []})).decode()
+    with pytest.raises(ValueError, match="not a shared CUDA tensor"):
+        decode_flattened_bucket(not_shared)
+
+
+def test_tensor_request_has_sglangs_fields() -> None:
+    body = tensor_request(["a", "b"], load_format="flattened_bucket", flush_cache=False, weight_version="v3")
+    # UpdateWeightsFromTensorReqInput (io_struct.py, 0.5.15.post1 and 0.5.23): these names, these defaults.
+    assert body == {
+        "serialized_named_tensors": ["a", "b"],
+        "load_format": "flattened_bucket",
+        "flush_cache": False,
+        "abort_all_requests": False,
+        "weight_version": "v3",
+    }
+    with pytest.raises(ValueError, match="one entry per TP rank"):
+        tensor_request([], load_format="flattened_bucket", flush_cache=True, weight_version=None)
+
+
+def test_packer_refuses_a_cpu_device_and_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="must be a CUDA device"):
+        BucketPacker(torch.device("cpu"), 1 << 20, 10.0)
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
+        BucketPacker(torch.device("cuda", 0), 0, 10.0)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        BucketPacker(torch.device("cuda", 0), 1 << 20, 0)
