@@ -41,7 +41,7 @@ class BucketPacker:
         self._buffers: list[torch.Tensor] = []
         self._events: list[torch.cuda.Event | None] = [None, None]
         # Exports per consumer: one export is one consumer's one mapping (see handles.py).
-        self._exports: dict[str, list[IpcHandle]] = {}
+        self._exports: dict[str, dict[int, IpcHandle]] = {}
         self.generation = 0  # bumped whenever the buffers are replaced (consumers must map anew)
 
     @property
@@ -62,15 +62,23 @@ class BucketPacker:
         self.generation += 1
         return True
 
-    def handles(self, consumer: str) -> list[IpcHandle]:
-        """Both buffers exported for ``consumer`` (cached: exported once per consumer and allocation)."""
+    def buffer(self, slot: int) -> torch.Tensor:
+        """Buffer ``slot`` (0 or 1) itself, e.g. for a fresh per-call export (SGLang's payload)."""
         if not self._buffers:
-            raise RuntimeError("BucketPacker.handles: no buffers; call reserve() first")
-        cached = self._exports.get(consumer)
+            raise RuntimeError("BucketPacker.buffer: no buffers; call reserve() first")
+        return self._buffers[slot]
+
+    def handle(self, consumer: str, slot: int) -> IpcHandle:
+        """Buffer ``slot`` exported for ``consumer``: once per consumer and allocation, on first use, so
+        every export is sent, and a receiver maps every handle it is sent (see handles.py's counts)."""
+        if not self._buffers:
+            raise RuntimeError("BucketPacker.handle: no buffers; call reserve() first")
+        exports = self._exports.setdefault(consumer, {})
+        cached = exports.get(slot)
         if cached is None:
             with torch.cuda.device(self.device):
-                cached = [export_buffer(b) for b in self._buffers]
-            self._exports[consumer] = cached
+                cached = export_buffer(self._buffers[slot])
+            exports[slot] = cached
         return cached
 
     def pack(self, slot: int, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
@@ -103,9 +111,16 @@ class BucketPacker:
             time.sleep(_POLL_S)
         self._events[slot] = None
 
-    def forget(self, consumer: str) -> None:
-        """``consumer`` released its mappings (or died): its exports are spent."""
-        self._exports.pop(consumer, None)
+    def forget(self, consumer: str, *, released: bool) -> None:
+        """``consumer``'s exports are spent. ``released``: it unmapped them itself (its counts dropped);
+        otherwise (it died, or never answered) drop its counts on its behalf, or the buffers' memory would
+        stay held by torch after :meth:`free` until this process exits."""
+        exports = self._exports.pop(consumer, {})
+        if not released:
+            for export in exports.values():
+                torch.UntypedStorage._release_ipc_counter_cuda(
+                    export.ref_counter_handle, export.ref_counter_offset
+                )
 
     def free(self) -> None:
         """Drop both buffers and every export; the memory returns once the consumers released their

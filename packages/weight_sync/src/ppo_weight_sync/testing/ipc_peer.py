@@ -106,6 +106,22 @@ class _Peer:
         self.raw_slots, self.raw_dest = [], None
         return n
 
+    def fingerprint(self) -> dict[str, list[int]]:
+        """Per tensor: the sum of its 16-bit words and a position-weighted sum (computed on the GPU; the
+        benchmark's trainer computes the same to compare weights of many GB without a host copy)."""
+        out: dict[str, list[int]] = {}
+        chunk = 32 << 20
+        for name, t in self.weights.items():
+            words = t.reshape(-1).view(torch.int16)
+            plain = weighted = 0
+            for start in range(0, words.numel(), chunk):
+                w = words[start : start + chunk].to(torch.int64)
+                pos = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
+                plain += int(w.sum())
+                weighted += int((w * pos).sum())
+            out[name] = [plain, weighted]
+        return out
+
     def drop_weights(self) -> int:
         self.weights = {}
         torch.cuda.empty_cache()

@@ -1,0 +1,142 @@
+"""Colocated updates over CUDA IPC: sender (this process) and engine (a peer process) on the same GPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+import torch
+
+from ppo_weight_sync import EngineUnavailableError, checksum
+from ppo_weight_sync.ipc import (
+    BucketLayout,
+    BucketPacker,
+    encode_ipc_bucket,
+    export_flattened_bucket,
+    send_buckets,
+)
+from ppo_weight_sync.testing import llama_like_spec, make_weights
+from ppo_weight_sync.testing.ipc_peer import IpcPeer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+
+SPEC = llama_like_spec(layers=4, hidden=256, intermediate=512, vocab=1024, dtype="bfloat16")
+BUCKET = 256 << 10
+MiB = 1 << 20
+
+
+@pytest.fixture
+def peer() -> Iterator[IpcPeer]:
+    torch.cuda.set_device(0)
+    p = IpcPeer("cuda:0", name="colocated-engine", timeout_s=30)
+    p.call("spec", SPEC, 1)
+    yield p
+    p.stop()
+
+
+def _sender_mem() -> dict[str, float]:
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "allocated_mib": torch.cuda.memory_allocated() / MiB,
+        "reserved_mib": torch.cuda.memory_reserved() / MiB,
+        "gpu_used_mib": (total - free) / MiB,
+    }
+
+
+def _ipc_post(
+    peer: IpcPeer, packer: BucketPacker, session: str, answers: list[int]
+) -> Callable[[int, BucketLayout, bool], Sequence[Callable[[float], None]]]:
+    def post(slot: int, layout: BucketLayout, last: bool) -> Sequence[Callable[[float], None]]:
+        wait = peer.post("ipc", encode_ipc_bucket(session, packer.handle(peer.name, slot), layout))
+        return [lambda timeout_s: answers.append(wait(timeout_s))]
+
+    return post
+
+
+def test_ipc_updates_are_bit_identical_and_memory_returns(peer: IpcPeer) -> None:
+    device = torch.device("cuda", 0)
+    packer = BucketPacker(device, BUCKET, timeout_s=30)
+    before = _sender_mem()
+    engine_before = peer.call("mem")
+    answers: list[int] = []
+    for step in range(3):
+        sent = [(n, t.to(device)) for n, t in make_weights(SPEC, seed=100 + step).items()]
+        layouts = packer.plan(sent)
+        stats = send_buckets(packer, sent, layouts, _ipc_post(peer, packer, "s1", answers), 30.0)
+        assert peer.call("checksum") == checksum(sent)
+        assert stats.buckets == len(layouts) > 2  # pipelined over several buckets
+        weights_mib = sum(t.numel() * t.element_size() for _, t in sent) / MiB
+        del sent
+    # Handles are exported once and mapped once: the engine never holds more than the two buffers.
+    assert max(answers, default=0) == 2
+    during = _sender_mem()
+    engine_during = peer.call("mem")
+    # No full extra copy on the GPU: the sender's extra memory is its two bucket buffers.
+    biggest = max(lay.nbytes for lay in layouts)
+    assert packer.allocated_bytes == 2 * biggest
+    assert during["allocated_mib"] - before["allocated_mib"] <= 2 * biggest / MiB + 0.01
+    assert peer.call("release", "s1") == 2
+    assert peer.call("release", "s1") == 0  # idempotent
+    packer.forget(peer.name, released=True)
+    packer.free()
+    torch.cuda.empty_cache()
+    after = _sender_mem()
+    engine_after = peer.call("mem")
+    print(
+        f"\nmodel {weights_mib:.1f} MiB, buckets of {biggest / MiB:.2f} MiB; sender before {before}, "
+        f"during {during}, after {after}; engine before {engine_before}, during {engine_during}, "
+        f"after {engine_after}"
+    )
+    assert after["allocated_mib"] <= before["allocated_mib"] + 0.01
+    assert after["reserved_mib"] <= before["reserved_mib"] + 0.01
+    # What the GPU itself reports: the buffers' memory really went back (not parked by torch's IPC counts).
+    assert after["gpu_used_mib"] <= before["gpu_used_mib"] + 4
+    assert engine_after["allocated"] == engine_before["allocated"]
+
+
+def test_sglang_flattened_bucket_payload_loads_bit_identical(peer: IpcPeer) -> None:
+    """The peer reads SGLang's payload the way SGLang 0.5.x does (torch's rebuild, device by UUID,
+    FlattenedTensorBucket views) and drops each mapping after the call, as SGLang's model runner does."""
+    device = torch.device("cuda", 0)
+    packer = BucketPacker(device, BUCKET, timeout_s=30)
+    before = _sender_mem()
+    answers: list[int] = []
+    for step in range(2):
+        sent = [(n, t.to(device)) for n, t in make_weights(SPEC, seed=300 + step).items()]
+
+        def post(slot: int, layout: BucketLayout, last: bool) -> Sequence[Callable[[float], None]]:
+            wait = peer.post("flat", export_flattened_bucket(packer.buffer(slot), layout))
+            return [lambda timeout_s: answers.append(wait(timeout_s))]
+
+        send_buckets(packer, sent, packer.plan(sent), post, 30.0)
+        assert peer.call("checksum") == checksum(sent)
+        del sent
+    packer.free()
+    torch.cuda.empty_cache()
+    after = _sender_mem()
+    assert after["allocated_mib"] <= before["allocated_mib"] + 0.01
+
+
+def test_an_engine_killed_mid_update_is_named_within_the_timeout(peer: IpcPeer) -> None:
+    device = torch.device("cuda", 0)
+    packer = BucketPacker(device, 64 << 10, timeout_s=20)
+    sent = [(n, t.to(device)) for n, t in make_weights(SPEC, seed=5).items()]
+    layouts = packer.plan(sent)
+    assert len(layouts) > 10
+    peer.call("set_load_delay", 0.3)
+    killer = threading.Timer(1.0, peer.kill)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(EngineUnavailableError, match=r"colocated-engine.*died"):
+        send_buckets(packer, sent, layouts, _ipc_post(peer, packer, "s2", []), 20.0)
+    killer.join()
+    assert time.monotonic() - start < 20
+    # The dead peer never dropped its counts of the sender's buffers: the sender drops them on its behalf,
+    # then its memory returns.
+    packer.forget(peer.name, released=False)
+    packer.free()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() == sum(t.numel() * t.element_size() for _, t in sent)
