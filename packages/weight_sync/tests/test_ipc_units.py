@@ -26,6 +26,8 @@ from ppo_weight_sync.ipc import (
     plan_layouts,
     tensor_request,
 )
+from ppo_weight_sync.ipc.receiving import IpcTensorReceiver, check_layout
+from ppo_weight_sync.ipc.transport import IpcTransport
 
 HANDLE = IpcHandle(
     device_uuid="GPU-5c1b1f7e-0000-1111-2222-333344445555",
@@ -256,3 +258,60 @@ def test_packer_refuses_a_cpu_device_and_bad_sizes() -> None:
         BucketPacker(torch.device("cuda", 0), 0, 10.0)
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         BucketPacker(torch.device("cuda", 0), 1 << 20, 0)
+
+
+def _held() -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    return {n: (d, tuple(s)) for n, d, s in METAS}
+
+
+def test_check_layout_names_the_tensor_at_fault() -> None:
+    (layout,) = plan_layouts(METAS, bucket_bytes=1 << 20)
+    assert check_layout(layout, _held()) is None
+    assert check_layout(layout, {**_held(), "norm": (torch.float16, (3,))}) == (
+        "tensor 'norm': dtype torch.float32 does not match the engine's torch.float16"
+    )
+    assert check_layout(layout, {**_held(), "ids": (torch.int64, (4,))}) == (
+        "tensor 'ids': shape [2, 2] does not match the engine's [4]"
+    )
+    held = _held()
+    del held["mask"]
+    assert check_layout(layout, held) == "tensor 'mask' is not a weight of this engine"
+
+
+def test_receiver_refuses_bad_requests_before_touching_the_gpu() -> None:
+    (layout,) = plan_layouts(METAS, bucket_bytes=1 << 20)
+    loaded: list[str] = []
+    cpu = IpcTensorReceiver(lambda named: loaded.extend(n for n, _ in named), _held, torch.device("cpu"))
+    entry = encode_ipc_bucket("s", HANDLE, layout)
+    reply = cpu.update_weights_from_tensor([entry], load_format=PPO_IPC_FORMAT)
+    assert reply == {
+        "success": False,
+        "message": "update_weights_from_tensor needs an engine on a GPU, not cpu.",
+    }
+    gpu = IpcTensorReceiver(lambda named: None, _held, torch.device("cuda", 0), tp_rank=1)
+    reply = gpu.update_weights_from_tensor([entry], load_format=PPO_IPC_FORMAT)
+    assert reply["success"] is False
+    assert "has 1 entries; TP rank 1 reads entry 1" in reply["message"]
+    reply = gpu.update_weights_from_tensor([entry, entry], load_format="direct")
+    assert reply["success"] is False
+    assert "Unsupported load_format 'direct'" in reply["message"]
+    reply = gpu.update_weights_from_tensor(["x", "{"], load_format=PPO_IPC_FORMAT)
+    assert reply == {
+        "success": False,
+        "message": "Bad update request: ppo_ipc_bucket entry: not JSON "
+        "(Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+    }
+    assert loaded == []
+
+
+class _Endpoint:
+    def __init__(self, name: str, num_gpus: int) -> None:
+        self.name, self.num_gpus, self.load_formats = name, num_gpus, (PPO_IPC_FORMAT,)
+
+
+def test_transport_refuses_colocated_engines_of_several_gpus() -> None:
+    transport = IpcTransport(device=torch.device("cuda", 0), bucket_bytes=1 << 20, timeout_s=10)
+    with pytest.raises(ValueError, match=r"colocated engines \['tp2 \(2 GPUs\)'\]: .*group transport"):
+        transport.connect([_Endpoint("one", 1), _Endpoint("tp2", 2)], "s")  # type: ignore[list-item]
+    transport.connect([_Endpoint("one", 1)], "s")  # type: ignore[list-item]
+    assert transport.load_format(transport.engines[0]) == PPO_IPC_FORMAT

@@ -1,0 +1,150 @@
+"""The engine side of ``update_weights_from_tensor`` for engines we write (one TP rank each).
+
+Accepts both bodies of :mod:`.payload`: ours (``ppo_ipc_bucket``: the sender's buffers are mapped once
+per session and kept until :meth:`IpcTensorReceiver.release`) and SGLang's ``flattened_bucket`` (mapped
+for the call, as SGLang does). Names, dtypes and shapes are checked against what the engine holds before
+anything is copied; a reply means the copies finished (the sender may overwrite its buffer).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ppo_weight_sync.buckets import FLATTENED_BUCKET
+from ppo_weight_sync.device_sync import on_device, wait_stream
+from ppo_weight_sync.errors import RECEIVE_FAILED
+from ppo_weight_sync.ipc.layout import BucketLayout
+from ppo_weight_sync.ipc.mapping import IpcMappings
+from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, decode_flattened_bucket, decode_ipc_bucket
+
+__all__ = ["IPC_LOAD_FORMATS", "IpcTensorReceiver", "check_layout"]
+
+log = logging.getLogger(__name__)
+
+IPC_LOAD_FORMATS: tuple[str, ...] = (PPO_IPC_FORMAT, FLATTENED_BUCKET)
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+Expected = Callable[[], Mapping[str, tuple[torch.dtype, tuple[int, ...]]]]
+
+
+def check_layout(layout: BucketLayout, held: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> str | None:
+    """What is wrong with ``layout`` for an engine holding ``held``, or None."""
+    seen: set[str] = set()
+    for name, dtype, shape in zip(layout.names, layout.dtypes, layout.shapes, strict=True):
+        if name in seen:
+            return f"tensor {name!r} appears twice in one bucket"
+        seen.add(name)
+        if name not in held:
+            return f"tensor {name!r} is not a weight of this engine"
+        want_dtype, want_shape = held[name]
+        if dtype != want_dtype:
+            return f"tensor {name!r}: dtype {dtype} does not match the engine's {want_dtype}"
+        if tuple(shape) != tuple(want_shape):
+            return f"tensor {name!r}: shape {list(shape)} does not match the engine's {list(want_shape)}"
+    return None
+
+
+def _reply(success: bool, message: str) -> dict[str, Any]:
+    return {"success": success, "message": message}
+
+
+class IpcTensorReceiver:
+    """One TP rank's colocated receiver; ``tp_rank`` picks its entry of ``serialized_named_tensors``."""
+
+    def __init__(
+        self,
+        load_weights: LoadWeights,
+        expected: Expected,
+        device: torch.device,
+        *,
+        tp_rank: int = 0,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self._load = load_weights
+        self._expected = expected
+        self.device = torch.device(device)
+        self.tp_rank = tp_rank
+        self.timeout_s = timeout_s
+        self.mappings = IpcMappings()
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        load_format: str | None = None,
+    ) -> dict[str, Any]:
+        """Load one bucket; the caller records the version and flushes on success."""
+        if self.device.type != "cuda":
+            return _reply(False, f"update_weights_from_tensor needs an engine on a GPU, not {self.device}.")
+        if load_format not in IPC_LOAD_FORMATS:
+            return _reply(
+                False,
+                f"Unsupported load_format {load_format!r} for update_weights_from_tensor: expected one of "
+                f"{list(IPC_LOAD_FORMATS)}.",
+            )
+        entries = (
+            list(serialized_named_tensors) if isinstance(serialized_named_tensors, (list, tuple)) else []
+        )
+        if len(entries) <= self.tp_rank:
+            return _reply(
+                False,
+                f"serialized_named_tensors has {len(entries)} entries; TP rank {self.tp_rank} reads entry "
+                f"{self.tp_rank} (one entry per TP rank of the engine).",
+            )
+        entry = entries[self.tp_rank]
+        try:
+            if load_format == PPO_IPC_FORMAT:
+                return self._ours(entry)
+            return self._flattened(entry)
+        except ValueError as exc:
+            return _reply(False, f"Bad update request: {exc}")
+
+    def _ours(self, entry: str) -> dict[str, Any]:
+        bucket = decode_ipc_bucket(entry)
+        try:
+            with on_device(self.device):
+                # Mapped before the check: the export's count is taken over even when the bucket is
+                # refused, so the sender's memory can still return when this session is released.
+                buffer = self.mappings.buffer(bucket.session, bucket.handle)
+        except Exception as exc:
+            log.warning("mapping a colocated weight buffer failed: %s", exc)
+            return _reply(False, f"{RECEIVE_FAILED} CUDA IPC: mapping the sender's buffer failed: {exc}")
+        return self._load_from(buffer, bucket.layout)
+
+    def _flattened(self, entry: str) -> dict[str, Any]:
+        decoded = decode_flattened_bucket(entry)
+        try:
+            with on_device(self.device):
+                buffer = decoded.open()
+        except Exception as exc:
+            log.warning("mapping a flattened bucket failed: %s", exc)
+            return _reply(False, f"{RECEIVE_FAILED} CUDA IPC: mapping the sender's buffer failed: {exc}")
+        try:
+            return self._load_from(buffer, decoded.layout)
+        finally:
+            del buffer  # SGLang's semantics: the mapping lives for this call only
+
+    def _load_from(self, buffer: torch.Tensor, layout: BucketLayout) -> dict[str, Any]:
+        problem = check_layout(layout, self._expected())
+        if problem is not None:
+            return _reply(False, f"Rejected update, nothing loaded: {problem}")
+        if buffer.numel() < layout.nbytes:
+            return _reply(
+                False,
+                f"Rejected update, nothing loaded: the bucket ends at byte {layout.nbytes}, "
+                f"the shared buffer has {buffer.numel()}",
+            )
+        try:
+            with on_device(self.device):
+                self._load(layout.views(buffer))
+                wait_stream(self.device, self.timeout_s, "copying a weight bucket out of the sender's buffer")
+        except Exception as exc:
+            return _reply(False, f"{RECEIVE_FAILED} CUDA IPC: copying the bucket failed: {exc}")
+        return _reply(True, "Succeeded to update parameter online.")
+
+    def release(self, session: str) -> int:
+        """Unmap ``session``'s buffers (the sender disconnects, or is about to free them)."""
+        return self.mappings.release(session)
