@@ -220,17 +220,17 @@ def test_translations_build() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "overrides", "backend", "dtype"),
+    ("name", "overrides", "backend", "colocated", "dtype"),
     [
-        ("2gpu-disaggregate", [], "nccl", "bfloat16"),
-        ("2gpu-disaggregate", ["model.dtype=float32"], "nccl", "float32"),
-        # Colocated, engine 0 shares actor rank 0's GPU: NCCL refuses two ranks on one device.
-        ("2gpu-colocate", [], "gloo", "bfloat16"),
-        ("cpu-default", [], "gloo", "float32"),
+        ("2gpu-disaggregate", [], "nccl", (), "bfloat16"),
+        ("2gpu-disaggregate", ["model.dtype=float32"], "nccl", (), "float32"),
+        # Colocated, engine 0 shares actor rank 0's GPU: CUDA IPC to it, NCCL to engine 1 on GPU 1.
+        ("2gpu-colocate", [], "nccl", (0,), "bfloat16"),
+        ("cpu-default", [], "gloo", (), "float32"),
     ],
 )
 def test_the_actor_sends_what_the_engines_accept(
-    name: str, overrides: list[str], backend: str, dtype: str
+    name: str, overrides: list[str], backend: str, colocated: tuple[int, ...], dtype: str
 ) -> None:
     from ppo_driver import build
 
@@ -238,6 +238,7 @@ def test_the_actor_sends_what_the_engines_accept(
     actor = build.actor_trainer_config(config, "/m")
     rollout = build.rollout_config(config, "/m")
     assert actor.weight_sync_backend == backend
+    assert actor.weight_sync_colocated == colocated
     assert actor.weight_sync_dtype == rollout.dtype == dtype
 
 

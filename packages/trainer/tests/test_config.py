@@ -47,6 +47,12 @@ def test_algorithm_config_rejects(kwargs: dict, field: str) -> None:
         ({"memory_backend": "pinned"}, "memory_backend"),
         ({"weight_sync_backend": "nccl"}, "weight_sync_backend"),
         ({"weight_sync_dtype": "int8"}, "weight_sync_dtype"),
+        ({"weight_sync_colocated": (0,)}, "weight_sync_colocated needs device='cuda'"),
+        (
+            {"device": "cuda", "weight_sync_colocated": (0, 0)},
+            r"weight_sync_colocated=\(0, 0\) names an engine twice",
+        ),
+        ({"device": "cuda", "weight_sync_colocated": (-1,)}, "weight_sync_colocated"),
         ({"data_parallel": "ddp"}, "data_parallel"),
         ({"role": "critic", "algorithm": AlgorithmConfig(kl_coef=0.1)}, "kl_coef"),
         ({"role": "critic", "algorithm": AlgorithmConfig(estimator="grpo")}, "grpo"),

@@ -315,3 +315,19 @@ def test_transport_refuses_colocated_engines_of_several_gpus() -> None:
         transport.connect([_Endpoint("one", 1), _Endpoint("tp2", 2)], "s")  # type: ignore[list-item]
     transport.connect([_Endpoint("one", 1)], "s")  # type: ignore[list-item]
     assert transport.load_format(transport.engines[0]) == PPO_IPC_FORMAT
+
+
+def test_connect_checks_colocated_names_and_needs_cuda() -> None:
+    from ppo_weight_sync import HttpEngineEndpoint, WeightSender
+
+    engines = [
+        HttpEngineEndpoint("http://127.0.0.1:9", name="a"),
+        HttpEngineEndpoint("http://127.0.0.1:9", name="b"),
+    ]
+    sender = WeightSender(timeout_s=5)
+    with pytest.raises(ValueError, match=r"colocated names \['c'\] are not among the engines \['a', 'b'\]"):
+        sender.connect(engines, colocated=["c"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="colocated engines need CUDA"):
+            sender.connect(engines, colocated=["a"])
+    assert not sender.is_connected

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from ppo_driver.config import RunConfig
 from ppo_lifecycle import OffloadPlan
-from ppo_placement import PlacementSpec
+from ppo_placement import PlacementSpec, plan_layout
 from ppo_rollout import RolloutConfig, RolloutSettings
 from ppo_trainer import TrainerConfig, TrainSettings
 
@@ -46,6 +46,7 @@ def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerCo
         device=config.placement.device,
         memory_backend=config.offload.backend,
         weight_sync_backend=weight_sync_backend(config),
+        weight_sync_colocated=weight_sync_colocated(config),
         # The engines hold the weights in the rollout dtype and reject any other.
         weight_sync_dtype=_rollout_dtype(config),
     )
@@ -77,15 +78,33 @@ def offload_plan(config: RunConfig) -> OffloadPlan:
 
 
 def weight_sync_backend(config: RunConfig) -> Literal["nccl", "gloo"]:
-    """NCCL between the actor's GPU and engines on other GPUs; gloo on CPU and when colocated.
+    """NCCL between the actor's GPU and engines on other GPUs; gloo on CPU.
 
-    Colocated, engine 0 shares the actor rank 0's GPU, and NCCL refuses two ranks of one communicator
-    on one device ("Duplicate GPU detected"). Gloo broadcasts CUDA tensors through host memory: slower,
-    but a colocated update moves weights between processes on the same GPUs, which NCCL cannot.
+    Engines on actor rank 0's own GPU get CUDA IPC (:func:`weight_sync_colocated`), not the group: NCCL
+    refuses two ranks of one communicator on one device ("Duplicate GPU detected"). The one case left on
+    gloo (through host memory) is a colocated engine of several GPUs, which IPC does not serve.
     """
-    if config.placement.device != "cuda" or config.placement.colocate:
+    p = config.placement
+    if p.device != "cuda" or (p.colocate and p.gpus_per_engine > 1):
         return "gloo"
     return "nccl"
+
+
+def weight_sync_colocated(config: RunConfig) -> tuple[int, ...]:
+    """The engines (by index) whose GPUs include actor rank 0's GPU: they load over CUDA IPC.
+
+    From the placement: engine ``i`` holds rollout bundles ``[offset + i*g, offset + (i+1)*g)``, rank 0
+    the actor's first bundle. Engines of several GPUs stay on the group path (IPC serves TP 1 only).
+    """
+    p = config.placement
+    if p.device != "cuda" or p.gpus_per_engine > 1:
+        return ()
+    layout = plan_layout(placement_spec(config))
+    actor, rollout = layout.roles.get("actor"), layout.roles.get("rollout")
+    if actor is None or rollout is None:
+        return ()
+    first = actor.offset
+    return tuple(i for i in range(layout.engine_count) if rollout.offset + i == first)
 
 
 def _rollout_dtype(config: RunConfig) -> Literal["float32", "bfloat16"]:

@@ -14,7 +14,7 @@ critic's config that way, with ``kl_coef=0``), which validates again.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
@@ -151,6 +151,10 @@ class TrainerConfig(TrainSettings):
     device: Device = "cpu"
     memory_backend: MemoryBackendName = "auto"
     weight_sync_backend: WeightSyncBackend = "gloo"
+    weight_sync_colocated: tuple[Annotated[int, Field(ge=0)], ...] = Field(
+        default=(),
+        description="engines (by index in connect_engines' list) on actor rank 0's GPU: CUDA IPC, not the group",
+    )
     bucket_bytes: int = Field(default=512 << 20, ge=1)
     weight_sync_group: str = Field(default="ppo_weights", min_length=1)
     weight_sync_dtype: WeightSyncDType = "float32"
@@ -163,6 +167,11 @@ class TrainerConfig(TrainSettings):
             raise ValueError(
                 f"memory_backend={self.memory_backend!r} needs device='cuda'; use 'host' or 'auto' on CPU"
             )
+        colocated = self.weight_sync_colocated
+        if len(set(colocated)) != len(colocated):
+            raise ValueError(f"weight_sync_colocated={colocated!r} names an engine twice")
+        if colocated and self.device != "cuda":
+            raise ValueError("weight_sync_colocated needs device='cuda' (CUDA IPC); leave it empty on CPU")
         if self.device == "cpu" and self.weight_sync_backend == "nccl":
             raise ValueError("weight_sync_backend='nccl' needs device='cuda'; use 'gloo' on CPU")
         if self.role == "critic" and self.algorithm.estimator == "grpo":

@@ -295,7 +295,18 @@ class TrainWorker:
                 timeout_s=self.timeout_s,
             )
         if not self.lifecycle.is_asleep:
-            self._sender.connect(self._engines)
+            self._sender.connect(self._engines, colocated=self._colocated())
+
+    def _colocated(self) -> list[str]:
+        """Names of the engines on this rank's GPU (the driver's placement says which): CUDA IPC."""
+        indices = self.config.weight_sync_colocated
+        wrong = [i for i in indices if i >= len(self._engines)]
+        if wrong:
+            raise ValueError(
+                f"weight_sync_colocated={indices}: engine(s) {wrong} do not exist "
+                f"({len(self._engines)} engines)"
+            )
+        return [self._engines[i].name for i in indices]
 
     def update_weights(self, version: str) -> dict[str, float]:
         """Send the weights to the engines. Asleep: wake, reconnect, send, sleep. Resident: keep the link.
@@ -319,7 +330,7 @@ class TrainWorker:
                 return {}
             assert self._sender is not None  # made by connect_engines on rank 0
             if not self._sender.is_connected:
-                self._sender.connect(self._engines)
+                self._sender.connect(self._engines, colocated=self._colocated())
             self._sender.update(weights, version)
             return self._sender.pop_metrics() | {"reconnected": float(was_asleep)}
         finally:

@@ -11,6 +11,7 @@ copy) and are freed by :meth:`BucketPacker.free`, which the trainer calls before
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -166,29 +167,37 @@ def send_buckets(
         raise ValueError(f"layouts cover {index} tensors, items hold {len(tensors)}")
     waiting: list[Sequence[Callable[[float], None]] | None] = [None, None]
     wait_pack = wait_reply = 0.0
-    if layouts:
-        packer.pack(0, layouts[0], per_bucket[0])
-    for k, layout in enumerate(layouts):
-        slot = k % 2
-        t0 = time.perf_counter()
-        packer.wait_packed(slot)
-        wait_pack += time.perf_counter() - t0
-        waiting[slot] = post(slot, layout, k == len(layouts) - 1)
-        if k + 1 < len(layouts):
-            other = 1 - slot
+    try:
+        if layouts:
+            packer.pack(0, layouts[0], per_bucket[0])
+        for k, layout in enumerate(layouts):
+            slot = k % 2
             t0 = time.perf_counter()
-            for waiter in waiting[other] or ():
-                waiter(timeout_s)  # the bucket that buffer held is loaded: the buffer is free
-            waiting[other] = None
-            wait_reply += time.perf_counter() - t0
-            packer.pack(other, layouts[k + 1], per_bucket[k + 1])
-    t0 = time.perf_counter()
-    for k in range(len(layouts) - 2, len(layouts)):
-        if k >= 0:
-            for waiter in waiting[k % 2] or ():
+            packer.wait_packed(slot)
+            wait_pack += time.perf_counter() - t0
+            waiting[slot] = post(slot, layout, k == len(layouts) - 1)
+            if k + 1 < len(layouts):
+                other = 1 - slot
+                t0 = time.perf_counter()
+                pending, waiting[other] = waiting[other], None
+                for waiter in pending or ():
+                    waiter(timeout_s)  # the bucket that buffer held is loaded: the buffer is free
+                wait_reply += time.perf_counter() - t0
+                packer.pack(other, layouts[k + 1], per_bucket[k + 1])
+        t0 = time.perf_counter()
+        for k in range(max(0, len(layouts) - 2), len(layouts)):
+            pending, waiting[k % 2] = waiting[k % 2], None
+            for waiter in pending or ():
                 waiter(timeout_s)
-            waiting[k % 2] = None
-    wait_reply += time.perf_counter() - t0
+        wait_reply += time.perf_counter() - t0
+    except BaseException:
+        # An engine may still be copying the other bucket: let every posted message finish (or fail)
+        # before the caller may pack into these buffers again.
+        for pending in waiting:
+            for waiter in pending or ():
+                with contextlib.suppress(Exception):
+                    waiter(timeout_s)
+        raise
     return PipelineStats(
         nbytes=sum(sum(layout.sizes()) for layout in layouts),
         buckets=len(layouts),

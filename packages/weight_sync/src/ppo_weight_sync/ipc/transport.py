@@ -17,43 +17,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ppo_weight_sync.buckets import FLATTENED_BUCKET
-from ppo_weight_sync.endpoints import Pending
+from ppo_weight_sync.endpoints import EngineEndpoint, Pending
 from ppo_weight_sync.errors import EngineTimeoutError, EngineUnavailableError, WeightSyncError
 from ppo_weight_sync.ipc.handles import export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout
 from ppo_weight_sync.ipc.packer import BucketPacker, PipelineStats, send_buckets
 from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, encode_flattened_bucket, encode_ipc_bucket
 
-__all__ = ["IpcEngine", "IpcTransport"]
+__all__ = ["IpcTransport"]
 
 log = logging.getLogger(__name__)
 
 UPDATE_OP = "update_weights_from_tensor"
-
-
-class IpcEngine(Protocol):
-    """What the colocated transport needs of an engine (SGLang's names and JSON fields)."""
-
-    name: str
-    num_gpus: int
-    load_formats: tuple[str, ...]
-
-    def update_weights_from_tensor(
-        self,
-        *,
-        serialized_named_tensors: list[str],
-        load_format: str,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> Pending: ...
-
-    def destroy_weights_update_group(self, *, group_name: str) -> Pending: ...
 
 
 CheckReply = Callable[[Any, str, Any], Any]
@@ -65,15 +45,15 @@ class IpcTransport:
     def __init__(self, *, device: torch.device, bucket_bytes: int, timeout_s: float) -> None:
         self.packer = BucketPacker(device, bucket_bytes, timeout_s)
         self.timeout_s = timeout_s
-        self._engines: list[IpcEngine] = []
+        self._engines: list[EngineEndpoint] = []
         self._formats: dict[str, str] = {}
         self.session = ""
 
     @property
-    def engines(self) -> tuple[IpcEngine, ...]:
+    def engines(self) -> tuple[EngineEndpoint, ...]:
         return tuple(self._engines)
 
-    def connect(self, engines: Sequence[IpcEngine], session: str) -> None:
+    def connect(self, engines: Sequence[EngineEndpoint], session: str) -> None:
         wide = [f"{e.name} ({e.num_gpus} GPUs)" for e in engines if e.num_gpus != 1]
         if wide:
             raise ValueError(
@@ -86,7 +66,7 @@ class IpcTransport:
         }
         self.session = session
 
-    def load_format(self, engine: IpcEngine) -> str:
+    def load_format(self, engine: EngineEndpoint) -> str:
         return self._formats[engine.name]
 
     def send(
@@ -116,13 +96,13 @@ class IpcTransport:
 
         return send_buckets(self.packer, items, layouts, post, self.timeout_s)
 
-    def disconnect(self, check: CheckReply) -> list[str]:
+    def disconnect(self, check: CheckReply, timeout_s: float) -> list[str]:
         """Engines release their mappings, then the buffers are freed. Never raises for a dead engine:
         returns the errors. A dead engine's counts are dropped on its behalf; a stuck one's are not (it
         may still release later), so a stuck engine can keep up to two buckets' memory held."""
         errors: list[str] = []
         engines, self._engines = self._engines, []
-        calls: list[tuple[IpcEngine, Pending | None, str]] = []
+        calls: list[tuple[EngineEndpoint, Pending | None, str]] = []
         for engine in engines:
             if self._formats.get(engine.name) != PPO_IPC_FORMAT:
                 continue  # SGLang unmapped after each call
@@ -135,7 +115,7 @@ class IpcTransport:
             dead = bool(error)
             if call is not None:
                 try:
-                    check(engine, "destroy_weights_update_group", call.result(self.timeout_s))
+                    check(engine, "destroy_weights_update_group", call.result(timeout_s))
                     released = True
                 except EngineTimeoutError as exc:
                     error = str(exc)
@@ -154,7 +134,7 @@ class IpcTransport:
         return errors
 
 
-def _waiter(engine: IpcEngine, pending: Pending, check: CheckReply) -> Callable[[float], None]:
+def _waiter(engine: EngineEndpoint, pending: Pending, check: CheckReply) -> Callable[[float], None]:
     def wait(timeout_s: float) -> None:
         check(engine, UPDATE_OP, pending.result(timeout_s))
 
