@@ -41,7 +41,7 @@ from ppo_weight_sync import HttpEngineEndpoint, WeightSender
 from ppo_weight_sync.device_sync import wait_stream
 from ppo_weight_sync.endpoints import RECEIVER_LOAD_FORMATS
 from ppo_weight_sync.ipc import BucketLayout, BucketPacker, encode_ipc_bucket, export_buffer, send_buckets
-from ppo_weight_sync.testing.ipc_peer import IpcPeer
+from ppo_weight_sync.testing.ipc_peer import IpcPeer, gpu_fingerprint
 
 T0 = time.monotonic()
 
@@ -55,19 +55,7 @@ def sync(device: torch.device) -> None:
 
 
 def fingerprint(tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list[int]]:
-    """Per tensor: the sum of its 16-bit words and a position-weighted sum (catches moved bytes)."""
-    out: dict[str, list[int]] = {}
-    chunk = 32 << 20
-    for name, t in tensors:
-        words = t.reshape(-1).view(torch.int16)
-        plain = weighted = 0
-        for start in range(0, words.numel(), chunk):
-            w = words[start : start + chunk].to(torch.int64)
-            pos = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
-            plain += int(w.sum())
-            weighted += int((w * pos).sum())
-        out[name] = [plain, weighted]
-    return out
+    return gpu_fingerprint(tensors)
 
 
 def bench_ipc(
@@ -185,6 +173,50 @@ def bench_clone(device: torch.device, nbytes: int, reps: int) -> dict[str, Any]:
     return {"mode": "clone", "seconds": statistics.median(walls[1:]), "buckets": 1}
 
 
+def bench_update(
+    url: str,
+    spec: dict[str, Any],
+    weights: list[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    reps: int,
+    timeout_s: float,
+    sglang_format: bool,
+) -> dict[str, Any]:
+    """The whole ``WeightSender.update()`` (pause, flush, buckets, continue) to an HTTP engine process
+    on this GPU, connected as colocated: ``ppo_ipc_bucket`` (ours) or SGLang's ``flattened_bucket``."""
+    formats = ("flattened_bucket",) if sglang_format else RECEIVER_LOAD_FORMATS
+    ep = HttpEngineEndpoint(url, name="near", timeout_s=600, load_formats=formats)
+    ep.request("POST", "/bench_set_spec", {"spec": spec})
+    sender = WeightSender(backend="nccl", bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    sender.connect([ep], colocated=["near"])
+    walls, control, transfer = [], [], []
+    for r in range(reps + 1):
+        sync(weights[0][1].device)
+        t0 = time.perf_counter()
+        sender.update(weights, f"u{r}")
+        wall = time.perf_counter() - t0
+        m = sender.pop_metrics()
+        if r:
+            walls.append(wall)
+            control.append(m["weight_sync/control_seconds"])
+            transfer.append(m["weight_sync/ipc_seconds"])
+    same = ep.request("POST", "/bench_fingerprint", {}) == json.loads(json.dumps(fingerprint(weights)))
+    state = ep.request("POST", "/bench_mappings", {})
+    sender.disconnect()
+    released = ep.request("POST", "/bench_mappings", {})
+    ep.request("POST", "/bench_set_spec", {"spec": {}})
+    ep.close()
+    return {
+        "mode": "update (sglang format)" if sglang_format else "update",
+        "seconds": statistics.median(walls),
+        "buckets": int(m["weight_sync/ipc_buckets"]),
+        "control_ms": statistics.median(control) * 1e3,
+        "transfer_ms": statistics.median(transfer) * 1e3,
+        "bit_identical": same,
+        "mappings": f"{state['ipc_mappings']} -> {released['ipc_mappings']}",
+    }
+
+
 def bench_gloo(
     ep: HttpEngineEndpoint,
     spec: dict[str, Any],
@@ -243,6 +275,13 @@ def main() -> None:
             got.append(bench_raw(peer, device, nbytes, bucket_mb << 20, args.reps, args.timeout_s))
             say(f"{gb:g} GB raw: {got[-1]}")
             got.append(bench_clone(device, nbytes, args.reps))
+            for sglang_format in (False, True):
+                got.append(
+                    bench_update(
+                        url, spec, weights, bucket_mb << 20, args.reps, args.timeout_s, sglang_format
+                    )
+                )
+                say(f"{gb:g} GB {got[-1]['mode']}: {got[-1]}")
             if gb <= args.gloo_max_gb:
                 got.append(bench_gloo(ep, spec, weights, args.gloo_reps, args.timeout_s))
                 say(f"{gb:g} GB gloo: {got[-1]}")
@@ -260,12 +299,17 @@ def main() -> None:
         proc.wait()
     print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, reps {args.reps}")
     print(
-        "| size GB | bucket MiB | mode | seconds | GB/s | vs raw | buckets | host wait pack / replies ms "
-        "| same |"
+        "| size GB | bucket MiB | mode | seconds | GB/s | vs raw | buckets | where the time went, ms | same |"
     )
     print("|---:|---:|---|---:|---:|---:|---:|---|---|")
     for r in rows:
-        extra = f"{r['wait_pack_ms']:.1f} / {r['wait_reply_ms']:.1f}" if "wait_pack_ms" in r else ""
+        extra = ""
+        if "wait_pack_ms" in r:
+            extra = f"waits: pack {r['wait_pack_ms']:.1f}, replies {r['wait_reply_ms']:.1f}"
+        if "control_ms" in r:
+            extra = (
+                f"control {r['control_ms']:.1f}, transfer {r['transfer_ms']:.1f}; mappings {r['mappings']}"
+            )
         print(
             f"| {r['size_gb']:.2f} | {r['bucket_mb']} | {r['mode']} | {r['seconds']:.4f} | "
             f"{r['gb_per_s']:.1f} | {r['vs_raw']:.0%} | {r['buckets']} | {extra} | "

@@ -94,7 +94,23 @@ def engine_main(device: str, timeout_s: float) -> None:
             wait_stream(engine.device, timeout_s, "raw receive")
         return {"success": True, "message": "received"}
 
-    server = EngineHTTPServer(engine, "127.0.0.1", 0, {"/bench_set_spec": set_spec, "/bench_raw": raw})
+    def fingerprint(body: dict[str, Any]) -> dict[str, Any]:
+        from ppo_weight_sync.testing.ipc_peer import gpu_fingerprint
+
+        with on_device(engine.device):
+            wait_stream(engine.device, timeout_s, "fingerprint")
+            return gpu_fingerprint(engine.weights.items())
+
+    def mappings(body: dict[str, Any]) -> dict[str, Any]:
+        return {"ipc_mappings": engine.receiver.ipc_mappings}
+
+    routes = {
+        "/bench_set_spec": set_spec,
+        "/bench_raw": raw,
+        "/bench_fingerprint": fingerprint,
+        "/bench_mappings": mappings,
+    }
+    server = EngineHTTPServer(engine, "127.0.0.1", 0, routes)
     print(f"READY {server.url}", flush=True)
     server.serve_forever()
 

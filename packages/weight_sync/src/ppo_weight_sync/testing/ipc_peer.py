@@ -14,7 +14,7 @@ import multiprocessing
 import multiprocessing.connection
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -27,7 +27,24 @@ from ppo_weight_sync.ipc.mapping import IpcMappings, load_bucket
 from ppo_weight_sync.ipc.payload import decode_flattened_bucket, decode_ipc_bucket
 from ppo_weight_sync.testing.engine import Spec, make_weights
 
-__all__ = ["IpcPeer"]
+__all__ = ["IpcPeer", "gpu_fingerprint"]
+
+
+def gpu_fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list[int]]:
+    """Per tensor: the sum of its 16-bit words and a position-weighted sum, computed where the tensor is
+    (compares many GB of weights across processes without a host copy; a moved or changed word shows)."""
+    out: dict[str, list[int]] = {}
+    chunk = 32 << 20
+    for name, t in named:
+        words = t.detach().reshape(-1).view(torch.int16)
+        plain = weighted = 0
+        for start in range(0, words.numel(), chunk):
+            w = words[start : start + chunk].to(torch.int64)
+            pos = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
+            plain += int(w.sum())
+            weighted += int((w * pos).sum())
+        out[name] = [plain, weighted]
+    return out
 
 
 class _Peer:
@@ -107,20 +124,7 @@ class _Peer:
         return n
 
     def fingerprint(self) -> dict[str, list[int]]:
-        """Per tensor: the sum of its 16-bit words and a position-weighted sum (computed on the GPU; the
-        benchmark's trainer computes the same to compare weights of many GB without a host copy)."""
-        out: dict[str, list[int]] = {}
-        chunk = 32 << 20
-        for name, t in self.weights.items():
-            words = t.reshape(-1).view(torch.int16)
-            plain = weighted = 0
-            for start in range(0, words.numel(), chunk):
-                w = words[start : start + chunk].to(torch.int64)
-                pos = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
-                plain += int(w.sum())
-                weighted += int((w * pos).sum())
-            out[name] = [plain, weighted]
-        return out
+        return gpu_fingerprint(self.weights.items())
 
     def drop_weights(self) -> int:
         self.weights = {}
