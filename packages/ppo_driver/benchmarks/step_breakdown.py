@@ -33,7 +33,17 @@ def main(run_dirs: list[str]) -> None:
         if sync:
             mb = statistics.fmean(r["weight_sync/bytes"] for r in sync) / 1e6
             rate = statistics.fmean(r["weight_sync/gb_per_s"] for r in sync)
-            print(f"weight update {mb:.2f} MB per step at {rate:.3f} GB/s")
+            print(f"weight update over the group: {mb:.2f} MB per step at {rate:.3f} GB/s")
+        ipc = [r for r in steady if r.get("weight_sync/ipc_bytes")]
+        if ipc:
+            # Colocated engines (CUDA IPC): bytes and the pipeline's seconds; control = pause/flush/continue.
+            mb = statistics.fmean(r["weight_sync/ipc_bytes"] for r in ipc) / 1e6
+            secs = statistics.fmean(r["weight_sync/ipc_seconds"] for r in ipc)
+            control = statistics.fmean(r.get("weight_sync/control_seconds", 0.0) for r in ipc)
+            print(
+                f"weight update over CUDA IPC: {mb:.2f} MB per step in {secs * 1e3:.1f} ms "
+                f"({mb / 1e3 / secs:.1f} GB/s); control calls {control * 1e3:.1f} ms"
+            )
         moves = statistics.fmean(len(r.get("offload/transitions", [])) for r in records)
         print(f"sleep/wake transitions per step: {moves:.1f}")
 

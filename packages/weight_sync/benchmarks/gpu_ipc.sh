@@ -11,7 +11,7 @@ export PYTHONPATH
 PY="${PYTHON:-python3}"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 echo "== GPU tests: colocated IPC =="
-(cd "$PKG" && timeout -k 5 240 "$PY" -m pytest tests/test_ipc_gpu.py -v -s -x -p no:cacheprovider \
+(cd "$PKG" && timeout -k 5 300 "$PY" -m pytest tests/test_ipc_gpu.py tests/test_ipc_update_gpu.py -v -s -x -p no:cacheprovider \
     -o faulthandler_timeout=100 -rA)
 echo "== GPU benchmark: colocated IPC vs raw IPC pipeline vs gloo =="
 timeout -k 5 400 "$PY" "$HERE/bench_ipc.py" "$@"
