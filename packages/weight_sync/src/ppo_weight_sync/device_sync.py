@@ -31,12 +31,14 @@ def wait_stream(
     timeout_s: float,
     what: str,
     check: Callable[[], None] | None = None,
+    poll_s: float = _POLL_S,
 ) -> None:
     """Wait on the host until every kernel queued so far on ``device``'s current stream has finished.
 
     Polls an event recorded now (never a blocking sync, so the wait stays bounded); ``check`` runs between
     polls (it may raise to end the wait early, e.g. when a peer's call failed). Raises ``TimeoutError``
-    naming ``what`` after ``timeout_s``.
+    naming ``what`` after ``timeout_s``. ``poll_s``: the pause between polls (a colocated bucket's
+    copy takes well under a millisecond, so its wait polls finer than a broadcast's).
     """
     if device.type != "cuda":
         return
@@ -52,4 +54,4 @@ def wait_stream(
                     f"{what}: GPU work on {device} did not finish within {timeout_s:g} s (a kernel is "
                     "waiting on a peer that did not send or receive)"
                 )
-            time.sleep(_POLL_S)
+            time.sleep(poll_s)

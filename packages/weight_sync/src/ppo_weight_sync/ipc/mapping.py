@@ -18,6 +18,9 @@ from ppo_weight_sync.ipc.layout import BucketLayout
 
 __all__ = ["IpcMappings", "load_bucket"]
 
+# A bucket's copies take 0.1-0.5 ms on an H200: poll at 20 us, or the wait itself is most of a bucket's time.
+IPC_POLL_S = 0.00002
+
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
 
@@ -75,4 +78,6 @@ def load_bucket(
                 f"bucket of {layout.nbytes} bytes does not fit the mapped buffer of {buffer.numel()} bytes"
             )
         load_weights(layout.views(buffer))
-        wait_stream(device, timeout_s, "copying a weight bucket out of the sender's buffer")
+        wait_stream(
+            device, timeout_s, "copying a weight bucket out of the sender's buffer", poll_s=IPC_POLL_S
+        )

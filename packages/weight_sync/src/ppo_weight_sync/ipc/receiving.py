@@ -18,7 +18,7 @@ from ppo_weight_sync.buckets import FLATTENED_BUCKET
 from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.errors import RECEIVE_FAILED
 from ppo_weight_sync.ipc.layout import BucketLayout
-from ppo_weight_sync.ipc.mapping import IpcMappings
+from ppo_weight_sync.ipc.mapping import IPC_POLL_S, IpcMappings
 from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, decode_flattened_bucket, decode_ipc_bucket
 
 __all__ = ["IPC_LOAD_FORMATS", "IpcTensorReceiver", "check_layout"]
@@ -140,7 +140,12 @@ class IpcTensorReceiver:
         try:
             with on_device(self.device):
                 self._load(layout.views(buffer))
-                wait_stream(self.device, self.timeout_s, "copying a weight bucket out of the sender's buffer")
+                wait_stream(
+                    self.device,
+                    self.timeout_s,
+                    "copying a weight bucket out of the sender's buffer",
+                    poll_s=IPC_POLL_S,
+                )
         except Exception as exc:
             return _reply(False, f"{RECEIVE_FAILED} CUDA IPC: copying the bucket failed: {exc}")
         return _reply(True, "Succeeded to update parameter online.")

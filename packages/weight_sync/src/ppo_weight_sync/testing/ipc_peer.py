@@ -23,7 +23,7 @@ from ppo_weight_sync.buckets import checksum
 from ppo_weight_sync.device_sync import wait_stream
 from ppo_weight_sync.errors import EngineRejectedError, EngineTimeoutError, EngineUnavailableError
 from ppo_weight_sync.ipc.handles import IpcHandle, device_index, open_handle
-from ppo_weight_sync.ipc.mapping import IpcMappings, load_bucket
+from ppo_weight_sync.ipc.mapping import IPC_POLL_S, IpcMappings, load_bucket
 from ppo_weight_sync.ipc.payload import decode_flattened_bucket, decode_ipc_bucket
 from ppo_weight_sync.testing.engine import Spec, make_weights
 
@@ -90,7 +90,7 @@ class _Peer:
         decoded = decode_flattened_bucket(entry)
         buffer = decoded.open()
         self._load(decoded.layout.views(buffer))
-        wait_stream(self.device, self.timeout_s, "loading a flattened bucket")
+        wait_stream(self.device, self.timeout_s, "loading a flattened bucket", poll_s=IPC_POLL_S)
         del buffer
         return len(decoded.layout.names)
 
@@ -115,7 +115,7 @@ class _Peer:
     def raw_copy(self, slot: int, offset: int, nbytes: int) -> int:
         assert self.raw_dest is not None
         self.raw_dest[offset : offset + nbytes].copy_(self.raw_slots[slot][:nbytes], non_blocking=True)
-        wait_stream(self.device, self.timeout_s, "raw copy")
+        wait_stream(self.device, self.timeout_s, "raw copy", poll_s=IPC_POLL_S)
         return nbytes
 
     def raw_release(self) -> int:
