@@ -153,7 +153,7 @@ class TrainerConfig(TrainSettings):
     weight_sync_backend: WeightSyncBackend = "gloo"
     weight_sync_colocated: tuple[Annotated[int, Field(ge=0)], ...] = Field(
         default=(),
-        description="engines (by index in connect_engines' list) on actor rank 0's GPU: CUDA IPC, not the group",
+        description="engines (by index in connect_engines' list) on actor rank 0's GPU: CUDA IPC",
     )
     bucket_bytes: int = Field(default=512 << 20, ge=1)
     weight_sync_group: str = Field(default="ppo_weights", min_length=1)
