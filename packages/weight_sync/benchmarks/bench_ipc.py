@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_update import GB, random_weights, spec_for, start_engine
 
-from ppo_weight_sync import HttpEngineEndpoint, WeightSender
+from ppo_weight_sync import ColocatedIpc, HttpEngineEndpoint, WeightSender
 from ppo_weight_sync.device_sync import wait_stream
 from ppo_weight_sync.endpoints import RECEIVER_LOAD_FORMATS
 from ppo_weight_sync.ipc import BucketLayout, BucketPacker, encode_ipc_bucket, export_buffer, send_buckets
@@ -187,8 +187,13 @@ def bench_update(
     formats = ("flattened_bucket",) if sglang_format else RECEIVER_LOAD_FORMATS
     ep = HttpEngineEndpoint(url, name="near", timeout_s=600, load_formats=formats)
     ep.request("POST", "/bench_set_spec", {"spec": spec})
-    sender = WeightSender(backend="nccl", bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-    sender.connect([ep], colocated=["near"])
+    sender = WeightSender(
+        backend="nccl",
+        bucket_bytes=bucket_bytes,
+        timeout_s=timeout_s,
+        transports=[ColocatedIpc(["near"], bucket_bytes=bucket_bytes)],
+    )
+    sender.connect([ep])
     walls, control, transfer = [], [], []
     for r in range(reps + 1):
         sync(weights[0][1].device)

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+from ppo_weight_sync import ColocatedIpc, EngineReply, HttpEngineEndpoint, WeightSender
 from ppo_weight_sync.ipc import (
     ALIGN,
     PPO_IPC_FORMAT,
@@ -285,23 +286,20 @@ def test_receiver_refuses_bad_requests_before_touching_the_gpu() -> None:
     cpu = IpcTensorReceiver(lambda named: loaded.extend(n for n, _ in named), _held, torch.device("cpu"))
     entry = encode_ipc_bucket("s", HANDLE, layout)
     reply = cpu.update_weights_from_tensor([entry], load_format=PPO_IPC_FORMAT)
-    assert reply == {
-        "success": False,
-        "message": "update_weights_from_tensor needs an engine on a GPU, not cpu.",
-    }
+    assert reply == EngineReply.refused("update_weights_from_tensor needs an engine on a GPU, not cpu.")
     gpu = IpcTensorReceiver(lambda named: None, _held, torch.device("cuda", 0), tp_rank=1)
     reply = gpu.update_weights_from_tensor([entry], load_format=PPO_IPC_FORMAT)
-    assert reply["success"] is False
-    assert "has 1 entries; TP rank 1 reads entry 1" in reply["message"]
+    assert reply.success is False
+    assert reply.group_lost is False
+    assert "has 1 entries; TP rank 1 reads entry 1" in reply.message
     reply = gpu.update_weights_from_tensor([entry, entry], load_format="direct")
-    assert reply["success"] is False
-    assert "Unsupported load_format 'direct'" in reply["message"]
+    assert reply.success is False
+    assert "Unsupported load_format 'direct'" in reply.message
     reply = gpu.update_weights_from_tensor(["x", "{"], load_format=PPO_IPC_FORMAT)
-    assert reply == {
-        "success": False,
-        "message": "Bad update request: ppo_ipc_bucket entry: not JSON "
-        "(Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
-    }
+    assert reply == EngineReply.refused(
+        "Bad update request: ppo_ipc_bucket entry: not JSON "
+        "(Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"
+    )
     assert loaded == []
 
 
@@ -315,20 +313,30 @@ def test_transport_refuses_colocated_engines_of_several_gpus() -> None:
     with pytest.raises(ValueError, match=r"colocated engines \['tp2 \(2 GPUs\)'\]: .*group transport"):
         transport.connect([_Endpoint("one", 1), _Endpoint("tp2", 2)], "s")  # type: ignore[list-item]
     transport.connect([_Endpoint("one", 1)], "s")  # type: ignore[list-item]
-    assert transport.load_format(transport.engines[0]) == PPO_IPC_FORMAT
+    assert transport.format_of(transport.engines[0]) == PPO_IPC_FORMAT
+    assert transport.load_format == PPO_IPC_FORMAT
 
 
-def test_connect_checks_colocated_names_and_needs_cuda() -> None:
-    from ppo_weight_sync import HttpEngineEndpoint, WeightSender
+def test_the_factory_claims_the_named_engines_only() -> None:
+    factory = ColocatedIpc(["a"], bucket_bytes=1 << 20)
+    assert factory.serves(_Endpoint("a", 1))  # type: ignore[arg-type]
+    assert not factory.serves(_Endpoint("b", 1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a collection of engine names, got the string 'a'"):
+        ColocatedIpc("a")
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
+        ColocatedIpc(["a"], bucket_bytes=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="colocated engines need CUDA"):
+            factory.open([_Endpoint("a", 1)], 5.0)  # type: ignore[list-item]
 
+
+def test_a_sender_with_colocated_engines_needs_cuda_and_stays_disconnected() -> None:
     engines = [
         HttpEngineEndpoint("http://127.0.0.1:9", name="a"),
         HttpEngineEndpoint("http://127.0.0.1:9", name="b"),
     ]
-    sender = WeightSender(timeout_s=5)
-    with pytest.raises(ValueError, match=r"colocated names \['c'\] are not among the engines \['a', 'b'\]"):
-        sender.connect(engines, colocated=["c"])
+    sender = WeightSender(timeout_s=5, transports=[ColocatedIpc(["a", "b"])])
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="colocated engines need CUDA"):
-            sender.connect(engines, colocated=["a"])
+            sender.connect(engines)
     assert not sender.is_connected

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ppo_weight_sync import EngineUnavailableError, HttpEngineEndpoint, WeightSender, checksum
+from ppo_weight_sync import ColocatedIpc, EngineUnavailableError, HttpEngineEndpoint, WeightSender, checksum
 from ppo_weight_sync.endpoints import RECEIVER_LOAD_FORMATS
 from ppo_weight_sync.testing import llama_like_spec, make_weights
 from ppo_weight_sync.testing.http_engine import start_process
@@ -40,6 +40,11 @@ def near() -> Iterator[tuple[subprocess.Popen[str], HttpEngineEndpoint]]:
     proc.wait()
 
 
+def _near(bucket_bytes: int) -> ColocatedIpc:
+    """The engine named "near" is on this process's GPU: CUDA IPC; any other joins the group."""
+    return ColocatedIpc(["near"], bucket_bytes=bucket_bytes)
+
+
 def _used_mib() -> float:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info(0)
@@ -50,10 +55,10 @@ def test_update_over_ipc_alone_is_bit_identical_and_frees_its_buffers(
     near: tuple[subprocess.Popen[str], HttpEngineEndpoint],
 ) -> None:
     _, ep = near
-    sender = WeightSender(backend="nccl", bucket_bytes=256 << 10, timeout_s=30)
+    sender = WeightSender(backend="nccl", bucket_bytes=256 << 10, timeout_s=30, transports=[_near(256 << 10)])
     before = torch.cuda.memory_allocated(0)
     used_before = _used_mib()
-    sender.connect([ep], colocated=["near"])
+    sender.connect([ep])
     for step in range(3):
         sent = {n: t.cuda() for n, t in make_weights(SPEC, seed=100 + step).items()}
         sender.update(sent.items(), f"v{step}")
@@ -75,7 +80,7 @@ def test_update_over_ipc_alone_is_bit_identical_and_frees_its_buffers(
     print(f"\nGPU used: before {used_before:.0f} MiB, after disconnect {_used_mib():.0f} MiB")
     assert _used_mib() <= used_before + 4
     # Reconnect: fresh exports and mappings.
-    sender.connect([ep], colocated=["near"])
+    sender.connect([ep])
     sent = {n: t.cuda() for n, t in make_weights(SPEC, seed=7).items()}
     sender.update(sent.items(), "again")
     assert ep.request("GET", "/state")["checksum"] == checksum(sent.items())
@@ -91,8 +96,10 @@ def test_one_update_serves_a_colocated_and_a_remote_engine(
     _, ep_near = near
     proc_far, ep_far = _start("cuda:1", "far")
     try:
-        sender = WeightSender(backend="nccl", bucket_bytes=256 << 10, timeout_s=30)
-        sender.connect([ep_near, ep_far], colocated=["near"])
+        sender = WeightSender(
+            backend="nccl", bucket_bytes=256 << 10, timeout_s=30, transports=[_near(256 << 10)]
+        )
+        sender.connect([ep_near, ep_far])
         for step in range(2):
             sent = {n: t.cuda() for n, t in make_weights(SPEC, seed=200 + step).items()}
             sender.update(sent.items(), f"m{step}")
@@ -112,8 +119,8 @@ def test_a_colocated_engine_killed_mid_update_is_named_within_the_timeout(
     near: tuple[subprocess.Popen[str], HttpEngineEndpoint],
 ) -> None:
     proc, ep = near
-    sender = WeightSender(backend="nccl", bucket_bytes=64 << 10, timeout_s=20)
-    sender.connect([ep], colocated=["near"])
+    sender = WeightSender(backend="nccl", bucket_bytes=64 << 10, timeout_s=20, transports=[_near(64 << 10)])
+    sender.connect([ep])
     ep.request("POST", "/set_load_delay", {"seconds": 0.2})
     killer = threading.Timer(1.0, proc.kill)
     killer.start()

@@ -39,7 +39,7 @@ from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.models import count_parameters
 from ppo_value_transport import Box, pack, require_values, unpack, unpack_fields
-from ppo_weight_sync import EngineEndpoint, WeightSender, checksum, free_port, node_address
+from ppo_weight_sync import ColocatedIpc, EngineEndpoint, WeightSender, checksum, free_port, node_address
 
 log = logging.getLogger(__name__)
 
@@ -287,15 +287,20 @@ class TrainWorker:
         if self.rank != 0:
             return
         if self._sender is None:
+            colocated = self._colocated()
             self._sender = WeightSender(
                 backend=self.config.weight_sync_backend,
                 bucket_bytes=self.config.bucket_bytes,
                 group_name=self.config.weight_sync_group,
                 master_address=node_address(),
                 timeout_s=self.timeout_s,
+                # Engines on this rank's GPU load over CUDA IPC; the others join the group.
+                transports=[ColocatedIpc(colocated, bucket_bytes=self.config.bucket_bytes)]
+                if colocated
+                else [],
             )
         if not self.lifecycle.is_asleep:
-            self._sender.connect(self._engines, colocated=self._colocated())
+            self._sender.connect(self._engines)
 
     def _colocated(self) -> list[str]:
         """Names of the engines on this rank's GPU (the driver's placement says which): CUDA IPC."""
@@ -330,7 +335,7 @@ class TrainWorker:
                 return {}
             assert self._sender is not None  # made by connect_engines on rank 0
             if not self._sender.is_connected:
-                self._sender.connect(self._engines, colocated=self._colocated())
+                self._sender.connect(self._engines)
             self._sender.update(weights, version)
             return self._sender.pop_metrics() | {"reconnected": float(was_asleep)}
         finally:

@@ -18,9 +18,10 @@ from ppo_weight_sync.errors import (
     WeightSyncError,
     check_reply,
 )
+from ppo_weight_sync.ipc.transport import ColocatedIpc
 from ppo_weight_sync.lock import PROCESS_LOCK, RayUpdateLock, ThreadUpdateLock, UpdateLock
 from ppo_weight_sync.net import free_port, node_address
-from ppo_weight_sync.ops import EngineOps, EngineReply, WeightOps
+from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps, WeightOps
 from ppo_weight_sync.receiver import WeightReceiver
 from ppo_weight_sync.sender import WeightSender
 from ppo_weight_sync.transports import Sent, Transport, TransportFactory
@@ -32,6 +33,7 @@ __all__ = [
     "PROCESS_LOCK",
     "RECEIVER_LOAD_FORMATS",
     "STREAM_FORMAT_PREFIX",
+    "ColocatedIpc",
     "EngineEndpoint",
     "EngineOps",
     "EngineRejectedError",
@@ -43,6 +45,7 @@ __all__ = [
     "RayEngineEndpoint",
     "RayUpdateLock",
     "Sent",
+    "TensorOps",
     "ThreadUpdateLock",
     "Transport",
     "TransportFactory",

@@ -29,8 +29,9 @@ __all__ = [
     "reply_from_http",
 ]
 
-# load formats an engine may accept besides per-tensor broadcast (load_format None, every SGLang).
-RECEIVER_LOAD_FORMATS: tuple[str, ...] = (STREAM_FORMAT_PREFIX, FLATTENED_BUCKET)
+# load formats an engine may accept besides per-tensor broadcast (load_format None, every SGLang); the last
+# is the colocated (CUDA IPC) format of update_weights_from_tensor (ppo_weight_sync.ipc).
+RECEIVER_LOAD_FORMATS: tuple[str, ...] = (STREAM_FORMAT_PREFIX, FLATTENED_BUCKET, "ppo_ipc_bucket")
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -79,6 +80,16 @@ class EngineEndpoint(Protocol):
         weight_version: str | None,
         flush_cache: bool,
         load_format: str | None,
+    ) -> Pending[EngineReply]: ...
+
+    def update_weights_from_tensor(
+        self,
+        *,
+        serialized_named_tensors: list[str],
+        load_format: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        weight_version: str | None,
     ) -> Pending[EngineReply]: ...
 
     def destroy_weights_update_group(self, *, group_name: str) -> Pending[EngineReply]: ...
@@ -226,6 +237,25 @@ class RayEngineEndpoint:
             weight_version=weight_version,
             flush_cache=flush_cache,
             load_format=load_format,
+        )
+
+    def update_weights_from_tensor(
+        self,
+        *,
+        serialized_named_tensors: list[str],
+        load_format: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        weight_version: str | None,
+    ) -> Pending[EngineReply]:
+        return self._call(
+            "update_weights_from_tensor",
+            EngineReply,
+            serialized_named_tensors=serialized_named_tensors,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            weight_version=weight_version,
         )
 
     def destroy_weights_update_group(self, *, group_name: str) -> Pending[EngineReply]:
@@ -378,6 +408,25 @@ class HttpEngineEndpoint:
         if load_format is not None:
             body["load_format"] = load_format
         return self._submit("POST", "/update_weights_from_distributed", body)
+
+    def update_weights_from_tensor(
+        self,
+        *,
+        serialized_named_tensors: list[str],
+        load_format: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        weight_version: str | None,
+    ) -> Pending[EngineReply]:
+        # SGLang's UpdateWeightsFromTensorReqInput (io_struct.py, 0.5.15.post1 and 0.5.23).
+        body = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version,
+        }
+        return self._submit("POST", "/update_weights_from_tensor", body)
 
     def destroy_weights_update_group(self, *, group_name: str) -> Pending[EngineReply]:
         return self._submit("POST", "/destroy_weights_update_group", {"group_name": group_name})

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["EngineOps", "EngineReply", "WeightOps"]
+__all__ = ["EngineOps", "EngineReply", "TensorOps", "WeightOps"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,24 @@ class WeightOps(Protocol):
     def destroy_weights_update_group(self, *, group_name: str) -> EngineReply: ...
 
     def get_weight_version(self) -> str | None: ...
+
+
+@runtime_checkable
+class TensorOps(Protocol):
+    """Colocated updates (CUDA IPC, :mod:`ppo_weight_sync.ipc`): one bucket per call, SGLang's
+    ``update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``, 0.5.15.post1 and 0.5.23).
+    ``serialized_named_tensors`` holds one entry per TP rank; the version and the cache flush apply once
+    the call's bucket is loaded."""
+
+    def update_weights_from_tensor(
+        self,
+        *,
+        serialized_named_tensors: list[str],
+        load_format: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        weight_version: str | None,
+    ) -> EngineReply: ...
 
 
 @runtime_checkable

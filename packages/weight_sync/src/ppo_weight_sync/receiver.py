@@ -29,7 +29,8 @@ from ppo_weight_sync.buckets import (
 )
 from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.group import WeightGroup
-from ppo_weight_sync.ops import EngineReply, WeightOps
+from ppo_weight_sync.ipc.receiving import IpcTensorReceiver
+from ppo_weight_sync.ops import EngineReply, TensorOps, WeightOps
 
 __all__ = ["WeightReceiver"]
 
@@ -72,6 +73,11 @@ class WeightReceiver:
         # on a group whose sender is gone (until the group's timeout) never blocks a new group's update.
         self._lock = threading.Lock()
         self.weight_version: str | None = None
+        # Colocated updates (CUDA IPC, update_weights_from_tensor): one session per sender connection,
+        # released by destroy_weights_update_group of its name.
+        self._ipc = IpcTensorReceiver(
+            load_weights, expected, self.device, tp_rank=local_rank, timeout_s=timeout_s
+        )
 
     # ------------------------------------------------------------ group lifecycle
 
@@ -118,6 +124,9 @@ class WeightReceiver:
         return EngineReply.ok(f"Joined group {group_name!r} as rank {rank}.")
 
     def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
+        unmapped = self._ipc.release(group_name)
+        if unmapped:
+            return EngineReply.ok(f"Released {unmapped} colocated buffer(s) of {group_name!r}.")
         with self._lock:
             group = self._groups.pop(group_name, None)
             busy = group_name in self._busy
@@ -137,6 +146,31 @@ class WeightReceiver:
 
     def get_weight_version(self) -> str | None:
         return self.weight_version
+
+    @property
+    def ipc_mappings(self) -> int:
+        """Sender buffers mapped for colocated updates, over every session (0 once all released)."""
+        return self._ipc.mappings.count()
+
+    def update_weights_from_tensor(
+        self,
+        *,
+        serialized_named_tensors: list[str],
+        load_format: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        weight_version: str | None,
+    ) -> EngineReply:
+        """One bucket of a colocated update (``ppo_ipc_bucket``, or SGLang's ``flattened_bucket``); the
+        version is recorded and the cache flushed only when it loaded. ``abort_all_requests`` has no
+        meaning here: the sender paused generation first."""
+        reply = self._ipc.update_weights_from_tensor(serialized_named_tensors, load_format)
+        if reply.success:
+            if weight_version is not None:
+                self.weight_version = weight_version
+            if flush_cache and self._on_flush is not None:
+                self._on_flush()
+        return reply
 
     def group(self, group_name: str) -> WeightGroup | None:
         """The joined group of that name, if any (for engines that run their own collectives on it)."""
@@ -299,4 +333,7 @@ class WeightReceiver:
 if TYPE_CHECKING:  # mypy checks that the receiver has the weight operations' exact signatures
 
     def _is_weight_ops(receiver: WeightReceiver) -> WeightOps:
+        return receiver
+
+    def _is_tensor_ops(receiver: WeightReceiver) -> TensorOps:
         return receiver

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ppo_weight_sync.ops import EngineOps, EngineReply
+from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps
 
 __all__ = ["DEFAULT_GROUP_NAME", "RouteResult", "ValidationError", "serve_engine_route", "validation_error"]
 
@@ -98,6 +98,22 @@ def _update(engine: EngineOps, body: Mapping[str, Any]) -> RouteResult:
     )
 
 
+def _tensor(engine: TensorOps, body: Mapping[str, Any]) -> RouteResult:
+    # UpdateWeightsFromTensorReqInput (io_struct.py, 0.5.15.post1 and 0.5.23): its fields and defaults.
+    entries = _field(body, "serialized_named_tensors", list)
+    if not all(isinstance(e, str) for e in entries):
+        raise ValidationError("body.serialized_named_tensors: expected a list of base64 strings")
+    return _weight_reply(
+        engine.update_weights_from_tensor(
+            serialized_named_tensors=entries,
+            load_format=_optional_str(body, "load_format"),
+            flush_cache=_field(body, "flush_cache", bool, True),
+            abort_all_requests=_field(body, "abort_all_requests", bool, False),
+            weight_version=_optional_str(body, "weight_version"),
+        )
+    )
+
+
 def _destroy(engine: EngineOps, body: Mapping[str, Any]) -> RouteResult:
     return _weight_reply(
         engine.destroy_weights_update_group(group_name=_field(body, "group_name", str, DEFAULT_GROUP_NAME))
@@ -144,6 +160,8 @@ def serve_engine_route(
             return _init(engine, data)
         if path == "/update_weights_from_distributed":
             return _update(engine, data)
+        if path == "/update_weights_from_tensor" and isinstance(engine, TensorOps):
+            return _tensor(engine, data)
         if path == "/destroy_weights_update_group":
             return _destroy(engine, data)
         if path == "/pause_generation":

@@ -21,11 +21,23 @@ from ppo_weight_sync.device_sync import on_device
 from ppo_weight_sync.endpoints import EngineEndpoint, Pending
 from ppo_weight_sync.errors import EngineRejectedError, EngineUnavailableError, WeightSyncError, check_reply
 from ppo_weight_sync.group import WeightGroup
+from ppo_weight_sync.ipc.transport import IpcTransport
 from ppo_weight_sync.lock import PROCESS_LOCK, UpdateLock
 from ppo_weight_sync.ops import EngineReply
 from ppo_weight_sync.transports import LOAD_FORMATS, TransportFactory
 
 __all__ = ["LOAD_FORMATS", "WeightSender"]
+
+_NO_METRICS = {
+    "bytes": 0.0,
+    "seconds": 0.0,
+    "buckets": 0.0,
+    "updates": 0.0,
+    "ipc_bytes": 0.0,
+    "ipc_seconds": 0.0,
+    "ipc_buckets": 0.0,
+    "control_seconds": 0.0,
+}
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +98,7 @@ class WeightSender:
                 factories=tuple(transports),
             )
         )
-        self._metrics = {"bytes": 0.0, "seconds": 0.0, "buckets": 0.0, "updates": 0.0}
+        self._metrics = dict(_NO_METRICS)
 
     # ------------------------------------------------------------ state
 
@@ -119,8 +131,10 @@ class WeightSender:
         return self._conn.last_disconnect_errors
 
     def pop_metrics(self) -> dict[str, float]:
-        """Totals since the last call: ``weight_sync/{bytes,seconds,gb_per_s,buckets,updates}``."""
-        m, self._metrics = self._metrics, {"bytes": 0.0, "seconds": 0.0, "buckets": 0.0, "updates": 0.0}
+        """Totals since the last call: ``weight_sync/{bytes,seconds,gb_per_s,buckets,updates}`` over every
+        transport; ``weight_sync/ipc_{bytes,seconds,buckets}``, the colocated (CUDA IPC) engines' share;
+        ``weight_sync/control_seconds``, the pause, flush and continue calls."""
+        m, self._metrics = self._metrics, dict(_NO_METRICS)
         rate = m["bytes"] / m["seconds"] / 1e9 if m["seconds"] > 0 else 0.0
         return {
             "weight_sync/bytes": m["bytes"],
@@ -128,6 +142,10 @@ class WeightSender:
             "weight_sync/gb_per_s": rate,
             "weight_sync/buckets": m["buckets"],
             "weight_sync/updates": m["updates"],
+            "weight_sync/ipc_bytes": m["ipc_bytes"],
+            "weight_sync/ipc_seconds": m["ipc_seconds"],
+            "weight_sync/ipc_buckets": m["ipc_buckets"],
+            "weight_sync/control_seconds": m["control_seconds"],
         }
 
     # ------------------------------------------------------------ connect / disconnect
@@ -189,16 +207,23 @@ class WeightSender:
         failure: BaseException | None = None
         paused = False
         try:
+            t0 = time.perf_counter()
             self._all(engines, "pause_generation", lambda e: e.pause_generation())
             paused = True
             self._all(engines, "flush_cache", lambda e: e.flush_cache())
+            self._metrics["control_seconds"] += time.perf_counter() - t0
             start = time.perf_counter()
             nbytes = buckets = 0
             with on_device(self.device):
                 for transport in self._conn.transports:
+                    t0 = time.perf_counter()
                     sent = transport.send(items, version)
                     # bytes of the model (each transport sends all of it to its own engines)
                     nbytes, buckets = sent.nbytes, buckets + sent.buckets
+                    if isinstance(transport, IpcTransport):  # colocated engines' share, on its own
+                        self._metrics["ipc_bytes"] += sent.nbytes
+                        self._metrics["ipc_seconds"] += time.perf_counter() - t0
+                        self._metrics["ipc_buckets"] += sent.buckets
             self._metrics["bytes"] += nbytes
             self._metrics["seconds"] += time.perf_counter() - start
             self._metrics["buckets"] += buckets
@@ -216,8 +241,10 @@ class WeightSender:
                 self._continue(engines, failure)
 
     def _continue(self, engines: list[EngineEndpoint], failure: BaseException | None) -> None:
+        t0 = time.perf_counter()
         try:
             self._all(engines, "continue_generation", lambda e: e.continue_generation())
+            self._metrics["control_seconds"] += time.perf_counter() - t0
         except WeightSyncError as exc:
             if failure is None:
                 if isinstance(exc, EngineUnavailableError):

@@ -25,7 +25,7 @@ import ray
 import torch
 
 from ppo_lifecycle import default_backend
-from ppo_weight_sync import EngineOps, EngineReply, WeightReceiver, checksum
+from ppo_weight_sync import EngineOps, EngineReply, TensorOps, WeightReceiver, checksum
 
 from ..config import SamplingConfig
 from .core import GenerationCore, GenerationOutput
@@ -177,6 +177,24 @@ class BuiltinEngine:
             load_format=load_format,
         )
 
+    def update_weights_from_tensor(
+        self,
+        *,
+        serialized_named_tensors: list[str],
+        load_format: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        weight_version: str | None,
+    ) -> EngineReply:
+        """A colocated update's bucket (CUDA IPC from the actor on this GPU; see ppo_weight_sync.ipc)."""
+        return self._receiver.update_weights_from_tensor(
+            serialized_named_tensors=serialized_named_tensors,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            weight_version=weight_version,
+        )
+
     def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
         return self._receiver.destroy_weights_update_group(group_name=group_name)
 
@@ -261,6 +279,9 @@ class BuiltinEngine:
 
 
 if TYPE_CHECKING:  # mypy checks that the engine has the engine operations' exact signatures
+
+    def _is_tensor_ops(engine: BuiltinEngine) -> TensorOps:
+        return engine
 
     def _is_engine_ops(engine: BuiltinEngine) -> EngineOps:
         return engine

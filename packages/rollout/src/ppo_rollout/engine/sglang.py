@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ppo_weight_sync import EngineOps, EngineReply, HttpEngineEndpoint, reply_from_http
+from ppo_weight_sync import EngineOps, EngineReply, HttpEngineEndpoint, TensorOps, reply_from_http
 
 from ..config import SamplingConfig
 from .core import GenerationOutput
@@ -327,6 +327,25 @@ class SGLangClient:
             load_format=load_format,
         ).result(self.timeout_s)
 
+    def update_weights_from_tensor(
+        self,
+        *,
+        serialized_named_tensors: list[str],
+        load_format: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        weight_version: str | None,
+    ) -> EngineReply:
+        """SGLang's ``POST /update_weights_from_tensor`` (0.5.15.post1 and 0.5.23): one entry per TP rank,
+        built by ``ppo_weight_sync.ipc`` (``flattened_bucket``)."""
+        return self.endpoint.update_weights_from_tensor(
+            serialized_named_tensors=serialized_named_tensors,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            weight_version=weight_version,
+        ).result(self.timeout_s)
+
     def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
         return self.endpoint.destroy_weights_update_group(group_name=group_name).result(self.timeout_s)
 
@@ -355,6 +374,9 @@ class SGLangClient:
 
 
 if TYPE_CHECKING:  # mypy checks that the client has the engine operations' exact signatures
+
+    def _is_tensor_ops(client: SGLangClient) -> TensorOps:
+        return client
 
     def _is_engine_ops(client: SGLangClient) -> EngineOps:
         return client

@@ -18,16 +18,19 @@ from ppo_weight_sync.ipc.payload import (
     export_flattened_bucket,
     tensor_request,
 )
+from ppo_weight_sync.ipc.transport import ColocatedIpc, IpcTransport
 
 __all__ = [
     "ALIGN",
     "PPO_IPC_FORMAT",
     "BucketLayout",
     "BucketPacker",
+    "ColocatedIpc",
     "FlattenedBucket",
     "IpcBucket",
     "IpcHandle",
     "IpcMappings",
+    "IpcTransport",
     "PipelineStats",
     "decode_flattened_bucket",
     "decode_ipc_bucket",

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 import torch
 
 from ppo_weight_sync.buckets import FLATTENED_BUCKET
 from ppo_weight_sync.device_sync import on_device, wait_stream
-from ppo_weight_sync.errors import RECEIVE_FAILED
 from ppo_weight_sync.ipc.layout import BucketLayout
 from ppo_weight_sync.ipc.mapping import IPC_POLL_S, IpcMappings
 from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, decode_flattened_bucket, decode_ipc_bucket
+from ppo_weight_sync.ops import EngineReply
 
 __all__ = ["IPC_LOAD_FORMATS", "IpcTensorReceiver", "check_layout"]
 
@@ -48,10 +47,6 @@ def check_layout(layout: BucketLayout, held: Mapping[str, tuple[torch.dtype, tup
     return None
 
 
-def _reply(success: bool, message: str) -> dict[str, Any]:
-    return {"success": success, "message": message}
-
-
 class IpcTensorReceiver:
     """One TP rank's colocated receiver; ``tp_rank`` picks its entry of ``serialized_named_tensors``."""
 
@@ -75,13 +70,14 @@ class IpcTensorReceiver:
         self,
         serialized_named_tensors: Sequence[str],
         load_format: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> EngineReply:
         """Load one bucket; the caller records the version and flushes on success."""
         if self.device.type != "cuda":
-            return _reply(False, f"update_weights_from_tensor needs an engine on a GPU, not {self.device}.")
+            return EngineReply.refused(
+                f"update_weights_from_tensor needs an engine on a GPU, not {self.device}."
+            )
         if load_format not in IPC_LOAD_FORMATS:
-            return _reply(
-                False,
+            return EngineReply.refused(
                 f"Unsupported load_format {load_format!r} for update_weights_from_tensor: expected one of "
                 f"{list(IPC_LOAD_FORMATS)}.",
             )
@@ -89,8 +85,7 @@ class IpcTensorReceiver:
             list(serialized_named_tensors) if isinstance(serialized_named_tensors, (list, tuple)) else []
         )
         if len(entries) <= self.tp_rank:
-            return _reply(
-                False,
+            return EngineReply.refused(
                 f"serialized_named_tensors has {len(entries)} entries; TP rank {self.tp_rank} reads entry "
                 f"{self.tp_rank} (one entry per TP rank of the engine).",
             )
@@ -100,9 +95,9 @@ class IpcTensorReceiver:
                 return self._ours(entry)
             return self._flattened(entry)
         except ValueError as exc:
-            return _reply(False, f"Bad update request: {exc}")
+            return EngineReply.refused(f"Bad update request: {exc}")
 
-    def _ours(self, entry: str) -> dict[str, Any]:
+    def _ours(self, entry: str) -> EngineReply:
         bucket = decode_ipc_bucket(entry)
         try:
             with on_device(self.device):
@@ -111,29 +106,32 @@ class IpcTensorReceiver:
                 buffer = self.mappings.buffer(bucket.session, bucket.handle)
         except Exception as exc:
             log.warning("mapping a colocated weight buffer failed: %s", exc)
-            return _reply(False, f"{RECEIVE_FAILED} CUDA IPC: mapping the sender's buffer failed: {exc}")
+            return EngineReply.lost(
+                f"Failed to receive weights over CUDA IPC: mapping the sender's buffer failed: {exc}"
+            )
         return self._load_from(buffer, bucket.layout)
 
-    def _flattened(self, entry: str) -> dict[str, Any]:
+    def _flattened(self, entry: str) -> EngineReply:
         decoded = decode_flattened_bucket(entry)
         try:
             with on_device(self.device):
                 buffer = decoded.open()
         except Exception as exc:
             log.warning("mapping a flattened bucket failed: %s", exc)
-            return _reply(False, f"{RECEIVE_FAILED} CUDA IPC: mapping the sender's buffer failed: {exc}")
+            return EngineReply.lost(
+                f"Failed to receive weights over CUDA IPC: mapping the sender's buffer failed: {exc}"
+            )
         try:
             return self._load_from(buffer, decoded.layout)
         finally:
             del buffer  # SGLang's semantics: the mapping lives for this call only
 
-    def _load_from(self, buffer: torch.Tensor, layout: BucketLayout) -> dict[str, Any]:
+    def _load_from(self, buffer: torch.Tensor, layout: BucketLayout) -> EngineReply:
         problem = check_layout(layout, self._expected())
         if problem is not None:
-            return _reply(False, f"Rejected update, nothing loaded: {problem}")
+            return EngineReply.refused(f"Rejected update, nothing loaded: {problem}")
         if buffer.numel() < layout.nbytes:
-            return _reply(
-                False,
+            return EngineReply.refused(
                 f"Rejected update, nothing loaded: the bucket ends at byte {layout.nbytes}, "
                 f"the shared buffer has {buffer.numel()}",
             )
@@ -147,8 +145,10 @@ class IpcTensorReceiver:
                     poll_s=IPC_POLL_S,
                 )
         except Exception as exc:
-            return _reply(False, f"{RECEIVE_FAILED} CUDA IPC: copying the bucket failed: {exc}")
-        return _reply(True, "Succeeded to update parameter online.")
+            return EngineReply.lost(
+                f"Failed to receive weights over CUDA IPC: copying the bucket failed: {exc}"
+            )
+        return EngineReply.ok("Succeeded to update parameter online.")
 
     def release(self, session: str) -> int:
         """Unmap ``session``'s buffers (the sender disconnects, or is about to free them)."""

@@ -1,46 +1,85 @@
 """The colocated transport: updates to engines on the sender's own GPU, by ``update_weights_from_tensor``.
 
-Which rank sends what: every trainer rank holds a :class:`~ppo_weight_sync.WeightSender`; the engines on
-that rank's GPU are its colocated engines, and it packs the full weights (gathered, in Hugging Face names)
-into its own two buffers and sends each of those engines one message per bucket. An engine of one GPU
-(TP 1) needs one entry; an engine of TP *T* over GPUs *g0..gT-1* needs entry *i* from the rank on *gi*
-(SGLang reads ``serialized_named_tensors[tp_rank]``), which slime gathers over the trainer ranks of
-those GPUs before rank *g0* posts. That gather is not built here: :meth:`IpcTransport.connect` refuses
-colocated engines of more than one GPU with a ValueError that names the fix (the group transport).
+:class:`ColocatedIpc` is a :class:`~ppo_weight_sync.transports.TransportFactory`: given to
+``WeightSender(transports=[ColocatedIpc(names)])`` it claims the engines it names (those on this
+process's GPU); they never join the weight group, and one ``update()`` serves them and the group's
+engines in the same pause / flush / continue sequence, under the same lock, version and timeout.
+
+Which rank sends what: every trainer rank that holds a sender packs the full weights (gathered, in
+Hugging Face names) into its own two buffers and sends each engine on its GPU one message per bucket.
+An engine of one GPU (TP 1) needs one entry; an engine of TP *T* over GPUs *g0..gT-1* needs entry *i* from
+the rank on *gi* (SGLang reads ``serialized_named_tensors[tp_rank]``), which slime gathers over the
+trainer ranks of those GPUs before rank *g0* posts. That gather is not built here: :meth:`ColocatedIpc.open`
+refuses colocated engines of more than one GPU with a ValueError that names the fix (the group).
 
 Engines that list ``ppo_ipc_bucket`` in their ``load_formats`` get our format (buffers exported once per
-connection, mapped once, released on disconnect); any other engine (SGLang) gets ``flattened_bucket``
-with a fresh export per call, as SGLang unmaps after each call.
+connection, mapped once, unmapped at close); any other engine (SGLang) gets ``flattened_bucket`` with a
+fresh export per call, as SGLang unmaps after each call.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+import time
+import uuid
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
 from ppo_weight_sync.buckets import FLATTENED_BUCKET
 from ppo_weight_sync.endpoints import EngineEndpoint, Pending
-from ppo_weight_sync.errors import EngineTimeoutError, EngineUnavailableError, WeightSyncError
+from ppo_weight_sync.errors import EngineTimeoutError, EngineUnavailableError, WeightSyncError, check_reply
 from ppo_weight_sync.ipc.handles import export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout
 from ppo_weight_sync.ipc.packer import BucketPacker, PipelineStats, send_buckets
 from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, encode_flattened_bucket, encode_ipc_bucket
+from ppo_weight_sync.ops import EngineReply
+from ppo_weight_sync.transports.base import Sent
 
-__all__ = ["IpcTransport"]
+__all__ = ["ColocatedIpc", "IpcTransport"]
 
 log = logging.getLogger(__name__)
 
 UPDATE_OP = "update_weights_from_tensor"
 
 
-CheckReply = Callable[[Any, str, Any], Any]
+class ColocatedIpc:
+    """Claims the engines named in ``engines`` (on this process's GPU) for CUDA IPC updates.
+
+    ``bucket_bytes``: the size of each of the two GPU buffers (a tensor bigger than that gets a buffer of
+    its size); ``device``: this process's GPU (default: the current CUDA device when the transport opens).
+    """
+
+    def __init__(
+        self,
+        engines: Collection[str],
+        *,
+        bucket_bytes: int = 512 << 20,
+        device: torch.device | None = None,
+    ) -> None:
+        if isinstance(engines, str):
+            raise ValueError(f"engines must be a collection of engine names, got the string {engines!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        self.names = frozenset(engines)
+        self.bucket_bytes = bucket_bytes
+        self.device = device
+
+    def serves(self, engine: EngineEndpoint) -> bool:
+        return engine.name in self.names
+
+    def open(self, engines: Sequence[EngineEndpoint], timeout_s: float) -> IpcTransport:
+        if not torch.cuda.is_available():
+            raise ValueError("colocated engines need CUDA (CUDA IPC); on CPU give no ColocatedIpc factory")
+        device = self.device or torch.device("cuda", torch.cuda.current_device())
+        transport = IpcTransport(device=device, bucket_bytes=self.bucket_bytes, timeout_s=timeout_s)
+        transport.connect(engines, session=f"ppo_ipc-{uuid.uuid4().hex[:8]}")
+        return transport
 
 
 class IpcTransport:
-    """Colocated engines of one sender. ``session`` names the connection on the engines (its mappings)."""
+    """A :class:`~ppo_weight_sync.transports.Transport` for colocated engines; ``session`` names the
+    connection on the engines (their mappings); :attr:`last` holds the last send's pipeline figures."""
 
     def __init__(self, *, device: torch.device, bucket_bytes: int, timeout_s: float) -> None:
         self.packer = BucketPacker(device, bucket_bytes, timeout_s)
@@ -48,10 +87,19 @@ class IpcTransport:
         self._engines: list[EngineEndpoint] = []
         self._formats: dict[str, str] = {}
         self.session = ""
+        self.last: PipelineStats | None = None
 
     @property
     def engines(self) -> tuple[EngineEndpoint, ...]:
         return tuple(self._engines)
+
+    @property
+    def load_format(self) -> str | None:
+        formats = set(self._formats.values())
+        return formats.pop() if len(formats) == 1 else None
+
+    def format_of(self, engine: EngineEndpoint) -> str:
+        return self._formats[engine.name]
 
     def connect(self, engines: Sequence[EngineEndpoint], session: str) -> None:
         wide = [f"{e.name} ({e.num_gpus} GPUs)" for e in engines if e.num_gpus != 1]
@@ -66,12 +114,7 @@ class IpcTransport:
         }
         self.session = session
 
-    def load_format(self, engine: EngineEndpoint) -> str:
-        return self._formats[engine.name]
-
-    def send(
-        self, items: Sequence[tuple[str, torch.Tensor]], version: str, check: CheckReply
-    ) -> PipelineStats:
+    def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
         """Every bucket to every colocated engine; the version and the cache flush go with the last one."""
         layouts = self.packer.plan(items)
         engines = list(self._engines)
@@ -91,18 +134,27 @@ class IpcTransport:
                     abort_all_requests=False,
                     weight_version=version if last else None,
                 )
-                waiters.append(_waiter(engine, pending, check))
+                waiters.append(_waiter(engine, pending))
             return waiters
 
-        return send_buckets(self.packer, items, layouts, post, self.timeout_s)
+        start = time.perf_counter()
+        stats = send_buckets(self.packer, items, layouts, post, self.timeout_s)
+        self.last = stats
+        log.debug("colocated update: %s in %.1f ms", stats, (time.perf_counter() - start) * 1e3)
+        return Sent(nbytes=stats.nbytes, buckets=stats.buckets)
 
-    def disconnect(self, check: CheckReply, timeout_s: float) -> list[str]:
-        """Engines release their mappings, then the buffers are freed. Never raises for a dead engine:
-        returns the errors. A dead engine's counts are dropped on its behalf; a stuck one's are not (it
-        may still release later), so a stuck engine can keep up to two buckets' memory held."""
+    def close(self) -> None:
+        """Engines unmap the buffers, then they are freed (before the actor sleeps). Never raises."""
+        for error in self.release(min(self.timeout_s, 30.0)):
+            log.warning("closing the colocated transport: %s", error)
+
+    def release(self, timeout_s: float) -> list[str]:
+        """Engines unmap their buffers, then the buffers are freed; returns the errors. A dead engine's
+        counts are dropped on its behalf; a stuck one's are not (it may still unmap later), so a stuck
+        engine can keep up to two buckets' memory held."""
         errors: list[str] = []
         engines, self._engines = self._engines, []
-        calls: list[tuple[EngineEndpoint, Pending | None, str]] = []
+        calls: list[tuple[EngineEndpoint, Pending[EngineReply] | None, str]] = []
         for engine in engines:
             if self._formats.get(engine.name) != PPO_IPC_FORMAT:
                 continue  # SGLang unmapped after each call
@@ -115,7 +167,7 @@ class IpcTransport:
             dead = bool(error)
             if call is not None:
                 try:
-                    check(engine, "destroy_weights_update_group", call.result(timeout_s))
+                    check_reply(engine.name, "destroy_weights_update_group", call.result(timeout_s))
                     released = True
                 except EngineTimeoutError as exc:
                     error = str(exc)
@@ -130,12 +182,15 @@ class IpcTransport:
             else:
                 log.warning("engine %s did not release its colocated buffers: %s", engine.name, error)
         self._formats = {}
-        self.packer.free()
+        try:
+            self.packer.free()
+        except Exception as exc:  # close() never raises
+            errors.append(f"freeing the colocated buffers failed: {exc}")
         return errors
 
 
-def _waiter(engine: EngineEndpoint, pending: Pending, check: CheckReply) -> Callable[[float], None]:
+def _waiter(engine: EngineEndpoint, pending: Pending[EngineReply]) -> Callable[[float], None]:
     def wait(timeout_s: float) -> None:
-        check(engine, UPDATE_OP, pending.result(timeout_s))
+        check_reply(engine.name, UPDATE_OP, pending.result(timeout_s))
 
     return wait

@@ -145,6 +145,23 @@ class TensorEngine:
             load_format=load_format,
         )
 
+    def update_weights_from_tensor(
+        self,
+        *,
+        serialized_named_tensors: list[str],
+        load_format: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        weight_version: str | None,
+    ) -> EngineReply:
+        return self.receiver.update_weights_from_tensor(
+            serialized_named_tensors=serialized_named_tensors,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            weight_version=weight_version,
+        )
+
     def destroy_weights_update_group(self, group_name: str) -> EngineReply:
         # group_name may come positionally too: subclasses in other packages' tests pass it that way.
         return self.receiver.destroy_weights_update_group(group_name=group_name)
@@ -199,6 +216,7 @@ class TensorEngine:
             "flushes": self.flushes,
             "weight_version": self.receiver.weight_version,
             "checksum": self.checksum(),
+            "ipc_mappings": self.receiver.ipc_mappings,
         }
 
     def named_tensors(self) -> dict[str, torch.Tensor]:

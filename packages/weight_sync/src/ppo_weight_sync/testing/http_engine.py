@@ -1,11 +1,11 @@
 """An HTTP server on 127.0.0.1 that serves SGLang's weight routes for a :class:`TensorEngine`.
 
 Routes (SGLang's paths and JSON bodies): ``POST /init_weights_update_group``,
-``/update_weights_from_distributed``, ``/destroy_weights_update_group`` (reply ``{"success",
-"message"}``, HTTP 400 on failure), ``POST /pause_generation``, ``/continue_generation``,
+``/update_weights_from_distributed``, ``/update_weights_from_tensor``, ``/destroy_weights_update_group``
+(reply ``{"success", "message"}``, HTTP 400 on failure), ``POST /pause_generation``, ``/continue_generation``,
 ``GET|POST /flush_cache``, ``GET /get_weight_version`` (``{"weight_version": ...}``), ``GET /health``,
 ``POST /release_memory_occupation``, ``/resume_memory_occupation``; plus, for tests, ``GET /state``
-(paused, flushes, weight_version, checksum) and ``POST /set_load_delay`` (``{"seconds": s}``).
+(paused, flushes, weight_version, checksum, ipc_mappings) and ``POST /set_load_delay`` (``{"seconds": s}``).
 
 In a process: ``server = serve(engine)``; ``server.url``; ``server.shutdown()``.
 As its own process: ``proc, url = start_process(spec, seed=0)`` runs
