@@ -33,7 +33,7 @@ def main(run_dirs: list[str]) -> None:
         if sync:
             mb = statistics.fmean(r["weight_sync/bytes"] for r in sync) / 1e6
             rate = statistics.fmean(r["weight_sync/gb_per_s"] for r in sync)
-            print(f"weight update over the group: {mb:.2f} MB per step at {rate:.3f} GB/s")
+            print(f"weight update (every transport): {mb:.2f} MB per step at {rate:.3f} GB/s")
         ipc = [r for r in steady if r.get("weight_sync/ipc_bytes")]
         if ipc:
             # Colocated engines (CUDA IPC): bytes and the pipeline's seconds; control = pause/flush/continue.
