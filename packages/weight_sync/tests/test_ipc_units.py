@@ -340,3 +340,31 @@ def test_a_sender_with_colocated_engines_needs_cuda_and_stays_disconnected() -> 
         with pytest.raises(ValueError, match="colocated engines need CUDA"):
             sender.connect(engines)
     assert not sender.is_connected
+
+
+def test_the_http_route_carries_sglangs_request_and_the_engines_reply() -> None:
+    """A real HTTP engine process (CPU): the endpoint posts SGLang's body, the route validates it, and
+    the receiver's refusal comes back as an EngineReply (a CPU engine cannot map CUDA memory)."""
+    from ppo_weight_sync.testing.http_engine import start_process
+
+    spec = {n: (str(d).removeprefix("torch."), list(s)) for n, d, s in METAS}
+    proc, url = start_process(spec, seed=0)
+    try:
+        ep = HttpEngineEndpoint(url, name="cpu-engine", timeout_s=30)
+        (layout,) = plan_layouts(METAS, bucket_bytes=1 << 20)
+        reply = ep.update_weights_from_tensor(
+            serialized_named_tensors=[encode_ipc_bucket("s", HANDLE, layout)],
+            load_format=PPO_IPC_FORMAT,
+            flush_cache=True,
+            abort_all_requests=False,
+            weight_version="v1",
+        ).result(30)
+        assert reply == EngineReply.refused("update_weights_from_tensor needs an engine on a GPU, not cpu.")
+        bad = ep.request("POST", "/update_weights_from_tensor", {"serialized_named_tensors": [1]})
+        assert bad["object"] == "error"
+        assert "serialized_named_tensors" in bad["message"]
+        assert ep.request("GET", "/state")["weight_version"] is None  # nothing recorded on a refusal
+        assert ep.request("GET", "/state")["ipc_mappings"] == 0
+    finally:
+        proc.kill()
+        proc.wait()
