@@ -26,7 +26,17 @@ from typing import Any
 
 from ppo_weight_sync.ops import EngineOps, EngineReply
 
-__all__ = ["DEFAULT_GROUP_NAME", "RouteResult", "ValidationError", "serve_engine_route", "validation_error"]
+__all__ = [
+    "DEFAULT_GROUP_NAME",
+    "RouteResult",
+    "ValidationError",
+    "destroy_request",
+    "init_request",
+    "serve_engine_route",
+    "update_request",
+    "validation_error",
+    "weight_reply",
+]
 
 DEFAULT_GROUP_NAME = "weight_update_group"  # io_struct.py's default for every weight request
 
@@ -67,41 +77,38 @@ def _optional_str(body: Mapping[str, Any], name: str) -> str | None:
     return value
 
 
-def _weight_reply(reply: EngineReply) -> RouteResult:
+def init_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``init_weights_update_group``'s arguments from a request body (io_struct.py's fields and defaults)."""
+    return {
+        "master_address": _field(body, "master_address", str),
+        "master_port": _field(body, "master_port", int),
+        "rank_offset": _field(body, "rank_offset", int),
+        "world_size": _field(body, "world_size", int),
+        "group_name": _field(body, "group_name", str, DEFAULT_GROUP_NAME),
+        "backend": _field(body, "backend", str, "nccl"),
+    }
+
+
+def update_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``update_weights_from_distributed``'s arguments from a request body (fields we do not use ignored)."""
+    return {
+        "names": _field(body, "names", list),
+        "dtypes": _field(body, "dtypes", list),
+        "shapes": _field(body, "shapes", list),
+        "group_name": _field(body, "group_name", str, DEFAULT_GROUP_NAME),
+        "weight_version": _optional_str(body, "weight_version"),
+        "flush_cache": _field(body, "flush_cache", bool, True),
+        "load_format": _optional_str(body, "load_format"),
+    }
+
+
+def destroy_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {"group_name": _field(body, "group_name", str, DEFAULT_GROUP_NAME)}
+
+
+def weight_reply(reply: EngineReply) -> RouteResult:
+    """A weight route's answer: the reply's body, 200 or 400."""
     return RouteResult(200 if reply.success else 400, reply.to_json())
-
-
-def _init(engine: EngineOps, body: Mapping[str, Any]) -> RouteResult:
-    return _weight_reply(
-        engine.init_weights_update_group(
-            master_address=_field(body, "master_address", str),
-            master_port=_field(body, "master_port", int),
-            rank_offset=_field(body, "rank_offset", int),
-            world_size=_field(body, "world_size", int),
-            group_name=_field(body, "group_name", str, DEFAULT_GROUP_NAME),
-            backend=_field(body, "backend", str, "nccl"),
-        )
-    )
-
-
-def _update(engine: EngineOps, body: Mapping[str, Any]) -> RouteResult:
-    return _weight_reply(
-        engine.update_weights_from_distributed(
-            names=_field(body, "names", list),
-            dtypes=_field(body, "dtypes", list),
-            shapes=_field(body, "shapes", list),
-            group_name=_field(body, "group_name", str, DEFAULT_GROUP_NAME),
-            weight_version=_optional_str(body, "weight_version"),
-            flush_cache=_field(body, "flush_cache", bool, True),
-            load_format=_optional_str(body, "load_format"),
-        )
-    )
-
-
-def _destroy(engine: EngineOps, body: Mapping[str, Any]) -> RouteResult:
-    return _weight_reply(
-        engine.destroy_weights_update_group(group_name=_field(body, "group_name", str, DEFAULT_GROUP_NAME))
-    )
 
 
 def _generation(op: Callable[[], EngineReply], done: str) -> RouteResult:
@@ -141,11 +148,11 @@ def serve_engine_route(
         if method != "POST":
             return None
         if path == "/init_weights_update_group":
-            return _init(engine, data)
+            return weight_reply(engine.init_weights_update_group(**init_request(data)))
         if path == "/update_weights_from_distributed":
-            return _update(engine, data)
+            return weight_reply(engine.update_weights_from_distributed(**update_request(data)))
         if path == "/destroy_weights_update_group":
-            return _destroy(engine, data)
+            return weight_reply(engine.destroy_weights_update_group(**destroy_request(data)))
         if path == "/pause_generation":
             return _generation(engine.pause_generation, "Generation paused successfully.")
         if path == "/continue_generation":
