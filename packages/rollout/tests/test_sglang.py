@@ -55,6 +55,17 @@ def test_argv_holds_the_derived_arguments() -> None:
     assert "--skip-server-warmup" in argv
     assert argv[-4:] == ["--random-seed", "9", "--mem-fraction-static", "0.7"]
     assert "--enable-memory-saver" not in SGLangServerSpec(model_path="/m", port=1).argv()
+    # seeded sampling is honoured only with deterministic inference and the pytorch sampling backend
+    assert "--enable-deterministic-inference" in argv
+    assert argv[argv.index("--sampling-backend") + 1] == "pytorch"
+    # sharing GPUs: our memory share, unless extra_args names one (then only that one)
+    shared = SGLangServerSpec(
+        model_path="/m", port=1, enable_memory_saver=True, mem_fraction_static=0.6
+    ).argv()
+    assert shared[shared.index("--mem-fraction-static") + 1] == "0.6"
+    assert argv.count("--mem-fraction-static") == 1
+    with pytest.raises(ValueError, match="mem_fraction_static must be in"):
+        SGLangServerSpec(model_path="/m", port=1, mem_fraction_static=1.5)
     with pytest.raises(ValueError, match="tp_size"):
         SGLangServerSpec(model_path="/m", port=1, tp_size=0)
 
@@ -194,24 +205,30 @@ def test_control_and_memory_routes(
     manager, _ = sglang_manager
     client, record = standin
     assert client.pause_generation().success
+    assert _requests(record)[-1]["body"] == {"mode": client.protocol.pause_mode}  # chosen, never {}
     assert client.continue_generation().success
     assert client.flush_cache().success
+    # Ours -> SGLang's tags, cuda_graph included; SGLang's release is not idempotent, so the client never
+    # sends a tag twice (a second release, or a resume of a tag not released, would take the server down).
     assert client.release_memory_occupation(tags=["weights", "kv_cache"]).success
-    with pytest.raises(SGLangError, match=r"refused /generate: RuntimeError: engine .*weights are released"):
-        client.generate([[1, 5]], SamplingConfig(max_new_tokens=2))
+    assert _requests(record)[-1]["body"] == {"tags": ["kv_cache", "weights", "cuda_graph"]}
+    count = len(_requests(record))
+    assert client.release_memory_occupation(tags=None).success
+    assert len(_requests(record)) == count  # nothing sent
     assert client.resume_memory_occupation(tags=None).success
-    assert _requests(record)[-1]["body"] == {"tags": None}
-    manager.offload()  # the manager's path: both tags on every engine
-    assert _requests(record)[-1] == {
-        "method": "POST",
+    assert _requests(record)[-1]["body"] == {"tags": ["kv_cache", "weights", "cuda_graph"]}
+    assert client.resume_memory_occupation(tags=None).success
+    assert len(_requests(record)) == count + 1
+    manager.offload()  # the manager's path: every tag on every engine
+    assert {k: _requests(record)[-1][k] for k in ("path", "body", "status")} == {
         "path": "/release_memory_occupation",
-        "body": {"tags": ["weights", "kv_cache"]},
+        "body": {"tags": ["kv_cache", "weights", "cuda_graph"]},
+        "status": 200,
     }
     manager.onload()
     refused = client.release_memory_occupation(tags=["bogus"])
     assert not refused.success
-    assert "unknown memory tags" in refused.message
-    assert _requests(record)[-1]["body"] == {"tags": ["bogus"]}
+    assert "unknown memory tags ['bogus']" in refused.message
     assert client.health()
 
 
@@ -219,12 +236,11 @@ def test_client_errors(standin: tuple[SGLangClient, Path]) -> None:
     client, _ = standin
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         client.generate([[1], []], SamplingConfig())
-    with pytest.raises(SGLangError, match="refused /generate: ValueError: prompt 0 has token ids outside"):
+    with pytest.raises(SGLangError, match="refused /generate: prompt 0 has token ids outside"):
         client.generate([[1, 999]], SamplingConfig(max_new_tokens=2))
-    dead = SGLangClient(f"http://127.0.0.1:{free_port()}", timeout_s=5, name="nobody")
-    with pytest.raises(EngineUnavailableError, match="nobody"):
-        dead.pause_generation()
-    assert not dead.health()
+    # The client reads the server's version first: an unreachable server fails there, named.
+    with pytest.raises(EngineUnavailableError, match="engine 'nobody': server_info failed: unreachable"):
+        SGLangClient(f"http://127.0.0.1:{free_port()}", timeout_s=5, name="nobody")
 
 
 def test_failed_start_names_the_server_and_its_exit_code(tmp_path: Path) -> None:
@@ -264,7 +280,9 @@ def test_shutdown_stops_the_server(
     assert client.health()
     manager.shutdown()
     manager.shutdown()  # idempotent
-    assert not SGLangClient(client.base_url, timeout_s=5).health()
+    assert not client.health()
+    with pytest.raises(EngineUnavailableError, match="server_info failed: unreachable"):
+        SGLangClient(client.base_url, timeout_s=5)
 
 
 def test_stop_sends_sigterm_to_the_process_group(tmp_path: Path) -> None:

@@ -142,3 +142,42 @@ def test_routes_validate_like_sglang_and_fill_its_defaults() -> None:
     assert flushed is not None
     assert (flushed.status, flushed.body) == (200, "Cache flushed.\n")
     assert engine.flushes == 1
+
+
+def _raise_in_child(kind: str) -> None:
+    errors = {
+        "unavailable": EngineUnavailableError("e0", "update_weights_from_distributed", "the actor died"),
+        "timeout": EngineTimeoutError("e1", "init_weights_update_group", 30.0),
+        "rejected": EngineRejectedError(
+            "e2", "update_weights_from_distributed", "tensor 'x' is not a weight"
+        ),
+    }
+    raise errors[kind]
+
+
+@pytest.mark.parametrize(
+    ("kind", "cls", "text"),
+    [
+        (
+            "unavailable",
+            EngineUnavailableError,
+            "engine 'e0': update_weights_from_distributed failed: the actor",
+        ),
+        (
+            "timeout",
+            EngineTimeoutError,
+            "engine 'e1': init_weights_update_group failed: no answer within 30 s",
+        ),
+        ("rejected", EngineRejectedError, "engine 'e2' rejected update_weights_from_distributed: tensor 'x'"),
+    ],
+)
+def test_errors_cross_a_process_boundary_as_themselves(kind: str, cls: type, text: str) -> None:
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        error = pool.submit(_raise_in_child, kind).exception(timeout=120)
+    assert type(error) is cls
+    assert str(error).startswith(text)
+    assert error.engine == f"e{['unavailable', 'timeout', 'rejected'].index(kind)}"  # type: ignore[union-attr]

@@ -62,6 +62,12 @@ class LocalEndpoint:
     def flush_cache(self) -> Pending[EngineReply]:
         return _Done(self.engine.flush_cache())  # type: ignore[return-value]
 
+    def begin_weight_update(self) -> Pending[EngineReply]:
+        return _Done(EngineReply.ok("no session"))  # type: ignore[return-value]
+
+    def end_weight_update(self) -> Pending[EngineReply]:
+        return _Done(EngineReply.ok("no session"))  # type: ignore[return-value]
+
     def get_weight_version(self) -> Pending[str | None]:
         return _Done(self.engine.get_weight_version())  # type: ignore[return-value]
 

@@ -22,6 +22,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "pack_into",
+    "plan_aligned_buckets",
     "plan_buckets",
     "stream_format",
     "unpack",
@@ -101,6 +102,25 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[tuple[int, int
         filled += size
     if start < len(sizes):
         buckets.append((start, len(sizes)))
+    return buckets
+
+
+def plan_aligned_buckets(
+    sizes: Sequence[int], itemsizes: Sequence[int], bucket_bytes: int
+) -> list[tuple[int, int]]:
+    """:func:`plan_buckets`, plus a new bucket wherever a tensor would start at a byte offset its dtype
+    cannot view. SGLang's ``FlattenedTensorBucket`` (the ``flattened_bucket`` load format) has no padding
+    and views each tensor in place: 0.5.23 refuses an unaligned one ("Unaligned received tensor",
+    ``sglang/srt/weight_sync/tensor_bucket.py``) and 0.5.15.post1 fails its ``view(dtype)``."""
+    buckets: list[tuple[int, int]] = []
+    for start, end in plan_buckets(sizes, bucket_bytes):
+        offset, first = 0, start
+        for i in range(start, end):
+            if i > first and offset % itemsizes[i]:
+                buckets.append((first, i))
+                first, offset = i, 0
+            offset += sizes[i]
+        buckets.append((first, end))
     return buckets
 
 

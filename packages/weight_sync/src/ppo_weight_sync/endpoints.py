@@ -12,16 +12,20 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import threading
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from ppo_weight_sync.buckets import FLATTENED_BUCKET, STREAM_FORMAT_PREFIX
 from ppo_weight_sync.errors import EngineTimeoutError, EngineUnavailableError
 from ppo_weight_sync.http_client import JsonHttpClient
 from ppo_weight_sync.ops import EngineReply
+from ppo_weight_sync.sglang import SGLangProtocol
 
 __all__ = [
     "RECEIVER_LOAD_FORMATS",
+    "Done",
     "EngineEndpoint",
     "HttpEngineEndpoint",
     "Pending",
@@ -97,6 +101,27 @@ class EngineEndpoint(Protocol):
     def continue_generation(self) -> Pending[EngineReply]: ...
     def flush_cache(self) -> Pending[EngineReply]: ...
     def get_weight_version(self) -> Pending[str | None]: ...
+
+    # The weight-update session of SGLang >= 0.5.21 (an immediate success for engines without one): the
+    # sender opens it after the flush and closes it after the last bucket, also after a failure.
+    def begin_weight_update(self) -> Pending[EngineReply]: ...
+    def end_weight_update(self) -> Pending[EngineReply]: ...
+
+
+@dataclass(frozen=True)
+class Done(Generic[T]):
+    """A call that needed no round trip: its answer is already here."""
+
+    value: T
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout_s: float) -> T:
+        return self.value
+
+
+_NO_SESSION = Done(EngineReply.ok("this engine needs no weight-update session"))
 
 
 def reply_from_http(status: int, body: Any) -> EngineReply:
@@ -273,6 +298,12 @@ class RayEngineEndpoint:
     def get_weight_version(self) -> Pending[str | None]:
         return _Mapped(self._call("get_weight_version", object), _version)
 
+    def begin_weight_update(self) -> Pending[EngineReply]:
+        return _NO_SESSION  # our engines load under their own step lock; no session to open
+
+    def end_weight_update(self) -> Pending[EngineReply]:
+        return _NO_SESSION
+
     def __repr__(self) -> str:
         return f"RayEngineEndpoint(name={self.name!r}, num_gpus={self.num_gpus})"
 
@@ -306,6 +337,12 @@ class HttpEngineEndpoint:
     sender bounds each wait with its own timeout as well. ``load_formats`` defaults to per-tensor only
     (what every SGLang accepts); pass ``("flattened_bucket",)`` for an SGLang that has it, or
     ``RECEIVER_LOAD_FORMATS`` for a server built on :class:`~ppo_weight_sync.WeightReceiver`.
+
+    ``sglang``: the protocol of a real SGLang server (:meth:`for_sglang` reads it from the server). It
+    decides the pause mode, the weight-update session, where the weight version is read, and that every
+    failed ``update_weights_from_distributed`` is ``group_lost``: SGLang's reply cannot say whether the
+    group is still in step (its receive and load failures look alike), so the sender must rebuild it.
+    Without it the endpoint speaks to our own servers (:mod:`ppo_weight_sync.routes`).
     """
 
     def __init__(
@@ -315,6 +352,9 @@ class HttpEngineEndpoint:
         timeout_s: float = 600.0,
         name: str = "",
         load_formats: tuple[str, ...] = (),
+        *,
+        sglang: SGLangProtocol | None = None,
+        flush_retry_s: float = 60.0,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
@@ -325,9 +365,35 @@ class HttpEngineEndpoint:
         self.timeout_s = timeout_s
         self.name = name or self.base_url
         self.load_formats = tuple(load_formats)
+        self.sglang = sglang
+        self.flush_retry_s = flush_retry_s
         self._http = JsonHttpClient(self.base_url, timeout_s)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+
+    @classmethod
+    def for_sglang(
+        cls,
+        base_url: str,
+        num_gpus: int = 1,
+        timeout_s: float = 600.0,
+        name: str = "",
+        load_formats: tuple[str, ...] = ("flattened_bucket",),
+    ) -> HttpEngineEndpoint:
+        """An endpoint for the SGLang server at ``base_url``, its protocol read from ``GET /server_info``
+        (``version``); ValueError naming the version when we do not support it."""
+        probe = cls(base_url, num_gpus, timeout_s, name)
+        try:
+            info = probe.request("GET", "/server_info")
+        finally:
+            probe.close()
+        version = info.get("version") if isinstance(info, Mapping) else None
+        if not isinstance(version, str):
+            raise EngineUnavailableError(
+                probe.name, "server_info", f"no SGLang version in GET /server_info: {str(info)[:200]}"
+            )
+        protocol = SGLangProtocol.for_version(version)
+        return cls(base_url, num_gpus, timeout_s, name, load_formats, sglang=protocol)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._pool_lock:
@@ -360,9 +426,31 @@ class HttpEngineEndpoint:
         """One blocking request to an operation's route; its answer as an :class:`EngineReply`."""
         return reply_from_http(*self._answer(method, route, body))
 
-    def _submit(self, method: str, route: str, body: dict[str, Any] | None = None) -> Pending[EngineReply]:
-        future = self._executor().submit(self.call, method, route, body)
+    def _submit(
+        self,
+        method: str,
+        route: str,
+        body: dict[str, Any] | None = None,
+        run: Callable[[str, str, dict[str, Any] | None], EngineReply] | None = None,
+    ) -> Pending[EngineReply]:
+        future = self._executor().submit(run or self.call, method, route, body)
         return _FuturePending(future, self.name, route.strip("/"))
+
+    def _update_call(self, method: str, route: str, body: dict[str, Any] | None) -> EngineReply:
+        reply = self.call(method, route, body)
+        if self.sglang is not None and not reply.success:
+            return EngineReply.lost(reply.message)
+        return reply
+
+    def _flush_call(self, method: str, route: str, body: dict[str, Any] | None) -> EngineReply:
+        # SGLang answers 400 while requests are still running or queued (Scheduler.flush_cache); they
+        # finish or abort within moments of a pause. Retried 1 s apart for up to flush_retry_s, as slime.
+        deadline = time.monotonic() + min(self.flush_retry_s, self.timeout_s)
+        while True:
+            reply = self.call(method, route, body)
+            if reply.success or time.monotonic() >= deadline:
+                return reply
+            time.sleep(1.0)
 
     def init_weights_update_group(
         self,
@@ -407,7 +495,7 @@ class HttpEngineEndpoint:
             body["weight_version"] = weight_version
         if load_format is not None:
             body["load_format"] = load_format
-        return self._submit("POST", "/update_weights_from_distributed", body)
+        return self._submit("POST", "/update_weights_from_distributed", body, self._update_call)
 
     def update_weights_from_tensor(
         self,
@@ -432,16 +520,32 @@ class HttpEngineEndpoint:
         return self._submit("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     def pause_generation(self) -> Pending[EngineReply]:
-        return self._submit("POST", "/pause_generation", {})
+        # The mode on purpose: SGLang's default ({}) is "abort" (SGLangProtocol says which one a version
+        # can use); our own servers hold generation in place whatever the body says.
+        body = {"mode": self.sglang.pause_mode} if self.sglang is not None else {}
+        return self._submit("POST", "/pause_generation", body)
 
     def continue_generation(self) -> Pending[EngineReply]:
         return self._submit("POST", "/continue_generation", {})
 
     def flush_cache(self) -> Pending[EngineReply]:
-        return self._submit("POST", "/flush_cache")
+        return self._submit("POST", "/flush_cache", None, self._flush_call)
+
+    def begin_weight_update(self) -> Pending[EngineReply]:
+        if self.sglang is None or not self.sglang.weight_update_session:
+            return _NO_SESSION
+        return self._submit("POST", "/begin_weight_update", {})
+
+    def end_weight_update(self) -> Pending[EngineReply]:
+        if self.sglang is None or not self.sglang.weight_update_session:
+            return _NO_SESSION
+        return self._submit("POST", "/end_weight_update", {})
 
     def get_weight_version(self) -> Pending[str | None]:
-        future = self._executor().submit(self.request, "GET", "/get_weight_version")
+        # SGLang reports the version in /model_info (every version we support); /get_weight_version
+        # answers 404 on 0.5.15.post1 and is gone on 0.5.23. Our own servers serve both.
+        route = self.sglang.weight_version_route if self.sglang is not None else "/get_weight_version"
+        future = self._executor().submit(self.request, "GET", route)
         return _Mapped(_FuturePending(future, self.name, "get_weight_version"), _weight_version_of)
 
     def close(self) -> None:

@@ -1,9 +1,15 @@
 """The weight-update process group: built the way SGLang builds its side, never the default group.
 
-SGLang's engine joins with ``PrefixStore(group_name, TCPStore(master_address, master_port))`` handed to
-torch's ``_new_process_group_helper``; the trainer must use the same store layout, or the two sides
-look for each other's keys under different prefixes and hang. We never call ``init_process_group``
-and never touch the default group, so a trainer's own groups are unaffected.
+SGLang's engine joins with ``init_custom_process_group`` (``sglang/srt/utils/common.py``, the same in
+0.5.15.post1 and 0.5.23), called from its model runner's ``init_weights_update_group`` with
+``init_method=f"tcp://{master_address}:{master_port}"``, ``rank = rank_offset + tp_rank``, no timeout
+(torch's default) and no collective afterwards: torch's ``rendezvous`` gives a ``TCPStore`` client, which
+is wrapped in ``PrefixStore(group_name, store)`` and handed to ``_new_process_group_helper``. The trainer
+(rank 0) hosts that store and wraps it the same way, or the two sides look for each other's keys under
+different prefixes and hang. Nothing is broadcast at join: SGLang's receiver sends no warm-up, so a
+warm-up here would block until the timeout and then leave every later message off by one. gloo connects
+its full mesh while the group is built, so a peer that never joins still fails the join. We never call
+``init_process_group`` and never touch the default group, so a trainer's own groups are unaffected.
 """
 
 from __future__ import annotations
@@ -17,10 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.rendezvous import rendezvous
 
 from ppo_weight_sync.net import free_port, node_address  # re-exported: older imports name this module
 
 __all__ = ["WeightGroup", "free_port", "node_address"]
+
+
+def _host_for_url(address: str) -> str:
+    """An address as a tcp:// URL's host (IPv6 in brackets, as SGLang's ``NetworkAddress.to_tcp``)."""
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
 _BIND_LOCK = threading.Lock()
@@ -74,17 +86,25 @@ class WeightGroup:
         self.group_name = group_name
         self.backend = backend
         self.timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(
-            master_address,
-            master_port,
-            world_size,
-            is_master=rank == 0,
-            timeout=self.timeout,
-            # The group's own rendezvous waits for every rank (bounded by the timeout); a store that
-            # also waited here would block before the engines have even been asked to join.
-            wait_for_workers=False,
-        )
-        self._store: dist.TCPStore | None = store
+        store: dist.Store
+        if rank == 0:
+            store = dist.TCPStore(
+                master_address,
+                master_port,
+                world_size,
+                is_master=True,
+                timeout=self.timeout,
+                # The group's own rendezvous waits for every rank (bounded by the timeout); a store that
+                # also waited here would block before the engines have even been asked to join.
+                wait_for_workers=False,
+            )
+        else:
+            # An engine's side, exactly as SGLang's init_custom_process_group gets its store: torch's
+            # tcp:// rendezvous (a TCPStore client of rank 0's store).
+            url = f"tcp://{_host_for_url(master_address)}:{master_port}"
+            store, _, _ = next(rendezvous(url, rank, world_size, timeout=self.timeout))
+            store.set_timeout(self.timeout)
+        self._store: dist.Store | None = store
         prefixed = dist.PrefixStore(group_name, store)
         options_kw = (
             "backend_options"
@@ -98,10 +118,6 @@ class WeightGroup:
         c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
         self._pg: Any = pg
         self._closing: Any = None  # the group being destroyed (abort_stuck() reaches it)
-        if backend == "gloo":
-            # gloo connects lazily on the first collective; a tiny one now makes join failures show up
-            # in connect rather than in the first update.
-            self.broadcast(torch.zeros(1)).wait(self.timeout)
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         """Start a broadcast from rank 0 of ``tensor`` (in place on receivers); returns the work handle."""

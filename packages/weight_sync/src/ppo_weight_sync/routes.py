@@ -26,7 +26,18 @@ from typing import Any
 
 from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps
 
-__all__ = ["DEFAULT_GROUP_NAME", "RouteResult", "ValidationError", "serve_engine_route", "validation_error"]
+__all__ = [
+    "DEFAULT_GROUP_NAME",
+    "RouteResult",
+    "ValidationError",
+    "destroy_request",
+    "init_request",
+    "serve_engine_route",
+    "tensor_request",
+    "update_request",
+    "validation_error",
+    "weight_reply",
+]
 
 DEFAULT_GROUP_NAME = "weight_update_group"  # io_struct.py's default for every weight request
 
@@ -67,57 +78,53 @@ def _optional_str(body: Mapping[str, Any], name: str) -> str | None:
     return value
 
 
-def _weight_reply(reply: EngineReply) -> RouteResult:
+def init_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``init_weights_update_group``'s arguments from a request body (io_struct.py's fields and defaults)."""
+    return {
+        "master_address": _field(body, "master_address", str),
+        "master_port": _field(body, "master_port", int),
+        "rank_offset": _field(body, "rank_offset", int),
+        "world_size": _field(body, "world_size", int),
+        "group_name": _field(body, "group_name", str, DEFAULT_GROUP_NAME),
+        "backend": _field(body, "backend", str, "nccl"),
+    }
+
+
+def update_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``update_weights_from_distributed``'s arguments from a request body (fields we do not use ignored)."""
+    return {
+        "names": _field(body, "names", list),
+        "dtypes": _field(body, "dtypes", list),
+        "shapes": _field(body, "shapes", list),
+        "group_name": _field(body, "group_name", str, DEFAULT_GROUP_NAME),
+        "weight_version": _optional_str(body, "weight_version"),
+        "flush_cache": _field(body, "flush_cache", bool, True),
+        "load_format": _optional_str(body, "load_format"),
+    }
+
+
+def destroy_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {"group_name": _field(body, "group_name", str, DEFAULT_GROUP_NAME)}
+
+
+def weight_reply(reply: EngineReply) -> RouteResult:
+    """A weight route's answer: the reply's body, 200 or 400."""
     return RouteResult(200 if reply.success else 400, reply.to_json())
 
 
-def _init(engine: EngineOps, body: Mapping[str, Any]) -> RouteResult:
-    return _weight_reply(
-        engine.init_weights_update_group(
-            master_address=_field(body, "master_address", str),
-            master_port=_field(body, "master_port", int),
-            rank_offset=_field(body, "rank_offset", int),
-            world_size=_field(body, "world_size", int),
-            group_name=_field(body, "group_name", str, DEFAULT_GROUP_NAME),
-            backend=_field(body, "backend", str, "nccl"),
-        )
-    )
-
-
-def _update(engine: EngineOps, body: Mapping[str, Any]) -> RouteResult:
-    return _weight_reply(
-        engine.update_weights_from_distributed(
-            names=_field(body, "names", list),
-            dtypes=_field(body, "dtypes", list),
-            shapes=_field(body, "shapes", list),
-            group_name=_field(body, "group_name", str, DEFAULT_GROUP_NAME),
-            weight_version=_optional_str(body, "weight_version"),
-            flush_cache=_field(body, "flush_cache", bool, True),
-            load_format=_optional_str(body, "load_format"),
-        )
-    )
-
-
-def _tensor(engine: TensorOps, body: Mapping[str, Any]) -> RouteResult:
-    # UpdateWeightsFromTensorReqInput (io_struct.py, 0.5.15.post1 and 0.5.23): its fields and defaults.
+def tensor_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``update_weights_from_tensor``'s arguments from a request body: UpdateWeightsFromTensorReqInput
+    (io_struct.py, 0.5.15.post1 and 0.5.23), its fields and defaults."""
     entries = _field(body, "serialized_named_tensors", list)
     if not all(isinstance(e, str) for e in entries):
         raise ValidationError("body.serialized_named_tensors: expected a list of base64 strings")
-    return _weight_reply(
-        engine.update_weights_from_tensor(
-            serialized_named_tensors=entries,
-            load_format=_optional_str(body, "load_format"),
-            flush_cache=_field(body, "flush_cache", bool, True),
-            abort_all_requests=_field(body, "abort_all_requests", bool, False),
-            weight_version=_optional_str(body, "weight_version"),
-        )
-    )
-
-
-def _destroy(engine: EngineOps, body: Mapping[str, Any]) -> RouteResult:
-    return _weight_reply(
-        engine.destroy_weights_update_group(group_name=_field(body, "group_name", str, DEFAULT_GROUP_NAME))
-    )
+    return {
+        "serialized_named_tensors": entries,
+        "load_format": _optional_str(body, "load_format"),
+        "flush_cache": _field(body, "flush_cache", bool, True),
+        "abort_all_requests": _field(body, "abort_all_requests", bool, False),
+        "weight_version": _optional_str(body, "weight_version"),
+    }
 
 
 def _generation(op: Callable[[], EngineReply], done: str) -> RouteResult:
@@ -157,13 +164,13 @@ def serve_engine_route(
         if method != "POST":
             return None
         if path == "/init_weights_update_group":
-            return _init(engine, data)
+            return weight_reply(engine.init_weights_update_group(**init_request(data)))
         if path == "/update_weights_from_distributed":
-            return _update(engine, data)
+            return weight_reply(engine.update_weights_from_distributed(**update_request(data)))
         if path == "/update_weights_from_tensor" and isinstance(engine, TensorOps):
-            return _tensor(engine, data)
+            return weight_reply(engine.update_weights_from_tensor(**tensor_request(data)))
         if path == "/destroy_weights_update_group":
-            return _destroy(engine, data)
+            return weight_reply(engine.destroy_weights_update_group(**destroy_request(data)))
         if path == "/pause_generation":
             return _generation(engine.pause_generation, "Generation paused successfully.")
         if path == "/continue_generation":

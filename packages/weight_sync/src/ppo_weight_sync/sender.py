@@ -1,7 +1,8 @@
 """WeightSender: the trainer side. connect(engines) -> update(named_tensors, version)* -> disconnect().
 
-An update pauses generation, flushes the cache, has every transport send the weights (metadata, then
-data in buckets), continues generation and records the version on the engines. The connection's state
+An update pauses generation, flushes the cache, opens the engines' weight-update session (SGLang >= 0.5.21;
+a no-op elsewhere), has every transport send the weights (metadata, then data in buckets), closes the
+session and continues generation; the engines record the version with the last bucket. The connection's state
 machine is :mod:`ppo_weight_sync.connection`; the wire formats are :mod:`ppo_weight_sync.transports`.
 A sender is not thread-safe; updates of several senders that share engines are serialised by an
 :class:`~ppo_weight_sync.lock.UpdateLock`.
@@ -206,11 +207,14 @@ class WeightSender:
         engines = list(self._conn.engines)
         failure: BaseException | None = None
         paused = False
+        in_session: list[EngineEndpoint] = []
         try:
             t0 = time.perf_counter()
             self._all(engines, "pause_generation", lambda e: e.pause_generation())
             paused = True
             self._all(engines, "flush_cache", lambda e: e.flush_cache())
+            in_session = engines
+            self._all(engines, "begin_weight_update", lambda e: e.begin_weight_update())
             self._metrics["control_seconds"] += time.perf_counter() - t0
             start = time.perf_counter()
             nbytes = buckets = 0
@@ -224,6 +228,10 @@ class WeightSender:
                         self._metrics["ipc_bytes"] += sent.nbytes
                         self._metrics["ipc_seconds"] += time.perf_counter() - t0
                         self._metrics["ipc_buckets"] += sent.buckets
+            t0 = time.perf_counter()
+            in_session = []
+            self._all(engines, "end_weight_update", lambda e: e.end_weight_update())
+            self._metrics["control_seconds"] += time.perf_counter() - t0
             self._metrics["bytes"] += nbytes
             self._metrics["seconds"] += time.perf_counter() - start
             self._metrics["buckets"] += buckets
@@ -237,8 +245,21 @@ class WeightSender:
             self._conn.reset()
             raise
         finally:
+            if in_session:
+                self._end_after_failure(in_session)
             if paused:
                 self._continue(engines, failure)
+
+    def _end_after_failure(self, engines: list[EngineEndpoint]) -> None:
+        """Close the weight-update sessions a failed update left open (an open session refuses the next
+        begin), best effort: the failure is what the caller hears about."""
+        for engine in engines:
+            try:
+                check_reply(
+                    engine.name, "end_weight_update", engine.end_weight_update().result(self.timeout_s)
+                )
+            except WeightSyncError as exc:
+                log.warning("end_weight_update after a failed update: %s", exc)
 
     def _continue(self, engines: list[EngineEndpoint], failure: BaseException | None) -> None:
         t0 = time.perf_counter()

@@ -30,9 +30,13 @@ from ppo_weight_sync import EngineOps, EngineReply, TensorOps, WeightReceiver, c
 from ..config import SamplingConfig
 from .core import GenerationCore, GenerationOutput
 
-__all__ = ["MEMORY_TAGS", "BuiltinEngine", "BuiltinEngineActor"]
+__all__ = ["MEMORY_TAGS", "BuiltinEngine", "BuiltinEngineActor", "GenerationAborted"]
 
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+
+
+class GenerationAborted(RuntimeError):
+    """A generate call ended early by :meth:`BuiltinEngine.abort_requests` (SGLang's abort)."""
 
 
 class BuiltinEngine:
@@ -68,6 +72,7 @@ class BuiltinEngine:
         self._cond = threading.Condition()
         self._paused = False
         self._active = 0
+        self._abort_epoch = 0  # abort_requests() ends every generate call started before it
         self._receiver = WeightReceiver(self._load_weights, self._expected, dev, timeout_s=timeout_s)
 
     # -- generation --------------------------------------------------------------------------------
@@ -82,18 +87,19 @@ class BuiltinEngine:
                     "call resume_memory_occupation() before generate"
                 )
             self._active += 1
+            epoch = self._abort_epoch
         try:
-            return self._core.generate(prompts, sampling, seed=seed, step_guard=self._step)
+            return self._core.generate(prompts, sampling, seed=seed, step_guard=lambda: self._step(epoch))
         finally:
             with self._cond:
                 self._active -= 1
                 self._cond.notify_all()
 
     @contextlib.contextmanager
-    def _step(self) -> Iterator[None]:
+    def _step(self, epoch: int) -> Iterator[None]:
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            while self._paused:
+            while self._paused and epoch == self._abort_epoch:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
@@ -102,6 +108,8 @@ class BuiltinEngine:
                         "continue_generation"
                     )
                 self._cond.wait(left)
+            if epoch != self._abort_epoch:
+                raise GenerationAborted(f"engine {self.name}: generation aborted")
         with self._step_lock:
             yield
 
@@ -112,6 +120,18 @@ class BuiltinEngine:
         with self._step_lock:  # the step in progress, if any, has finished
             pass
         return EngineReply.ok("Generation paused.")
+
+    def abort_requests(self) -> int:
+        """Ends every generate call in flight at its next step with :class:`GenerationAborted` (SGLang's
+        abort); returns how many were in flight. Later calls run normally."""
+        with self._cond:
+            self._abort_epoch += 1
+            self._cond.notify_all()
+            return self._active
+
+    def active_requests(self) -> int:
+        with self._cond:
+            return self._active
 
     def continue_generation(self) -> EngineReply:
         with self._cond:

@@ -8,7 +8,7 @@ from typing import Any, Protocol, cast
 
 import ray
 
-from ppo_weight_sync import EngineEndpoint, EngineReply, HttpEngineEndpoint, RayEngineEndpoint, free_port
+from ppo_weight_sync import EngineEndpoint, EngineReply, RayEngineEndpoint, free_port
 
 from ..config import SamplingConfig
 from .builtin import BuiltinEngineActor
@@ -203,7 +203,7 @@ class SGLangEngineHandle:
         return wait
 
     def endpoint(self) -> EngineEndpoint:
-        return HttpEngineEndpoint(self.url, num_gpus=self._gpus, name=self.name)
+        return self.client.endpoint  # knows the server's SGLang protocol (read at wait_ready)
 
     def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply:
         return self.client.release_memory_occupation(tags=tags)

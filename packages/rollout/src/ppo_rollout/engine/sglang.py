@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ppo_weight_sync import EngineOps, EngineReply, HttpEngineEndpoint, TensorOps, reply_from_http
+from ppo_weight_sync.sglang import SGLangProtocol
 
 from ..config import SamplingConfig
 from .core import GenerationOutput
@@ -52,6 +54,12 @@ class SGLangServerSpec:
     base_gpu_id: int = 0
     host: str = "127.0.0.1"
     enable_memory_saver: bool = False  # on when the server shares its GPUs with training
+    # The share of GPU memory the server takes for weights and KV cache (--mem-fraction-static); None:
+    # SGLang's own choice, which assumes the GPU is the server's alone. Left out when extra_args has it.
+    mem_fraction_static: float | None = None
+    # Seeded sampling: SGLang ignores sampling_seed unless --enable-deterministic-inference is on, which
+    # needs --sampling-backend pytorch (0.5.23 sets it itself, 0.5.15.post1 does not: we always pass it).
+    deterministic: bool = True
     random_seed: int | None = None
     extra_args: tuple[str, ...] = ()
     command: tuple[str, ...] = DEFAULT_COMMAND
@@ -70,6 +78,11 @@ class SGLangServerSpec:
         if not self.command:
             raise ValueError(
                 "command must not be empty; leave the default for python -m sglang.launch_server"
+            )
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(
+                "mem_fraction_static must be in (0, 1) (a share of GPU memory), "
+                f"got {self.mem_fraction_static}"
             )
 
     @property
@@ -94,6 +107,10 @@ class SGLangServerSpec:
         ]
         if self.enable_memory_saver:
             args.append("--enable-memory-saver")
+        if self.mem_fraction_static is not None and "--mem-fraction-static" not in self.extra_args:
+            args += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.deterministic:
+            args += ["--enable-deterministic-inference", "--sampling-backend", "pytorch"]
         if self.random_seed is not None:
             args += ["--random-seed", str(self.random_seed)]
         return args + list(self.extra_args)
@@ -203,9 +220,25 @@ class SGLangServer:
 class SGLangClient:
     """The engine operations over a server's HTTP routes (stdlib HTTP via ``HttpEngineEndpoint``)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, name: str = "", num_gpus: int = 1) -> None:
-        self.endpoint = HttpEngineEndpoint(base_url, num_gpus=num_gpus, timeout_s=timeout_s, name=name)
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        name: str = "",
+        num_gpus: int = 1,
+        abort_retries: int = 3,
+    ) -> None:
+        # The server's version decides the protocol (pause mode, update session, version route): read it
+        # once, here; an unsupported version fails now, naming itself.
+        self.endpoint = HttpEngineEndpoint.for_sglang(
+            base_url, num_gpus=num_gpus, timeout_s=timeout_s, name=name
+        )
+        self.protocol: SGLangProtocol = _protocol_of(self.endpoint)
         self.timeout_s = timeout_s
+        self.abort_retries = abort_retries
+        self._released: set[str] = set()
+        self._memory_lock = threading.Lock()
         self.name = self.endpoint.name
         self.base_url = self.endpoint.base_url
 
@@ -244,6 +277,26 @@ class SGLangClient:
             if sampling.stop_token_ids:
                 sp["stop_token_ids"] = list(sampling.stop_token_ids)
             params.append(sp)
+        results: list[Any] = [None] * len(input_ids)
+        todo = list(range(len(input_ids)))
+        for attempt in range(self.abort_retries + 1):
+            replies = self._generate_once([input_ids[k] for k in todo], [params[k] for k in todo])
+            for k, item in zip(todo, replies, strict=True):
+                results[k] = item
+            # An update paused the server in abort mode (SGLang < 0.5.23): those requests came back with
+            # finish_reason "abort" and no tokens. Send them again, as slime does; the server holds them
+            # until continue_generation, so they run with the new weights.
+            todo = [k for k in todo if _finish_kind(results[k]) == "abort"]
+            if not todo:
+                break
+            if attempt == self.abort_retries:
+                raise SGLangError(
+                    f"SGLang server {self.name}: {len(todo)} request(s) were aborted {attempt + 1} times "
+                    "in a row (a weight update pauses generation in abort mode); giving up"
+                )
+        return [self._parse(item, k, k // n) for k, item in enumerate(results)]
+
+    def _generate_once(self, input_ids: list[list[int]], params: list[dict[str, Any]]) -> list[Any]:
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
         reply = self._post("/generate", body)
         if isinstance(reply, dict) and ("error" in reply or reply.get("object") == "error"):
@@ -257,10 +310,7 @@ class SGLangClient:
             raise SGLangError(
                 f"SGLang server {self.name}: /generate returned {got} results for {len(input_ids)} requests"
             )
-        out = []
-        for k, item in enumerate(reply):
-            out.append(self._parse(item, k, k // n))
-        return out
+        return reply
 
     def _parse(self, item: Any, k: int, prompt_position: int) -> GenerationOutput:
         try:
@@ -273,7 +323,7 @@ class SGLangClient:
                 "meta_info.output_token_logprobs or "
                 f"finish_reason (was return_logprob honoured?): {str(item)[:200]}"
             ) from None
-        kind = reason.get("type") if isinstance(reason, dict) else reason
+        kind = _finish_kind(item)
         if kind not in ("stop", "length"):
             raise SGLangError(
                 f"SGLang server {self.name}: request {k} finished with {reason!r} "
@@ -361,16 +411,60 @@ class SGLangClient:
     def get_weight_version(self) -> str | None:
         return self.endpoint.get_weight_version().result(self.timeout_s)
 
+    def _sglang_tags(self, tags: Sequence[str] | None) -> list[str]:
+        # Ours ("weights", "kv_cache") or None -> SGLang's, cuda_graph included: the captured graphs hold
+        # GPU memory too, and a tag left out is never given back to training.
+        if tags is None or set(tags) >= {"weights", "kv_cache"}:
+            return list(self.protocol.memory_tags)
+        unknown = [t for t in tags if t not in self.protocol.memory_tags]
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; SGLang knows {list(self.protocol.memory_tags)}")
+        return list(tags)
+
     def release_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply:
-        body = {"tags": None if tags is None else list(tags)}
-        return self.endpoint.call("POST", "/release_memory_occupation", body)
+        """Releases the tags not released yet (SGLang's release is not idempotent; call it when idle)."""
+        try:
+            wanted = self._sglang_tags(tags)
+        except ValueError as exc:
+            return EngineReply.refused(str(exc))
+        with self._memory_lock:
+            todo = [t for t in wanted if t not in self._released]
+            if not todo:
+                return EngineReply.ok(f"already released: {wanted}")
+            reply = self.endpoint.call("POST", "/release_memory_occupation", {"tags": todo})
+            if reply.success:
+                self._released.update(todo)
+        return reply
 
     def resume_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply:
-        body = {"tags": None if tags is None else list(tags)}
-        return self.endpoint.call("POST", "/resume_memory_occupation", body)
+        """Resumes the released tags only: SGLang's resume of a tag it holds raises KeyError in the
+        scheduler, which takes the server down."""
+        try:
+            wanted = self._sglang_tags(tags)
+        except ValueError as exc:
+            return EngineReply.refused(str(exc))
+        with self._memory_lock:
+            todo = [t for t in wanted if t in self._released]
+            if not todo:
+                return EngineReply.ok(f"nothing released among {wanted}")
+            reply = self.endpoint.call("POST", "/resume_memory_occupation", {"tags": todo})
+            if reply.success:
+                self._released.difference_update(todo)
+        return reply
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+def _finish_kind(item: Any) -> Any:
+    reason = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
+    return reason.get("type") if isinstance(reason, dict) else reason
+
+
+def _protocol_of(endpoint: HttpEngineEndpoint) -> SGLangProtocol:
+    if endpoint.sglang is None:  # for_sglang always sets it; this keeps the type exact
+        raise SGLangError(f"SGLang server {endpoint.name}: no protocol was read from /server_info")
+    return endpoint.sglang
 
 
 if TYPE_CHECKING:  # mypy checks that the client has the engine operations' exact signatures

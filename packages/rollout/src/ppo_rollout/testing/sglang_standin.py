@@ -1,11 +1,21 @@
-"""A stand-in for ``python -m sglang.launch_server``: SGLang's routes, served by the built-in engine.
+"""A stand-in for ``python -m sglang.launch_server``: SGLang's routes and rules, the built-in engine's model.
 
-It takes the arguments we pass to SGLang (unknown ones are ignored), serves ``/health``,
-``/generate``, the weight-update routes (through ``WeightReceiver``), pause/continue, flush, the
-weight version and the memory routes, with SGLang's response shapes. Every request is appended to
-``--standin-record`` (JSON lines) so tests can check routes and payloads. Test knobs:
-``--standin-startup-delay S`` (no answer for S seconds), ``--standin-exit-code C`` (exit at once),
-``--standin-ignore-sigterm`` (so that stopping needs SIGKILL).
+Its receiving side is SGLang's, rebuilt from SGLang's source (:mod:`ppo_weight_sync.testing.sglang_like`):
+the same group creation (no warm-up broadcast), reply shapes, status codes and messages, the weight-update
+session from 0.5.21, ``/server_info`` with the version, ``/model_info`` with the weight version, 404 on
+``/get_weight_version``, a flush refused (400) while requests are pending, memory tags that are not
+idempotent (a resume of a tag not released, or a release while busy, takes the server down), 400
+``{"object": "error"}`` validation replies. Generation follows SGLang's pause modes
+(``sglang/srt/managers/tokenizer_manager.py``, 0.5.15.post1 and 0.5.23): while paused, new requests wait
+for ``continue_generation``; ``abort`` (the default) ends requests in flight with
+``finish_reason.type == "abort"``; ``retract`` puts them back in the queue and runs them again from the
+start after ``continue_generation``; ``in_place`` holds them between two decode steps.
+
+``--standin-version`` picks the SGLang version to behave as (default 0.5.23). Every request is appended
+to ``--standin-record`` (JSON lines, with the answer's status) so tests can check routes and payloads.
+Test knobs: ``--standin-startup-delay S`` (no answer for S seconds), ``--standin-exit-code C`` (exit at
+once), ``--standin-ignore-sigterm`` (so that stopping needs SIGKILL), ``--standin-step-delay S`` (sleep
+per decode step, so tests can pause a generation midway).
 
 Run: ``python -m ppo_rollout.testing.sglang_standin --model-path DIR --port 30000``.
 """
@@ -13,19 +23,26 @@ Run: ``python -m ppo_rollout.testing.sglang_standin --model-path DIR --port 3000
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from ppo_weight_sync.routes import serve_engine_route
-
 if TYPE_CHECKING:  # imported lazily: the failure knobs act before torch is loaded
+    import torch
+
+    from ppo_weight_sync.testing.sglang_like import SGLangServerState
+
     from ..config import SamplingConfig
     from ..engine.builtin import BuiltinEngine
+
+DEFAULT_VERSION = "0.5.23"
 
 
 def _sampling(sp: dict[str, Any]) -> tuple[SamplingConfig, int]:
@@ -42,14 +59,91 @@ def _sampling(sp: dict[str, Any]) -> tuple[SamplingConfig, int]:
     return cfg, int(sp.get("sampling_seed") or 0)
 
 
+class _Generation:
+    """The tokenizer manager's pause gate and the scheduler's view of the built-in engine (ServerHooks)."""
+
+    def __init__(self, engine: BuiltinEngine) -> None:
+        self.engine = engine
+        self.cond = threading.Condition()
+        self.paused_mode: str | None = None
+        self.running = 0
+
+    # -- ServerHooks -----------------------------------------------------------------------------------
+    def pause(self, mode: str) -> None:
+        with self.cond:
+            self.paused_mode = mode
+        if mode == "in_place":
+            self.engine.pause_generation()
+            return
+        # abort: requests in flight end now; retract: they end now and run again after continue. SGLang's
+        # abort pause returns once none is left running (tokenizer_manager.pause_generation's loop).
+        self.engine.abort_requests()
+        deadline = time.monotonic() + 60
+        while self.engine.active_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def resume(self) -> None:
+        self.engine.continue_generation()
+        with self.cond:
+            self.paused_mode = None
+            self.cond.notify_all()
+
+    def pending_requests(self) -> int:
+        with self.cond:
+            return self.running
+
+    def flush(self) -> None:
+        self.engine.flush_cache()
+
+    def release(self, tags: Sequence[str]) -> None:
+        from ..engine.builtin import MEMORY_TAGS
+
+        reply = self.engine.release_memory_occupation(tags=[t for t in tags if t in MEMORY_TAGS])
+        if not reply.success:
+            raise RuntimeError(reply.message)
+
+    def restore(self, tags: Sequence[str]) -> None:
+        from ..engine.builtin import MEMORY_TAGS
+
+        reply = self.engine.resume_memory_occupation(tags=[t for t in tags if t in MEMORY_TAGS])
+        if not reply.success:
+            raise RuntimeError(reply.message)
+
+    # -- one request -----------------------------------------------------------------------------------
+    def run(self, prompt: list[int], cfg: SamplingConfig, seed: int) -> Any:
+        """The engine's output, or None when the request was aborted."""
+        from ..engine.builtin import GenerationAborted
+
+        while True:
+            with self.cond:
+                # New requests wait while paused (tokenizer_manager: is_pause_cond.wait_for(not is_pause)).
+                while self.paused_mode is not None and self.paused_mode != "in_place":
+                    self.cond.wait()
+                self.running += 1
+            try:
+                return self.engine.generate([prompt], cfg, seed=seed)[0]
+            except GenerationAborted:
+                with self.cond:
+                    retract = self.paused_mode == "retract"
+                if not retract:
+                    return None
+            finally:
+                with self.cond:
+                    self.running -= 1
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
-    def _send(self, status: int, payload: Any, *, text: bool = False) -> None:
+    def _send(self, status: int, payload: Any, path: str = "") -> None:
+        text = isinstance(payload, str)
         body = (payload if text else json.dumps(payload)).encode()
+        # One record per request, with its answer's status, written before the answer leaves: a client
+        # that reads the record after its answer finds it there.
+        self.server.record({**getattr(self, "_request", {"path": path or self.path}), "status": status})
         self.send_response(status)
         self.send_header("Content-Type", "text/plain" if text else "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -65,36 +159,39 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("GET", None)
 
     def do_POST(self) -> None:
+        from ppo_weight_sync.routes import validation_error
+
         try:
             body = self._body()
         except ValueError as exc:
-            self._send(400, {"object": "error", "message": f"bad JSON: {exc}", "code": 400})
+            refusal = validation_error(f"JSON decode error: {exc}")
+            self._send(refusal.status, refusal.body)
             return
         self._route("POST", body)
 
     def _route(self, method: str, body: Any) -> None:
         path = self.path.split("?", 1)[0]
-        self.server.record({"method": method, "path": path, "body": body})
-        engine = self.server.engine
+        self._request = {"method": method, "path": path, "body": body}
         try:
             if path in ("/health", "/health_generate"):
-                self._send(200, "", text=True)
-            elif path == "/generate":
-                self._generate(body or {})
-            elif (answer := serve_engine_route(engine, method, path, body)) is not None:
-                if isinstance(answer.body, str):
-                    self._send(answer.status, answer.body, text=True)
-                else:
-                    self._send(answer.status, answer.body)
+                self._send(200, "", path)
+            elif path == "/generate" and method == "POST":
+                try:
+                    self._generate(body or {}, path)
+                except ValueError as exc:  # http_server.generate_request: _create_error_response(e)
+                    self._send(400, {"error": {"message": str(exc)}}, path)
+            elif (answer := self.server.state.handle(method, path, body)) is not None:
+                self._send(answer.status, answer.body, path)
             else:
-                self._send(404, {"detail": "Not Found"})
-        except Exception as exc:  # a server answers; it does not die
-            self._send(400, {"error": {"message": f"{type(exc).__name__}: {exc}"}})
+                self._send(404, {"detail": "Not Found"}, path)
+        except Exception as exc:  # FastAPI answers an unhandled error with 500
+            with contextlib.suppress(OSError):
+                self._send(500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}, path)
 
-    def _generate(self, body: dict[str, Any]) -> None:
+    def _generate(self, body: dict[str, Any], path: str) -> None:
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids:
-            self._send(400, {"error": {"message": "input_ids is required"}})
+            self._send(400, {"error": {"message": "input_ids is required"}}, path)
             return
         single = not isinstance(ids[0], list)
         batch = [ids] if single else ids
@@ -103,27 +200,46 @@ class _Handler(BaseHTTPRequestHandler):
         results = []
         for prompt, sp in zip(batch, per_req, strict=True):
             cfg, seed = _sampling(sp)
-            out = self.server.engine.generate([prompt], cfg, seed=seed)[0]
-            meta: dict[str, Any] = {
+            out = self.server.generation.run(list(prompt), cfg, seed)
+            version = self.server.state.receiver.weight_version
+            if out is None:  # aborted: SGLang's abort result, no tokens to train on
+                meta: dict[str, Any] = {
+                    "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": 0,
+                    "weight_version": version,
+                }
+                if body.get("return_logprob"):
+                    meta["output_token_logprobs"] = []
+                results.append({"text": "", "output_ids": [], "meta_info": meta})
+                continue
+            meta = {
                 "finish_reason": {"type": out.finish_reason},
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(out.token_ids),
-                "weight_version": self.server.engine.get_weight_version(),
+                "weight_version": version,
             }
             if body.get("return_logprob"):
                 meta["output_token_logprobs"] = [
                     [lp, t, None] for lp, t in zip(out.log_probs, out.token_ids, strict=True)
                 ]
             results.append({"text": "", "output_ids": list(out.token_ids), "meta_info": meta})
-        self._send(200, results[0] if single else results)
+        self._send(200, results[0] if single else results, path)
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], engine: BuiltinEngine, record_path: str | None) -> None:
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        generation: _Generation,
+        state: SGLangServerState,
+        record_path: str | None,
+    ) -> None:
         super().__init__(addr, _Handler)
-        self.engine = engine
+        self.generation = generation
+        self.state = state
         self._record_path = record_path
         self._record_lock = threading.Lock()
 
@@ -132,6 +248,12 @@ class _Server(ThreadingHTTPServer):
             return
         with self._record_lock, open(self._record_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(entry) + "\n")
+
+
+def _die(message: str) -> None:
+    """Where SGLang's scheduler raises, the whole server goes down; so does the stand-in."""
+    print(f"stand-in: the scheduler died: {message}", flush=True)
+    os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,10 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-seed", type=int, default=None)
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--skip-server-warmup", action="store_true")
+    parser.add_argument("--standin-version", default=DEFAULT_VERSION)
     parser.add_argument("--standin-record", default=None)
     parser.add_argument("--standin-startup-delay", type=float, default=0.0)
     parser.add_argument("--standin-exit-code", type=int, default=None)
     parser.add_argument("--standin-ignore-sigterm", action="store_true")
+    parser.add_argument("--standin-step-delay", type=float, default=0.0)
     args, _unknown = parser.parse_known_args(argv)
     if args.standin_exit_code is not None:
         print(f"stand-in: exiting with code {args.standin_exit_code} as asked", flush=True)
@@ -158,11 +282,40 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if args.standin_startup_delay:
         time.sleep(args.standin_startup_delay)
+    from ppo_weight_sync.testing.sglang_like import SGLangReceiver, SGLangServerState
+
     from ..engine.builtin import BuiltinEngine
 
     engine = BuiltinEngine(args.model_path, name=f"standin:{args.port}", torch_threads=1)
-    server = _Server((args.host, args.port), engine, args.standin_record)
-    print(f"stand-in SGLang server on http://{args.host}:{args.port} argv={sys.argv[1:]}", flush=True)
+    if args.standin_step_delay:
+        step = engine._step
+
+        @contextlib.contextmanager
+        def slow_step(epoch: int) -> Any:
+            time.sleep(args.standin_step_delay)
+            with step(epoch):
+                yield
+
+        engine._step = slow_step  # type: ignore[method-assign]
+
+    def load(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        held = dict(engine._expected())
+        named = list(named)
+        for name, tensor in named:
+            if name not in held:
+                raise KeyError(f"{name} is not a parameter of the model")
+            if tuple(tensor.shape) != tuple(held[name][1]):
+                raise ValueError(f"{name}: shape {list(tensor.shape)} != {list(held[name][1])}")
+        engine._load_weights(named)
+
+    receiver = SGLangReceiver(load, engine.device, version=args.standin_version, tp_rank=0)
+    generation = _Generation(engine)
+    state = SGLangServerState(args.standin_version, receiver, generation, _die)
+    server = _Server((args.host, args.port), generation, state, args.standin_record)
+    print(
+        f"stand-in SGLang {args.standin_version} on http://{args.host}:{args.port} argv={sys.argv[1:]}",
+        flush=True,
+    )
     try:
         server.serve_forever(poll_interval=0.1)
     finally:

@@ -91,6 +91,10 @@ class TensorEngine:
             self._load, self._expected, self.device, on_flush_cache=self._on_flush, timeout_s=timeout_s
         )
 
+    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``named`` into the held weights (KeyError for a name not held, RuntimeError for a shape)."""
+        self._load(named)
+
     def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)

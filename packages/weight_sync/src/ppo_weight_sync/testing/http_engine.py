@@ -24,12 +24,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO, Any
 
-from ppo_weight_sync.routes import serve_engine_route, validation_error
+from ppo_weight_sync.routes import RouteResult, serve_engine_route, validation_error
 from ppo_weight_sync.testing.engine import Spec, TensorEngine
+from ppo_weight_sync.testing.sglang_like import SGLangReceiver, SGLangServerState
 
 __all__ = ["ClosingHTTPServer", "EngineHTTPServer", "serve", "start_process", "wait_until_ready"]
 
@@ -81,10 +82,29 @@ class EngineHTTPServer(ClosingHTTPServer):
         host: str,
         port: int,
         extra_routes: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None,
+        sglang_version: str | None = None,
     ) -> None:
         super().__init__((host, port), _Handler)
         self.engine = engine
         self.extra_routes = dict(extra_routes or {})
+        # SGLang mode: the weight and control routes are an SGLang server's of that version (its receiver
+        # and its server-side rules, testing.sglang_like) around this engine's weights.
+        self.sglang: SGLangServerState | None = None
+        if sglang_version is not None:
+            receiver = SGLangReceiver(
+                engine.load, engine.device, version=sglang_version, timeout_s=engine.timeout_s
+            )
+            self.sglang = SGLangServerState(sglang_version, receiver, _TensorHooks(engine), _die)
+
+    def answer(self, method: str, path: str, body: dict[str, Any] | None) -> RouteResult | None:
+        if self.sglang is not None:
+            return self.sglang.handle(method, path, body)
+        return serve_engine_route(self.engine, method, path, body)
+
+    def weight_version(self) -> str | None:
+        if self.sglang is not None:
+            return self.sglang.receiver.weight_version
+        return self.engine.get_weight_version()
 
     @property
     def url(self) -> str:
@@ -135,13 +155,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _get(self) -> None:
         engine = self.server.engine
-        answer = serve_engine_route(engine, "GET", self.path, None)
+        answer = self.server.answer("GET", self.path, None)
         if answer is not None:
             self._send(answer.status, answer.body)
         elif self.path == "/health":
             self._send(200, "")
         elif self.path == "/state":
-            self._send(200, engine.state())
+            self._send(200, {**engine.state(), "weight_version": self.server.weight_version()})
         else:
             self._send(404, {"detail": "Not Found"})
 
@@ -153,7 +173,7 @@ class _Handler(BaseHTTPRequestHandler):
             refusal = validation_error(f"bad JSON: {exc}")
             self._send(refusal.status, refusal.body)
             return
-        answer = serve_engine_route(engine, "POST", self.path, body)
+        answer = self.server.answer("POST", self.path, body)
         if answer is not None:
             self._send(answer.status, answer.body)
         elif self.path in self.server.extra_routes:
@@ -166,6 +186,37 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, {"success": True, "message": "ok"})
         else:
             self._send(404, {"detail": "Not Found"})
+
+
+class _TensorHooks:
+    """An engine that only holds weights, as an SGLang server's scheduler sees it: never busy."""
+
+    def __init__(self, engine: TensorEngine) -> None:
+        self.engine = engine
+
+    def pause(self, mode: str) -> None:
+        self.engine.pause_generation()
+
+    def resume(self) -> None:
+        self.engine.continue_generation()
+
+    def pending_requests(self) -> int:
+        return 0
+
+    def flush(self) -> None:
+        self.engine.flush_cache()
+
+    def release(self, tags: Sequence[str]) -> None:
+        return None
+
+    def restore(self, tags: Sequence[str]) -> None:
+        return None
+
+
+def _die(message: str) -> None:
+    """Where SGLang's scheduler raises, the server goes down: this process exits."""
+    print(f"scheduler died: {message}", flush=True)
+    os._exit(1)
 
 
 def serve(
@@ -192,6 +243,7 @@ def start_process(
     group_timeout_s: float = 60.0,
     load_delay_s: float = 0.0,
     env: dict[str, str] | None = None,
+    sglang_version: str | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
     """Start a server process for a TensorEngine of ``spec``; returns ``(process, base_url)``.
 
@@ -212,6 +264,7 @@ def start_process(
         str(group_timeout_s),
         "--load-delay",
         str(load_delay_s),
+        *(["--sglang-version", sglang_version] if sglang_version else []),
     ]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env)
@@ -273,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--group-timeout", type=float, default=60.0)
     parser.add_argument("--load-delay", type=float, default=0.0)
+    parser.add_argument("--sglang-version", default=None, help="serve as an SGLang server of this version")
     args = parser.parse_args(argv)
     engine = TensorEngine(
         json.loads(args.spec),
@@ -281,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_s=args.group_timeout,
         load_delay_s=args.load_delay,
     )
-    server = EngineHTTPServer(engine, args.host, args.port)
+    server = EngineHTTPServer(engine, args.host, args.port, sglang_version=args.sglang_version)
     print(f"READY {server.url}", flush=True)
     server.serve_forever()
 

@@ -1,5 +1,6 @@
 """``flattened_bucket`` (SGLang's name): one update call and one flat buffer per bucket, the tensors'
-bytes back to back (SGLang's ``FlattenedTensorBucket`` layout). The version goes with the last bucket."""
+bytes back to back (SGLang's ``FlattenedTensorBucket`` layout), a new bucket wherever a tensor would start
+unaligned for its dtype (SGLang views each in place). The version goes with the last bucket."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ppo_weight_sync.buckets import FLATTENED_BUCKET, plan_buckets
+from ppo_weight_sync.buckets import FLATTENED_BUCKET, plan_aligned_buckets
 from ppo_weight_sync.transports.base import Sent
 from ppo_weight_sync.transports.broadcast import GroupLink, GroupTransport, Metadata, Pipeline
 
@@ -20,7 +21,8 @@ class FlattenedBucketTransport(GroupTransport):
 
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
         meta = Metadata.of(items)
-        plan = plan_buckets(meta.sizes, self.link.bucket_bytes)
+        itemsizes = [t.element_size() for _, t in items]
+        plan = plan_aligned_buckets(meta.sizes, itemsizes, self.link.bucket_bytes)
         pipe = Pipeline(self.link, self.staging, [t for _, t in items], plan)
         for k, (a, b) in enumerate(plan):
             last = k == len(plan) - 1

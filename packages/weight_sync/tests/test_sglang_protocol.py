@@ -1,0 +1,141 @@
+"""The sender against SGLang's own receiving side (testing.sglang_like), in each supported version's mode:
+real processes, a real gloo group, real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from harness import GROUP_TIMEOUT_S, SPEC, HttpEngine, assert_engines_hold, weights
+
+from ppo_weight_sync import (
+    EngineUnavailableError,
+    HttpEngineEndpoint,
+    WeightSender,
+    plan_buckets,
+)
+from ppo_weight_sync.buckets import plan_aligned_buckets
+from ppo_weight_sync.sglang import SGLangProtocol
+from ppo_weight_sync.testing.http_engine import start_process
+
+pytestmark = pytest.mark.timeout(240)
+
+VERSIONS = ["0.5.15.post1", "0.5.23"]
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def sglang_engines(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[HttpEngine]]]:
+    version = request.param
+    with ThreadPoolExecutor(2) as pool:
+        started = list(
+            pool.map(
+                lambda i: start_process(
+                    SPEC, seed=i + 1, timeout_s=180, group_timeout_s=GROUP_TIMEOUT_S, sglang_version=version
+                ),
+                range(2),
+            )
+        )
+    engines = [
+        HttpEngine(HttpEngineEndpoint.for_sglang(url, name=f"sglang-{i}", timeout_s=60), proc)
+        for i, (proc, url) in enumerate(started)
+    ]
+    yield version, engines
+    for engine in engines:
+        engine.kill()
+
+
+def test_the_protocol_is_read_from_the_server(sglang_engines: tuple[str, list[HttpEngine]]) -> None:
+    version, engines = sglang_engines
+    protocol = engines[0].endpoint.sglang
+    assert protocol == SGLangProtocol.for_version(version)
+    assert protocol.weight_update_session is (version == "0.5.23")
+    assert protocol.pause_mode == ("retract" if version == "0.5.23" else "abort")
+    # the version route SGLang does not serve is not used: /get_weight_version answers 404 there
+    with pytest.raises(EngineUnavailableError, match="HTTP 404"):
+        engines[0].endpoint.request("GET", "/get_weight_version")
+
+
+@pytest.mark.parametrize("load_format", ["per_tensor", "flattened_bucket"])
+def test_connect_update_disconnect_reconnect(
+    sglang_engines: tuple[str, list[HttpEngine]], load_format: str
+) -> None:
+    _, engines = sglang_engines
+    endpoints = [e.endpoint for e in engines]
+    sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, bucket_bytes=4096, load_format=load_format)
+    sender.connect(endpoints)
+    first_group = sender.active_group_name
+    for step in range(2):
+        sent = weights(step)
+        sender.update(sent.items(), f"{load_format}-v{step}")
+        assert_engines_hold(engines, sent, f"{load_format}-v{step}")
+    sender.disconnect()
+    assert sender.last_disconnect_errors == []
+    sender.connect(endpoints)
+    assert sender.active_group_name != first_group  # a fresh group name per connection
+    sent = weights(7)
+    sender.update(sent.items(), f"{load_format}-v7")
+    assert_engines_hold(engines, sent, f"{load_format}-v7")
+    sender.disconnect()
+
+
+def test_a_rejected_update_drops_the_group_and_a_reconnect_recovers(
+    sglang_engines: tuple[str, list[HttpEngine]],
+) -> None:
+    _, engines = sglang_engines
+    endpoints = [e.endpoint for e in engines]
+    sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, bucket_bytes=4096, load_format="flattened_bucket")
+    sender.connect(endpoints)
+    bad = dict(weights(1))
+    bad["model.not_a_weight"] = bad.pop("model.norm.weight")
+    # SGLang receives first and loads after: its failure cannot say whether the group is in step, so the
+    # sender treats it as lost (never a message prefix) and disconnects.
+    with pytest.raises(EngineUnavailableError, match=r"model\.not_a_weight"):
+        sender.update(bad.items(), "bad")
+    assert not sender.is_connected
+    sender.connect(endpoints)
+    sent = weights(2)
+    sender.update(sent.items(), "after-bad")
+    assert_engines_hold(engines, sent, "after-bad")
+    sender.disconnect()
+
+
+def test_an_engine_killed_mid_update_is_named_and_a_fresh_one_connects(
+    sglang_engines: tuple[str, list[HttpEngine]],
+) -> None:
+    version, engines = sglang_engines
+    proc, url = start_process(
+        SPEC, seed=9, timeout_s=180, group_timeout_s=GROUP_TIMEOUT_S, load_delay_s=30, sglang_version=version
+    )
+    victim = HttpEngine(HttpEngineEndpoint.for_sglang(url, name="victim", timeout_s=60), proc)
+    sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, bucket_bytes=4096)
+    sender.connect([engines[0].endpoint, victim.endpoint])
+
+    killer = threading.Timer(2.0, victim.kill)
+    killer.start()
+    with pytest.raises(EngineUnavailableError, match="victim"):
+        sender.update(weights(3).items(), "never")
+    killer.join()
+    assert not sender.is_connected
+    sender.connect([engines[0].endpoint, engines[1].endpoint])
+    sent = weights(4)
+    sender.update(sent.items(), "after-kill")
+    assert_engines_hold(engines, sent, "after-kill")
+    sender.disconnect()
+
+
+def test_unsupported_versions_are_refused_naming_them() -> None:
+    with pytest.raises(ValueError, match=r"SGLang 0\.5\.14 is not supported.*0\.5\.15\.post1 to 0\.5\.23"):
+        SGLangProtocol.for_version("0.5.14")
+    with pytest.raises(ValueError, match=r"SGLang 0\.6\.0 is not supported"):
+        SGLangProtocol.for_version("0.6.0")
+    assert SGLangProtocol.for_version("0.5.21").weight_update_session
+    assert not SGLangProtocol.for_version("0.5.20").weight_update_session
+
+
+def test_flattened_buckets_start_every_tensor_aligned() -> None:
+    # bf16 (2 bytes) x3, then float32: SGLang views each tensor in place, so it starts a new bucket
+    sizes, itemsizes = [6, 8, 4], [2, 4, 4]
+    assert plan_buckets(sizes, 1 << 20) == [(0, 3)]
+    assert plan_aligned_buckets(sizes, itemsizes, 1 << 20) == [(0, 1), (1, 3)]
