@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -19,6 +20,7 @@ from ppo_driver.config import (
     dump_config,
     load_config,
     parse_override,
+    validate_config,
 )
 from ppo_lifecycle import ResidentSharedCriticWarning
 
@@ -145,15 +147,52 @@ def test_shared_critic_without_offload_needs_the_debug_flag() -> None:
         assert build.offload_plan(config).table["critic_train"] == {"actor", "critic", "rollout"}
 
 
-def test_reward_kl_with_shared_critic_names_the_reason() -> None:
-    with pytest.raises(ConfigError, match="would need the actor's log-probs"):
-        load_config(None, ["algorithm.kl_coef=0.05"])
-    # KL as a loss term is fine with a shared critic, and reward KL with a dedicated one.
-    load_config(None, ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01"])
-    load_config(
-        None,
-        ["algorithm.kl_coef=0.05", "placement.critic=dedicated", "placement.mode=disaggregate"],
+def test_reward_kl_is_accepted_under_every_critic_placement() -> None:
+    for placement in (
+        [],
+        ["placement.mode=disaggregate"],
+        ["placement.critic=dedicated", "placement.mode=disaggregate"],
+    ):
+        config = load_config(None, ["algorithm.kl_coef=0.05", *placement])
+        assert config.algorithm.kl_coef == 0.05
+
+
+def test_one_step_off_needs_disaggregation_and_a_tis_cap() -> None:
+    with pytest.raises(ConfigError, match=r"set placement.mode=disaggregate, or train.async=off"):
+        load_config(None, ["train.async=one_step_off", "algorithm.tis_cap=2"])
+    with pytest.raises(ConfigError, match=r"set algorithm.tis_cap"):
+        load_config(None, ["train.async=one_step_off", "placement.mode=disaggregate"])
+    with pytest.raises(ConfigError, match=r"train.async"):
+        load_config(None, ["train.async=two_steps_off"])
+    config = load_config(
+        None, ["train.async=one_step_off", "placement.mode=disaggregate", "algorithm.tis_cap=2"]
     )
+    assert config.train.async_ == "one_step_off"
+    assert load_config(None, ["train.async=off"]).train.async_ == "off"  # YAML reads `off` as false
+    assert "async: one_step_off" in dump_config(config)  # the YAML name, and it loads back
+    assert validate_config(yaml.safe_load(dump_config(config))) == config
+
+
+def test_a_critic_of_another_size_is_checked_before_the_run() -> None:
+    # 4 prompts x 3 samples over 3 critic ranks: the sample count divides, but a prompt's samples would
+    # be split; refused by validate, naming the field.
+    with pytest.raises(ConfigError, match=r"divisible by placement.critic_gpus \(3\)"):
+        load_config(
+            None,
+            [
+                "placement.critic=dedicated",
+                "placement.mode=disaggregate",
+                "placement.critic_gpus=3",
+                "rollout.prompts_per_step=4",
+                "rollout.sampling.n_samples_per_prompt=3",
+                "algorithm.num_mini_batches=1",
+                "train.micro_batch_size=1",
+            ],
+        )
+    config = load_config(
+        None, ["placement.critic=dedicated", "placement.mode=disaggregate", "placement.critic_gpus=2"]
+    )
+    assert config.placement.critic_gpus == 2
 
 
 def test_grpo_without_critic() -> None:
@@ -194,18 +233,17 @@ def test_dump_round_trips(tmp_path: Path) -> None:
     assert load_config(path) == config
 
 
-def test_critic_config_is_a_copy_with_kl_zero() -> None:
+def test_critic_config_is_a_copy_with_its_own_lr() -> None:
     from ppo_driver import build
 
-    config = load_config(
-        None, ["algorithm.kl_coef=0.1", "placement.critic=dedicated", "placement.mode=disaggregate"]
-    )
+    config = load_config(None, ["algorithm.kl_coef=0.1", "algorithm.tis_cap=2"])
     actor = build.actor_trainer_config(config, "/m")
     critic = build.critic_trainer_config(actor, config)
-    assert (actor.role, actor.algorithm.kl_coef) == ("actor", 0.1)
-    assert (critic.role, critic.algorithm.kl_coef, critic.lr) == ("critic", 0.0, config.train.critic_lr)
-    assert dataclasses.replace(critic.algorithm, kl_coef=0.1) == actor.algorithm
-    assert config.algorithm.kl_coef == 0.1  # the user's config is untouched
+    assert (actor.role, actor.algorithm.kl_coef, actor.algorithm.tis_cap) == ("actor", 0.1, 2.0)
+    assert (critic.role, critic.lr) == ("critic", config.train.critic_lr)
+    assert critic.algorithm == actor.algorithm  # the critic shapes the rewards with the same kl_coef
+    assert critic.algorithm.reference_for("critic")
+    assert not actor.algorithm.reference_for("actor")
 
 
 def test_translations_build() -> None:

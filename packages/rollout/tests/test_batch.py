@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ppo_rollout.batch import FIELDS, Sample, balanced_split, rank_fields, split_samples
+from ppo_rollout.batch import FIELDS, Sample, balanced_split, rank_fields, split_indices, split_samples
 
 
 @given(
@@ -56,6 +56,15 @@ def test_fields_follow_the_table() -> None:
     assert fields["reward"][0].tolist() == [3.0]
     assert fields["rollout_log_probs"][0].shape == (4,)
     assert fields["prompt_index"][1].tolist() == [3]
+    assert fields["weight_version"][0].tolist() == [-1]  # not recorded by this hand-made sample
+
+
+def test_split_indices_are_split_samples_positions() -> None:
+    samples = [_sample(i, 2 + i, 1 + (i * 3) % 5) for i in range(6) for _ in range(2)]
+    for dp in (1, 2, 3):
+        ids = split_indices(samples, dp)
+        assert [[samples[i] for i in part] for part in ids] == split_samples(samples, dp)
+        assert sorted(i for part in ids for i in part) == list(range(len(samples)))
 
 
 def test_split_keeps_groups_together_and_consecutive() -> None:

@@ -57,6 +57,10 @@ def test_batch_masks_splits_and_rewards(manager: RolloutManager, tiny_model: Pat
             response = tok.decode(tokens[len(prompt_ids) :].tolist(), skip_special_tokens=True)
             assert float(fields["reward"][k]) == pytest.approx(char_match([_inp(row, response)])[0])
     assert sorted(seen) == [0, 1, 2, 3]
+    # The critic has the actor's size here: the same split, the same Boxes.
+    assert batch.critic_boxes == batch.boxes
+    assert batch.critic_sample_ids == batch.sample_ids
+    assert sorted(i for ids in batch.sample_ids for i in ids) == list(range(12))
     assert batch.metrics["rollout/samples"] == 12.0
     assert 0.0 <= batch.metrics["rollout/reward_mean"] <= 1.0
 
@@ -146,8 +150,13 @@ def test_weight_update_reaches_every_engine(manager: RolloutManager, tmp_path: P
     sender = WeightSender(backend="gloo", master_address="127.0.0.1", timeout_s=60.0)
     sender.connect(manager.endpoints())
     try:
-        sender.update(new, version="step-1")
+        sender.update(new, version="7")
         assert manager.weights_checksums() == [checksum(new)] * 2
+        # Each sample records the version of the engine that generated it (7: both engines).
+        batch = manager.generate(step=3)
+        for fields in _fields(batch):
+            assert [int(v) for v in fields["weight_version"]] == [7] * len(fields["tokens"])
+        assert batch.metrics["rollout/weight_version_min"] == 7.0
         assert before != manager.weights_checksums()
         sender.update(original, version="step-2")  # back, for the other tests
         assert manager.weights_checksums() == before
@@ -169,6 +178,9 @@ def test_config_and_split_errors(tiny_model: Path, tmp_path: Path) -> None:
         ValueError, match=r"prompts_per_step \(3\) must be a multiple of the data-parallel size \(2\)"
     ):
         RolloutManager(cfg, None, dp_size=2)
+    cfg = RolloutConfig(model_path=str(tiny_model), task="copy", prompts_per_step=4)
+    with pytest.raises(ValueError, match=r"multiple of the critic's data-parallel size \(3\)"):
+        RolloutManager(cfg, None, dp_size=2, critic_dp_size=3)
 
 
 def test_jsonl_prompts_shuffle_per_epoch_and_resume(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -109,3 +110,31 @@ def ray_session() -> Iterator[None]:
     )
     yield
     ray.shutdown()
+
+
+def critic_pieces(fields_per_rank: list[Fields], values_per_rank: list[list[torch.Tensor]]) -> list[Any]:
+    """What the critic hands each actor rank, made by hand: its values and the outcome rewards as
+    token rewards (no KL), one payload per rank holding that rank's samples in order."""
+    from ppo_trainer import ppo_math as pm
+    from ppo_trainer.batch import Samples
+    from ppo_value_transport import pack_fields, pair_values
+
+    boxes, ids, start = [], [], 0
+    for fields, values in zip(fields_per_rank, values_per_rank, strict=True):
+        samples = Samples.from_fields(fields)
+        rewards = samples.unpad(pm.token_rewards(samples.reward, samples.response_mask))
+        boxes.append(pack_fields({"values": list(values), "token_rewards": rewards}))
+        ids.append(list(range(start, start + len(values))))
+        start += len(values)
+    return pair_values(boxes, ids, ids)
+
+
+def same_split(boxes: list[Any], counts: list[int]) -> list[Any]:
+    """The critic's per-rank payloads to an actor that holds the same samples on the same ranks."""
+    from ppo_value_transport import pair_values
+
+    ids, start = [], 0
+    for n in counts:
+        ids.append(list(range(start, start + n)))
+        start += n
+    return pair_values(boxes, ids, ids)

@@ -3,6 +3,8 @@ handling, micro-batching, and the PPO/GRPO updates."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -173,6 +175,76 @@ def test_ppo_actor_moves_towards_rewarded_responses(tiny_model: Path, fields_fac
     assert 0.0 <= metrics["pg_clip_fraction"] <= 1.0
 
 
+def _reference_log_probs(model: Path, samples: Samples) -> torch.Tensor:
+    """Log-probs of each response token under the model as loaded (the reference), computed apart."""
+    reference = AutoModelForCausalLM.from_pretrained(model).float().eval()
+    out = torch.zeros(len(samples), samples.max_response)
+    for i, tokens in enumerate(samples.tokens):
+        r = int(samples.response_lengths[i])
+        p = tokens.numel() - r
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(tokens[None]).logits[0].float(), -1)
+        out[i, :r] = torch.stack([logp[p + k - 1, tokens[p + k]] for k in range(r)])
+    return out
+
+
+def test_critic_targets_include_the_kl_penalty(tiny_model: Path, fields_factory: Callable) -> None:
+    """Reward-level KL: the critic shapes the rewards from the rollout's and the reference's log-probs,
+    its returns (the value targets) carry the penalty, and the actor trains on the same rewards."""
+    samples = Samples.from_fields(fields_factory(8, seed=21))
+    alg = AlgorithmConfig(lam=1.0, gamma=1.0, kl_coef=0.5, kl_estimator="k1")
+    critic = trainer(tiny_model, role="critic", algorithm=alg, micro_batch_size=3)
+    assert critic.reference is not None
+    mask = samples.response_mask
+    kl = (samples.rollout_log_probs - _reference_log_probs(tiny_model, samples)) * mask
+    last = mask.cumsum(1).eq(mask.sum(1, keepdim=True)) * mask  # each sample's last response token
+    expected = samples.reward[:, None] * last - 0.5 * kl
+    rewards, reward_metrics = critic.token_rewards(samples)
+    torch.testing.assert_close(rewards, expected, atol=1e-5, rtol=1e-5)
+    assert reward_metrics["reward_kl"] != 0.0
+
+    metrics, _, trained_on = critic.train_critic(samples)
+    torch.testing.assert_close(trained_on, expected, atol=1e-5, rtol=1e-5)
+    # gamma = lambda = 1: each target is the sum of the rewards from that token on.
+    returns = expected.flip(1).cumsum(1).flip(1)
+    plain = (samples.reward[:, None] * last).flip(1).cumsum(1).flip(1)
+    target_mean = float((returns * samples.loss_mask).sum() / samples.loss_mask.sum())
+    plain_mean = float((plain * samples.loss_mask).sum() / samples.loss_mask.sum())
+    assert metrics["returns_mean"] == pytest.approx(target_mean, abs=1e-5)
+    assert abs(target_mean - plain_mean) > 0.1  # the penalty moves the targets
+
+    actor = trainer(tiny_model, algorithm=alg, micro_batch_size=4)
+    assert actor.reference is None  # reward-level KL needs no reference on the actor
+    values = torch.zeros(len(samples), samples.max_response)
+    with pytest.raises(ValueError, match="the actor trains on the critic's KL-shaped token rewards"):
+        actor.train_actor(samples, values)
+    actor_metrics = actor.train_actor(samples, values, trained_on)
+    assert actor_metrics["token_reward_sum_mean"] == pytest.approx(metrics["token_reward_sum_mean"], abs=1e-6)
+
+
+def test_truncated_importance_sampling_weights(tiny_model: Path, fields_factory: Callable) -> None:
+    samples = Samples.from_fields(fields_factory(8, seed=22))
+    values = torch.zeros(len(samples), samples.max_response)
+    plain = trainer(tiny_model, micro_batch_size=4)
+    capped = trainer(tiny_model, micro_batch_size=4, algorithm=AlgorithmConfig(lam=1.0, tis_cap=2.0))
+    # Rollout log-probs equal to the trainer's: every weight is 1, the update is unchanged.
+    on_policy = dataclasses.replace(samples, rollout_log_probs=plain.compute_log_probs(samples))
+    m_plain = plain.train_actor(on_policy, values)
+    m_capped = capped.train_actor(on_policy, values)
+    assert m_capped["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m_capped["pg_loss"] == pytest.approx(m_plain["pg_loss"], rel=1e-5)
+    # Rollout log-probs 2 nats below the trainer's: ratio e^2 > cap, every weight is the cap; 0.5 nats
+    # above: ratio e^-0.5, under the cap, kept as it is.
+    old = on_policy.rollout_log_probs
+    for shift, weight, capped_fraction in ((-2.0, 2.0, 1.0), (0.5, math.exp(-0.5), 0.0)):
+        fresh = trainer(tiny_model, micro_batch_size=4, algorithm=AlgorithmConfig(lam=1.0, tis_cap=2.0))
+        off = fresh.train_actor(
+            dataclasses.replace(samples, rollout_log_probs=(old + shift) * samples.response_mask), values
+        )
+        assert off["tis_weight_mean"] == pytest.approx(weight, rel=1e-4)
+        assert off["tis_capped_fraction"] == capped_fraction
+
+
 def test_mini_batches_and_epochs_set_the_number_of_steps(tiny_model: Path, fields_factory: Callable) -> None:
     samples = Samples.from_fields(fields_factory(5, seed=12))
     values = torch.zeros(len(samples), samples.max_response)
@@ -240,8 +312,8 @@ def test_fsdp2_critic_trains_saves_and_loads_a_policy_checkpoint(
     shard = DataParallel(shard_group=lambda: one_rank_group)
     plain, sharded = TorchTrainer(config), TorchTrainer(config, shard)
     for _ in range(2):
-        m_plain, v_plain = plain.train_critic(samples)
-        m_sharded, v_sharded = sharded.train_critic(samples)
+        m_plain, v_plain, _ = plain.train_critic(samples)
+        m_sharded, v_sharded, _ = sharded.train_critic(samples)
         assert m_sharded["value_loss"] == pytest.approx(m_plain["value_loss"], rel=1e-5)
         torch.testing.assert_close(v_sharded, v_plain, atol=1e-6, rtol=1e-5)
 

@@ -54,7 +54,6 @@ def test_algorithm_config_rejects(kwargs: dict, field: str) -> None:
         ),
         ({"device": "cuda", "weight_sync_colocated": (-1,)}, "weight_sync_colocated"),
         ({"data_parallel": "ddp"}, "data_parallel"),
-        ({"role": "critic", "algorithm": AlgorithmConfig(kl_coef=0.1)}, "kl_coef"),
         ({"role": "critic", "algorithm": AlgorithmConfig(estimator="grpo")}, "grpo"),
     ],
 )
@@ -80,6 +79,17 @@ def test_configs_are_frozen_and_derived_by_replace() -> None:
     assert dataclasses.replace(two, role="actor").lr == 1e-3
     assert TrainerConfig(role="actor", model_path="/m", device="cuda").compute_dtype == "bfloat16"
     assert AlgorithmConfig(eps_clip=0.2).clip_high == 0.2
+
+
+def test_reward_kl_puts_the_reference_on_the_critic() -> None:
+    reward_kl = AlgorithmConfig(kl_coef=0.1)
+    assert (reward_kl.reference_for("critic"), reward_kl.reference_for("actor")) == (True, False)
+    kl_loss = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
+    assert (kl_loss.reference_for("critic"), kl_loss.reference_for("actor")) == (False, True)
+    # the critic accepts reward-level KL (it computes the KL-shaped rewards)
+    assert TrainerConfig(role="critic", model_path="/m", algorithm=reward_kl).algorithm.kl_coef == 0.1
+    with pytest.raises(ValueError, match=r"tis_cap=0.5 must be >= 1"):
+        AlgorithmConfig(tis_cap=0.5)
     assert AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1).needs_reference
 
 

@@ -13,11 +13,20 @@ from typing import Any
 import pytest
 import ray
 import torch
+from conftest import critic_pieces, same_split
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from ppo_trainer import AlgorithmConfig, LocalSlots, TrainerConfig, TrainGroup
-from ppo_value_transport import Box, MissingValuesError, pack, pack_fields, unpack, unpack_fields
+from ppo_value_transport import (
+    Box,
+    MissingValuesError,
+    pack,
+    pack_fields,
+    pair_values,
+    unpack,
+    unpack_fields,
+)
 from ppo_weight_sync import RayEngineEndpoint, checksum
 from ppo_weight_sync.testing.engine import TensorEngine
 
@@ -54,8 +63,8 @@ def initial(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def all_groups(tiny_model: Path, ray_session: None, initial: Path) -> Iterator[dict[str, TrainGroup]]:
-    """A 1-rank actor, a 1-rank critic, a 2-rank actor and a 2-rank FSDP2 actor, started together
-    (worker start-up dominates)."""
+    """A 1-rank actor, a 1-rank critic, a 2-rank actor, a 2-rank FSDP2 actor and a 2-rank critic,
+    started together (worker start-up dominates)."""
     actor_cfg, critic_cfg = configs(tiny_model)
     fsdp_cfg, _ = configs(tiny_model, data_parallel="fsdp2")
     specs = {
@@ -63,6 +72,7 @@ def all_groups(tiny_model: Path, ray_session: None, initial: Path) -> Iterator[d
         "critic": ("critic", 1, critic_cfg),
         "actor2": ("actor", 2, actor_cfg),
         "actor_fsdp": ("actor", 2, fsdp_cfg),
+        "critic2": ("critic", 2, critic_cfg),
     }
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {
@@ -96,7 +106,8 @@ def step(actor: TrainGroup, critic: TrainGroup, n: int, box: Box, offload: bool 
     if offload:
         critic.sleep()
         actor.wake_up()
-    a = actor.train(n, [box], c.values)
+    assert c.values is not None
+    a = actor.train(n, [box], same_split(c.values, [8]))
     if offload:
         actor.sleep()
     return c.metrics, a.metrics
@@ -112,10 +123,10 @@ def test_actor_and_critic_learn_and_values_reach_the_actor(groups: tuple[TrainGr
         result = critic.train(n, [box])
         assert result.values is not None
         assert len(result.values) == 1
-        values = unpack(result.values[0])
+        values = unpack_fields(result.values[0])["values"]
         assert [v.numel() for v in values] == [int(r) for r in samples["response_length"]]
         value_losses.append(result.metrics["value_loss"])
-        metrics = actor.train(n, [box], result.values).metrics
+        metrics = actor.train(n, [box], same_split(result.values, [8])).metrics
         assert metrics["optimizer_steps"] == 1.0
     assert value_losses[-1] < value_losses[0], value_losses
     after = unpack(actor.compute_log_probs([box])[0])
@@ -133,11 +144,15 @@ def test_actor_without_values_raises_naming_the_rank(groups: tuple[TrainGroup, T
     actor, _ = groups
     with pytest.raises(MissingValuesError, match="actor rank 0"):
         actor.train(1, [batch_box(seed=1)])
-    wrong = pack([torch.zeros(1)])  # one value for a batch of 8 samples
+    box = batch_box(seed=1)
+    one = {k: v[:1] for k, v in unpack_fields(box).items()}
+    wrong = critic_pieces([one], [[torch.zeros(int(one["response_length"][0]))]])  # 1 sample of 8
     with pytest.raises(ValueError, match="1 tensors for a batch of 8"):
-        actor.train(1, [batch_box(seed=1)], [wrong])
+        actor.train(1, [box], wrong)
     with pytest.raises(ValueError, match="critic rank 0 got values"):
-        groups[1].train(1, [batch_box(seed=1)], [wrong])
+        groups[1].train(1, [box], wrong)
+    with pytest.raises(ValueError, match="must come as Pieces"):
+        actor.train(1, [box], [pack([torch.zeros(1)])])  # type: ignore[list-item]
 
 
 def test_sleep_and_wake_between_phases_train_identically(
@@ -233,8 +248,9 @@ def test_weight_update_follows_the_sleep_rule(
         assert ray.get(handle.counts.remote()) == (1, 1)
         step_box = batch_box(seed=41)
         actor.wake_up()
+        fields = unpack_fields(step_box)
         actor.train(
-            5, [step_box], [pack([torch.zeros(int(r)) for r in unpack_fields(step_box)["response_length"]])]
+            5, [step_box], critic_pieces([fields], [[torch.zeros(int(r)) for r in fields["response_length"]]])
         )
         actor.sleep()
         metrics = actor.update_weights("3")  # asleep: wake, reconnect, send, sleep
@@ -261,8 +277,10 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(
     fields = make_fields(8, seed=51)
     values = [torch.randn(int(r)) for r in fields["response_length"]]
     halves = [{k: v[:4] for k, v in fields.items()}, {k: v[4:] for k, v in fields.items()}]
-    m1 = one.train(1, [pack_fields(fields)], [pack(values)]).metrics
-    m2 = two.train(1, [pack_fields(h) for h in halves], [pack(values[:4]), pack(values[4:])]).metrics
+    m1 = one.train(1, [pack_fields(fields)], critic_pieces([fields], [values])).metrics
+    m2 = two.train(
+        1, [pack_fields(h) for h in halves], critic_pieces(halves, [values[:4], values[4:]])
+    ).metrics
     for key in ("pg_loss", "grad_norm", "entropy", "advantages_mean", "train_rollout_logp_abs_diff"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
     one.save(tmp_path / "one")
@@ -284,7 +302,9 @@ def assert_same_saved_weights(first: Path, second: Path) -> None:
 
 def two_rank_step(group: TrainGroup, n: int, fields: dict, values: list[torch.Tensor]) -> dict[str, float]:
     halves = [{k: v[:4] for k, v in fields.items()}, {k: v[4:] for k, v in fields.items()}]
-    return group.train(n, [pack_fields(h) for h in halves], [pack(values[:4]), pack(values[4:])]).metrics
+    return group.train(
+        n, [pack_fields(h) for h in halves], critic_pieces(halves, [values[:4], values[4:]])
+    ).metrics
 
 
 def test_fsdp2_matches_one_rank_and_checkpoints_load_across_kinds(
@@ -301,7 +321,7 @@ def test_fsdp2_matches_one_rank_and_checkpoints_load_across_kinds(
     assert fsdp.weights_checksum() == one.weights_checksum()
     fields = make_fields(8, seed=61)
     values = [torch.randn(int(r)) for r in fields["response_length"]]
-    m1 = one.train(1, [pack_fields(fields)], [pack(values)]).metrics
+    m1 = one.train(1, [pack_fields(fields)], critic_pieces([fields], [values])).metrics
     m2 = two_rank_step(fsdp, 1, fields, values)
     for key in ("pg_loss", "grad_norm", "entropy", "advantages_mean", "train_rollout_logp_abs_diff"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
@@ -322,7 +342,7 @@ def test_fsdp2_matches_one_rank_and_checkpoints_load_across_kinds(
     fsdp.load(tmp_path / "fsdp")
     fields = make_fields(8, seed=62)
     values = [torch.randn(int(r)) for r in fields["response_length"]]
-    m1 = one.train(2, [pack_fields(fields)], [pack(values)]).metrics
+    m1 = one.train(2, [pack_fields(fields)], critic_pieces([fields], [values])).metrics
     m2 = two_rank_step(fsdp, 2, fields, values)
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
     one.save(tmp_path / "one2")
@@ -385,3 +405,54 @@ def test_fsdp2_sleeps_wakes_and_updates_engines(
     finally:
         fsdp.wake_up()
         ray.kill(handle)
+
+
+def _select(fields: dict[str, list[torch.Tensor]], ids: list[int]) -> dict[str, list[torch.Tensor]]:
+    return {k: [v[i] for i in ids] for k, v in fields.items()}
+
+
+# Sample ids per rank, as the rollout splits them: whole prompts (2 samples each) per rank, each
+# role its own balance and order, so most rows change rank and position on the way.
+SPLITS = {1: [[6, 7, 2, 3, 0, 1, 4, 5]], 2: [[4, 5, 0, 1], [2, 3, 6, 7]]}
+ACTOR_SPLITS = {1: [[0, 1, 2, 3, 4, 5, 6, 7]], 2: [[6, 7, 4, 5], [0, 1, 2, 3]]}
+
+
+@pytest.mark.parametrize(
+    ("critic_key", "actor_key"), [("critic", "actor2"), ("critic2", "actor"), ("critic2", "actor2")]
+)
+def test_critic_values_reach_actor_ranks_of_any_size(
+    all_groups: dict[str, TrainGroup], critic_key: str, actor_key: str
+) -> None:
+    """The trainer's real path (critic.train -> pair_values -> the actor worker's unpacking), with
+    1 -> 2, 2 -> 1 and 2 -> 2 ranks: every actor row holds its own sample's values, element by element."""
+    from conftest import make_fields
+
+    critic, actor = all_groups[critic_key], all_groups[actor_key]
+    critic.wake_up()
+    actor.wake_up()
+    fields = make_fields(8, seed=71)
+    critic_ids = SPLITS[critic.world_size]
+    actor_ids = ACTOR_SPLITS[actor.world_size]
+    result = critic.train(1, [pack_fields(_select(fields, ids)) for ids in critic_ids])
+    assert result.values is not None
+    assert len(result.values) == critic.world_size
+    produced: dict[int, dict[str, torch.Tensor]] = {}
+    for ids, box in zip(critic_ids, result.values, strict=True):
+        payload = unpack_fields(box)
+        for row, sample in enumerate(ids):
+            produced[sample] = {name: payload[name][row] for name in ("values", "token_rewards")}
+    actor_boxes = [pack_fields(_select(fields, ids)) for ids in actor_ids]
+    pieces = pair_values(result.values, critic_ids, actor_ids)
+    received = actor.critic_outputs(actor_boxes, pieces)
+    for ids, box in zip(actor_ids, received, strict=True):
+        got = unpack_fields(box)
+        for row, sample in enumerate(ids):
+            length = int(fields["response_length"][sample])
+            for name in ("values", "token_rewards"):
+                assert got[name][row].numel() == length
+                assert torch.equal(got[name][row], produced[sample][name]), (name, sample)
+        # the outcome reward sits on each sample's last token (kl_coef=0 here)
+        for row, sample in enumerate(ids):
+            assert float(got["token_rewards"][row][-1]) == float(fields["reward"][sample].reshape(-1)[0])
+    metrics = actor.train(1, actor_boxes, pieces).metrics  # and the actor trains on them
+    assert metrics["optimizer_steps"] == 1.0

@@ -14,13 +14,15 @@ from hypothesis import strategies as st
 from ppo_value_transport import (
     Box,
     MissingValuesError,
-    Topology,
+    Pieces,
     dispatch,
     gather,
     pack,
+    pack_fields,
     pair_values,
     require_values,
     unpack,
+    unpack_pieces,
 )
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
@@ -42,12 +44,16 @@ class Worker:
 
     def compute_values(self, lengths: list[int], dtype: str = "float32") -> Box | None:
         if not self.last_stage:
-            return None  # earlier pipeline stages produce no outputs
-        return pack([v.to(getattr(torch, dtype)) for v in values_for(self.rank, lengths)])
+            return None  # a rank that produced nothing
+        return pack_fields({"values": [v.to(getattr(torch, dtype)) for v in values_for(self.rank, lengths)]})
 
-    def train(self, values: Box | None) -> dict[str, Any]:
-        box = require_values(self.rank, values)
-        got = unpack(box)
+    def train(self, values: Box | Pieces | None) -> dict[str, Any]:
+        got_values = require_values(self.rank, values)
+        got = (
+            unpack_pieces(got_values).get("values", [])
+            if isinstance(got_values, Pieces)
+            else unpack(got_values)
+        )
         return {
             "rank": self.rank,
             "lengths": [len(v) for v in got],
@@ -66,8 +72,8 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def groups() -> Iterator[tuple[list[Any], list[Any]]]:
-    # Same topology for both roles: tp=1, dp=2, pp=2 -> ranks 2 and 3 are the critic's last stage.
-    # Actor rank r reads critic rank 2 + r % 2, so most reads cross processes.
+    # Ranks 2 and 3 produce values (the critic); all four consume them (the actor), so most reads
+    # cross processes.
     workers = [Worker.remote(rank, last_stage=rank >= 2) for rank in range(4)]
     gather([w.receive.remote(None) for w in workers], 240, "worker start")
     yield workers, workers
@@ -75,22 +81,32 @@ def groups() -> Iterator[tuple[list[Any], list[Any]]]:
         ray.kill(handle)
 
 
-TOPO = Topology(data_parallel=2, pipeline_parallel=2)
+# Producer ranks 2 and 3 hold samples 0-2 and 3-5 (values_for(rank, LENGTHS)); each of the four
+# consumer ranks holds a mix in its own order (two splits of the same samples over two ranks each).
+LENGTHS = [5, 0, 17]
+PRODUCER_IDS = [[0, 1, 2], [3, 4, 5]]
+CONSUMER_IDS = [[0, 1, 2], [3, 4, 5], [5, 0, 4], [2, 3, 1]]
 
 
-def test_each_actor_rank_gets_its_paired_critic_values(groups: tuple[list[Any], list[Any]]) -> None:
+def _expected(sample: int, lengths: list[int]) -> torch.Tensor:
+    rank, row = divmod(sample, len(lengths))
+    return values_for(2 + rank, lengths)[row]
+
+
+def test_each_actor_rank_gets_its_samples_values(groups: tuple[list[Any], list[Any]]) -> None:
     critics, actors = groups
-    lengths = [5, 0, 17]
-    produced = gather([c.compute_values.remote(lengths) for c in critics], 120, "critic values")
+    produced = gather([c.compute_values.remote(LENGTHS) for c in critics], 120, "critic values")
     assert produced[0] is None
     assert produced[1] is None
-    per_actor = pair_values(produced, TOPO, TOPO)
+    per_actor = [
+        *pair_values(produced[2:], PRODUCER_IDS, CONSUMER_IDS[:2]),
+        *pair_values(produced[2:], PRODUCER_IDS, CONSUMER_IDS[2:]),
+    ]
     results = gather(dispatch(actors, "train", per_actor), 120, "actor train")
-    # actor rank r (dp = r % 2) reads the values of critic rank 2 + r % 2
     for rank, result in enumerate(results):
         assert result["rank"] == rank
-        assert result["lengths"] == lengths
-        expected = values_for(2 + rank % 2, lengths)
+        expected = [_expected(s, LENGTHS) for s in CONSUMER_IDS[rank]]
+        assert result["lengths"] == [len(v) for v in expected]
         assert all(torch.equal(a, b) for a, b in zip(result["tensors"], expected, strict=True))
 
 
@@ -100,10 +116,8 @@ def test_missing_values_names_the_rank(groups: tuple[list[Any], list[Any]]) -> N
     refs = dispatch(actors, "train", [box, box, None, box])
     with pytest.raises(MissingValuesError, match="actor rank 2 needs critic values but received none"):
         gather(refs, 120, "actor train")
-    with pytest.raises(
-        MissingValuesError, match=r"critic rank 3 \(last pipeline stage\) returned none.*\[1, 3\]"
-    ):
-        pair_values([None, None, box, None], TOPO, TOPO)
+    with pytest.raises(MissingValuesError, match=r"critic rank 1 returned none.*actor rank 1 needs"):
+        pair_values([box, None], PRODUCER_IDS, CONSUMER_IDS[:2])
 
 
 def test_dispatch_counts(groups: tuple[list[Any], list[Any]]) -> None:
@@ -162,9 +176,15 @@ def test_handoff_round_trip_property(
 ) -> None:
     critics, actors = groups
     produced = gather([c.compute_values.remote(lengths, dtype) for c in critics], 120, "critic values")
-    results = gather(dispatch(actors, "train", pair_values(produced, TOPO, TOPO)), 120, "actor train")
-    for rank, result in enumerate(results):
-        expected = [v.to(getattr(torch, dtype)) for v in values_for(2 + rank % 2, lengths)]
-        assert result["lengths"] == lengths
+    n = len(lengths)
+    # Every consumer rank takes all samples, in reverse order: each read spans both producers.
+    ids = [list(range(n)), list(range(n, 2 * n))]
+    pieces = pair_values(produced[2:], ids, [list(reversed(range(2 * n)))])
+    results = gather(dispatch(actors, "train", pieces), 120, "actor train")
+    for _rank, result in enumerate(results):
+        expected = [
+            values_for(2 + s // n, lengths)[s % n].to(getattr(torch, dtype)) for s in reversed(range(2 * n))
+        ]
+        assert result["lengths"] == [len(v) for v in expected]
         assert all(torch.equal(a, b) for a, b in zip(result["tensors"], expected, strict=True))
         assert result["dtypes"] == ([f"torch.{dtype}"] if lengths else [])

@@ -1,17 +1,17 @@
-"""route, require_values, Topology and pair_ranks: pure functions, no Ray calls."""
+"""route, require_values and pair_values: pure functions (Boxes need a Ray session to exist)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import ray
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo_value_transport import (
     Box,
     MissingValuesError,
-    Topology,
-    pair_ranks,
     pair_values,
     require_values,
     route,
@@ -56,42 +56,59 @@ def test_require_values_passes_a_box_through() -> None:
     assert require_values(0, box) is box
 
 
-def test_topology_megatron_order() -> None:
-    topo = Topology(tensor_parallel=2, context_parallel=1, data_parallel=2, pipeline_parallel=3)
-    assert topo.world_size == 12
-    assert topo.stage_size == 4
-    assert topo.last_stage_ranks() == [8, 9, 10, 11]
-    assert [topo.pipeline_rank(r) for r in (0, 3, 4, 11)] == [0, 0, 1, 2]
-    assert [topo.data_parallel_rank(r) for r in (0, 1, 2, 3, 10)] == [0, 0, 1, 1, 1]
-    with pytest.raises(ValueError, match="rank 12 is outside world_size 12"):
-        topo.pipeline_rank(12)
-    with pytest.raises(ValueError, match=r"Topology\.data_parallel must be a positive int, got 0"):
-        Topology(data_parallel=0)
+def _ids(*ranks: list[int]) -> list[list[int]]:
+    return [list(r) for r in ranks]
 
 
-def test_pair_ranks_same_coordinates_last_stage() -> None:
-    topo = Topology(tensor_parallel=2, data_parallel=2, pipeline_parallel=2)
-    assert pair_ranks(topo, topo) == [4, 5, 6, 7, 4, 5, 6, 7]
-    flat = Topology(data_parallel=4)
-    assert pair_ranks(flat, flat) == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="need the same parallel layout"):
-        pair_ranks(Topology(data_parallel=2), Topology(tensor_parallel=2))
+@pytest.mark.usefixtures("ray_session")
+def test_pair_values_maps_rows_in_the_consumers_order() -> None:
+    boxes = [Box(ray.put(0)), Box(ray.put(1))]
+    # critic: 2 ranks holding samples 0-2 and 3-5; actor: one rank holding them in another order
+    per_actor = pair_values(boxes, _ids([0, 1, 2], [3, 4, 5]), _ids([4, 5, 0, 1, 2, 3]))
+    assert len(per_actor) == 1
+    assert [(p.box, p.rows, p.producer) for p in per_actor[0].parts] == [
+        (boxes[1], (1, 2), 1),
+        (boxes[0], (0, 1, 2), 0),
+        (boxes[1], (0,), 1),
+    ]
+    assert per_actor[0].num_samples == 6
+    # 1 -> 2: one payload, split by rows
+    one = pair_values(boxes[:1], _ids([0, 1, 2, 3]), _ids([2, 3], [0, 1]))
+    assert [[(p.box, p.rows) for p in pieces.parts] for pieces in one] == [
+        [(boxes[0], (2, 3))],
+        [(boxes[0], (0, 1))],
+    ]
 
 
-@given(st.integers(1, 3), st.integers(1, 2), st.integers(1, 3), st.integers(1, 3))
-def test_pair_ranks_keeps_tp_cp_dp_and_lands_on_last_stage(tp: int, cp: int, dp: int, pp: int) -> None:
-    topo = Topology(tp, cp, dp, pp)
-    pairs = pair_ranks(topo, topo)
-    assert len(pairs) == topo.world_size
-    for consumer, producer in enumerate(pairs):
-        assert topo.pipeline_rank(producer) == pp - 1
-        assert producer % topo.stage_size == consumer % topo.stage_size
-        assert topo.data_parallel_rank(producer) == topo.data_parallel_rank(consumer)
+@pytest.mark.usefixtures("ray_session")
+def test_pair_values_refuses_mismatched_splits() -> None:
+    box = Box(ray.put(0))
+    with pytest.raises(ValueError, match="got 1 producer payloads for 2 producer ranks"):
+        pair_values([box], _ids([0], [1]), _ids([0, 1]))
+    with pytest.raises(ValueError, match=r"producer only: \[2\], consumer only: \[\]"):
+        pair_values([box], _ids([0, 1, 2]), _ids([0, 1]))
+    with pytest.raises(ValueError, match="sample 1 is held twice by the consumer"):
+        pair_values([box], _ids([0, 1]), _ids([0, 1], [1]))
+    with pytest.raises(MissingValuesError, match=r"critic rank 1 returned none.*actor rank 0 needs"):
+        pair_values([box, None], _ids([0], [1]), _ids([1, 0]))
+    with pytest.raises(MissingValuesError, match="critic rank 0 returned str"):
+        pair_values(["oops"], _ids([0]), _ids([0]))  # type: ignore[list-item]
 
 
-def test_pair_values_wrong_count() -> None:
-    topo = Topology(data_parallel=2)
-    with pytest.raises(ValueError, match="got 1 producer results for producer world_size 2"):
-        pair_values([None], topo, topo)
-    with pytest.raises(MissingValuesError, match=r"critic rank 0 \(last pipeline stage\) returned str"):
-        pair_values(["oops", None], topo, topo)  # type: ignore[list-item]
+@pytest.mark.usefixtures("ray_session")
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(0, 2**16))
+def test_pair_values_every_sample_once_in_order(producers: int, consumers: int, seed: int) -> None:
+    rng = random.Random(seed)
+    n = producers * consumers * 2
+    order = list(range(n))
+    rng.shuffle(order)
+    held = [order[i::producers] for i in range(producers)]
+    rng.shuffle(order)
+    wanted = [order[i::consumers] for i in range(consumers)]
+    boxes = [Box(ray.put(i)) for i in range(producers)]
+    pieces = pair_values(boxes, held, wanted)
+    for rank, p in enumerate(pieces):
+        assert all(part.box is boxes[part.producer] for part in p.parts)
+        got = [held[part.producer][row] for part in p.parts for row in part.rows]
+        assert got == wanted[rank]

@@ -4,8 +4,8 @@ The packages declare their settings (``AlgorithmConfig``, ``TrainSettings``, ``R
 the run config holds them as they are; here only the values derived from several sections are added
 (role, model folder, device, engines, weight update backend and dtype). Each function builds a new
 object; nothing edits the user's ``RunConfig``. The critic's trainer config is a copy of the actor's
-with ``kl_coef=0``: reward-level KL is the actor's business, and the critic never sees the actor's
-log-probs.
+with its role; with reward-level KL (``kl_coef > 0``) the critic holds the reference model and
+computes the KL-shaped rewards both roles train on.
 """
 
 from __future__ import annotations
@@ -53,10 +53,9 @@ def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerCo
 
 
 def critic_trainer_config(actor: TrainerConfig, config: RunConfig) -> TrainerConfig:
-    """A copy of the actor's config for the critic (whose ``lr`` is ``critic_lr``), with ``kl_coef=0``."""
-    return dataclasses.replace(
-        actor, role="critic", algorithm=dataclasses.replace(actor.algorithm, kl_coef=0.0)
-    )
+    """A copy of the actor's config for the critic (whose ``lr`` is ``critic_lr``), with the same
+    ``kl_coef``: the critic shapes the rewards both roles train on."""
+    return dataclasses.replace(actor, role="critic")
 
 
 def rollout_config(config: RunConfig, model_path: Path | str) -> RolloutConfig:

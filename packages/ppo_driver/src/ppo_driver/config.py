@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
@@ -115,12 +123,25 @@ class RolloutSection(RolloutSettings):
     )
 
 
-@pydantic_dataclass(frozen=True, kw_only=True, config=SECTION)
+@pydantic_dataclass(frozen=True, kw_only=True, config=SECTION | ConfigDict(serialize_by_alias=True))
 class TrainSection(TrainSettings):
     """The ``train`` section: ppo-trainer's ``TrainSettings`` and the loop's own fields."""
 
     steps: int = Field(default=60, ge=1)
+    # ``async`` is a Python keyword: the field is ``async_`` in code, ``async`` in YAML and in dumps.
+    async_: Literal["off", "one_step_off"] = Field(
+        default="off",
+        alias="async",
+        description="one_step_off: generate step t+1's batch while step t trains (disaggregated "
+        "placements; the batch is one weight version old, corrected by algorithm.tis_cap)",
+    )
     seed: int = Field(default=1234, description="seeds the models, the prompts and every step's sampling")
+
+    @field_validator("async_", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false.
+        return "off" if value is False else value
     global_batch_size: int | None = Field(
         default=None,
         ge=1,
@@ -203,13 +224,17 @@ class RunConfig(_Section):
                 "algorithm.estimator='ppo' needs a critic (GAE uses its values); "
                 "set placement.critic=shared or dedicated, or algorithm.estimator=grpo"
             )
-        if p.critic == "shared" and a.kl_coef != 0:
-            raise ValueError(
-                f"algorithm.kl_coef={a.kl_coef} (reward-level KL) cannot be used with "
-                "placement.critic='shared': the critic would need the actor's log-probs to compute "
-                "the KL-shaped rewards it trains on; set algorithm.kl_coef=0 and use KL as a loss "
-                "term (algorithm.use_kl_loss=true, algorithm.kl_loss_coef>0), or a dedicated critic"
-            )
+        if t.async_ == "one_step_off":
+            if p.colocate:
+                raise ValueError(
+                    "train.async='one_step_off' generates the next batch while this one trains, so the "
+                    "engines need devices of their own: set placement.mode=disaggregate, or train.async=off"
+                )
+            if a.tis_cap is None:
+                raise ValueError(
+                    "train.async='one_step_off' trains on samples one weight version old: set "
+                    "algorithm.tis_cap (truncated importance sampling, e.g. 2.0)"
+                )
         # Which role is resident when: ppo-lifecycle owns that rule (a shared critic needs offload,
         # or warns once with ResidentSharedCriticWarning when allowed for debugging).
         try:
@@ -292,6 +317,12 @@ class RunConfig(_Section):
         dp_sizes = {"placement.actor_gpus": p.actor_gpus}
         if p.critic == "dedicated" and p.critic_gpus is not None:
             dp_sizes["placement.critic_gpus"] = p.critic_gpus
+            if r.prompts_per_step % p.critic_gpus:
+                raise ValueError(
+                    f"rollout.prompts_per_step ({r.prompts_per_step}) must be divisible by "
+                    f"placement.critic_gpus ({p.critic_gpus}): the samples of one prompt stay on one "
+                    "data-parallel rank of the critic too"
+                )
         for name, dp in dp_sizes.items():
             if samples % dp:
                 raise ValueError(

@@ -3,7 +3,8 @@
 Setup: Ray, placement groups, the rollout manager and its engines, the actor (and critic) groups,
 resume from the latest complete checkpoint, the first weight update. Then each step:
 
-1. generate (engines resident);
+1. generate (engines resident), or take the batch generated during the previous step
+   (``train.async: one_step_off``, ``schedule.py``), and start the next one;
 2. the critic trains first and returns its values (colocated engines offloaded before it);
 3. the critic sleeps, the actor trains with the critic's values;
 4. save when due (the plan's ``save`` residency: wake, save, sleep);
@@ -37,6 +38,8 @@ from ppo_driver.config import RunConfig, dump_config
 from ppo_driver.metrics import MetricsLog, StepProgress
 from ppo_driver.phases import PhaseTimer, PhaseTracker
 from ppo_driver.roles import RoleFactory, Roles, create_roles, shutdown_roles
+from ppo_driver.schedule import BatchSchedule
+from ppo_value_transport import pair_values
 
 
 @dataclass
@@ -105,6 +108,19 @@ def train(
         actor.update_weights(version=str(start))
         phases.enter("generate")
 
+        # train.async=one_step_off: step t + 1's batch is generated while step t trains (schedule.py).
+        schedule = BatchSchedule(
+            rollout,
+            config.train.async_,
+            last_step=config.train.steps,
+            saves_at=lambda s: _due(
+                s, config.checkpoint.interval, config.train.steps, config.checkpoint.save_final
+            ),
+            timeout_s=timeout_s,
+        )
+        stack.callback(schedule.close)
+        published = start  # the latest weight version sent to the engines
+
         log = MetricsLog(run_dir, tensorboard=config.logging.tensorboard, start_step=start)
         stack.callback(log.close)
         progress = stack.enter_context(
@@ -117,19 +133,22 @@ def train(
 
             with timer("generate"):
                 phases.enter("generate")
-                batch = rollout.generate(step)
+                batch = schedule.batch(step)
             metrics: dict[str, Any] = dict(batch.metrics)
+            metrics["rollout/staleness"] = _check_staleness(step, batch.metrics, published)
+            metrics["rollout/prefetched_next"] = int(schedule.start_next(step))
 
             values = None
             if critic is not None:
                 with timer("critic_train"):
                     phases.enter("critic_train")  # offloads colocated engines, wakes the critic
-                    result = critic.train(step, batch.boxes)
-                values = result.values
-                if values is None or len(values) == 0:
+                    result = critic.train(step, batch.critic_boxes)
+                if result.values is None or len(result.values) == 0:
                     raise RuntimeError(f"step {step}: the critic returned no values for the actor")
+                # The critic's ranks may hold the samples in another split: rows go by sample id.
+                values = pair_values(result.values, batch.critic_sample_ids, batch.sample_ids)
                 metrics.update(_prefixed("critic", result.metrics))
-                metrics["handoff/value_boxes"] = len(values)
+                metrics["handoff/value_boxes"] = len(result.values)
 
             if trains_actor:
                 with timer("actor_train"):
@@ -144,10 +163,13 @@ def train(
                     phases.enter("save")
                     save_checkpoint(ckpt_root, step, roles, config)
 
+            with timer("generate_wait"):
+                schedule.drain()  # the engines finish the next batch before their weights change
             if trains_actor:
                 with timer("weight_update"):
                     phases.enter("weight_update")  # the actor reconnects to the engines if it slept
                     metrics.update(_prefixed("weight_sync", actor.update_weights(version=str(step))))
+                published = step
 
             phases.enter("generate")  # onload the engines
             if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
@@ -248,6 +270,21 @@ def seed_everything(seed: int) -> None:
 
 
 # --- helpers -------------------------------------------------------------------------------------
+
+
+def _check_staleness(step: int, batch_metrics: Mapping[str, Any], published: int) -> int:
+    """Weight versions between the batch's oldest sample and the latest published weights: 0 in the
+    synchronous loop, at most 1 one step off (anything more is a scheduling bug, stopped here)."""
+    oldest = batch_metrics.get("rollout/weight_version_min", -1.0)
+    if oldest < 0:  # the engines report no numeric version: nothing to check
+        return 0
+    behind = int(published - oldest)
+    if behind > 1:
+        raise RuntimeError(
+            f"step {step}: the batch was generated with weight version {int(oldest)}, {behind} versions "
+            f"behind the published {published}; at most one is allowed"
+        )
+    return behind
 
 
 def _prefixed(role: str, metrics: Mapping[str, Any]) -> dict[str, Any]:

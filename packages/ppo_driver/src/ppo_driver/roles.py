@@ -72,6 +72,7 @@ def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles
             build.rollout_config(config, model_path),
             placements.slots.get("rollout"),
             dp_size=config.placement.actor_gpus,
+            critic_dp_size=critic_dp_size(config),
         )
         made.append(rollout)
         actor = TrainGroup("actor", placements.slots["actor"], actor_config, timeout_s=timeout_s)
@@ -90,6 +91,14 @@ def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles
         remove_placement_groups(placements)
         raise
     return Roles(rollout, actor, critic, close=lambda: remove_placement_groups(placements))
+
+
+def critic_dp_size(config: RunConfig) -> int | None:
+    """The critic's data-parallel size (a dedicated critic may have its own); None: no critic."""
+    p = config.placement
+    if not config.use_critic:
+        return None
+    return p.critic_gpus if p.critic == "dedicated" and p.critic_gpus is not None else p.actor_gpus
 
 
 def shutdown_roles(roles: Roles) -> None:

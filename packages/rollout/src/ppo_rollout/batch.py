@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FIELDS", "Sample", "balanced_split", "rank_fields", "split_samples"]
+__all__ = ["FIELDS", "Sample", "balanced_split", "rank_fields", "split_indices", "split_samples"]
 
 FIELDS: tuple[str, ...] = (
     "tokens",
@@ -21,6 +21,7 @@ FIELDS: tuple[str, ...] = (
     "reward",
     "rollout_log_probs",
     "prompt_index",
+    "weight_version",
 )
 
 
@@ -32,6 +33,7 @@ class Sample:
     rollout_log_probs: tuple[float, ...]
     reward: float
     finish_reason: str
+    weight_version: int = -1  # the engine's weight version that generated it (-1: not a number)
 
     def __post_init__(self) -> None:
         if len(self.response_tokens) != len(self.rollout_log_probs):
@@ -78,14 +80,20 @@ def rank_fields(samples: Sequence[Sample]) -> dict[str, list[torch.Tensor]]:
         out["reward"].append(torch.tensor([s.reward], dtype=torch.float32))
         out["rollout_log_probs"].append(torch.tensor(s.rollout_log_probs, dtype=torch.float32))
         out["prompt_index"].append(torch.tensor([s.prompt_index], dtype=torch.int64))
+        out["weight_version"].append(torch.tensor([s.weight_version], dtype=torch.int64))
     return out
 
 
 def split_samples(samples: Sequence[Sample], dp_size: int) -> list[list[Sample]]:
     """Samples grouped by prompt (consecutive) and spread over ``dp_size`` ranks by :func:`balanced_split`."""
-    groups: dict[int, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault(s.prompt_index, []).append(s)
+    return [[samples[i] for i in ids] for ids in split_indices(samples, dp_size)]
+
+
+def split_indices(samples: Sequence[Sample], dp_size: int) -> list[list[int]]:
+    """:func:`split_samples` as positions in ``samples``: the sample ids each rank holds, in order."""
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.prompt_index, []).append(i)
     keys = sorted(groups)
-    tokens = [sum(s.num_tokens for s in groups[k]) for k in keys]
-    return [[s for g in part for s in groups[keys[g]]] for part in balanced_split(tokens, dp_size)]
+    tokens = [sum(samples[i].num_tokens for i in groups[k]) for k in keys]
+    return [[i for g in part for i in groups[keys[g]]] for part in balanced_split(tokens, dp_size)]

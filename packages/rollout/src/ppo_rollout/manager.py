@@ -12,7 +12,7 @@ from typing import Any
 from ppo_value_transport import Box, pack_fields
 from ppo_weight_sync import EngineEndpoint
 
-from .batch import Sample, rank_fields, split_samples
+from .batch import Sample, rank_fields, split_indices
 from .config import RolloutConfig, SamplingConfig, SamplingSettings
 from .data import JsonlPrompts, PromptSource, TaskPrompts
 from .engine.builtin import MEMORY_TAGS
@@ -27,10 +27,30 @@ __all__ = ["RolloutBatch", "RolloutManager"]
 
 @dataclass(frozen=True)
 class RolloutBatch:
-    """One step's training batch: a ``pack_fields`` Box per data-parallel rank, and metrics."""
+    """One step's training batch: a ``pack_fields`` Box per actor data-parallel rank, and metrics.
+
+    ``sample_ids[r]``: the step's sample ids actor rank ``r`` holds, in its order. ``critic_boxes``
+    and ``critic_sample_ids``: the same samples split over the critic's ranks (the actor's split
+    when the two sizes agree); ``ppo_value_transport.pair_values`` maps the critic's values back.
+    """
 
     boxes: list[Box]
     metrics: dict[str, float] = field(default_factory=dict)
+    sample_ids: list[list[int]] = field(default_factory=list)
+    critic_boxes: list[Box] = field(default_factory=list)
+    critic_sample_ids: list[list[int]] = field(default_factory=list)
+
+
+def _version_number(version: str | None) -> int:
+    """A weight version as recorded per sample: the driver's versions are step numbers."""
+    try:
+        return int(version) if version is not None else -1
+    except ValueError:
+        return -1
+
+
+def _engine_of(position: int, bounds: Sequence[int]) -> int:
+    return max(j for j in range(len(bounds) - 1) if bounds[j] <= position)
 
 
 def _seed(base: int, step: int, engine: int, stream: int = 0) -> int:
@@ -41,11 +61,23 @@ def _seed(base: int, step: int, engine: int, stream: int = 0) -> int:
 class RolloutManager:
     """Owns ``config.num_engines`` engines on ``slots`` (``None``: anywhere on the local Ray instance)."""
 
-    def __init__(self, config: RolloutConfig, slots: EngineSlots | None, *, dp_size: int) -> None:
+    def __init__(
+        self,
+        config: RolloutConfig,
+        slots: EngineSlots | None,
+        *,
+        dp_size: int,
+        critic_dp_size: int | None = None,
+    ) -> None:
         from transformers import AutoTokenizer
 
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+        if critic_dp_size is not None and (critic_dp_size < 1 or config.prompts_per_step % critic_dp_size):
+            raise ValueError(
+                f"rollout.prompts_per_step ({config.prompts_per_step}) must be a multiple of the critic's "
+                f"data-parallel size ({critic_dp_size}): the samples of one prompt stay on one rank"
+            )
         if config.prompts_per_step % dp_size:
             raise ValueError(
                 f"rollout.prompts_per_step ({config.prompts_per_step}) must be a multiple of the "
@@ -60,6 +92,7 @@ class RolloutManager:
             )
         self.config = config
         self.dp_size = dp_size
+        self.critic_dp_size = dp_size if critic_dp_size is None else critic_dp_size
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.source: PromptSource
         if config.task is not None:
@@ -162,8 +195,7 @@ class RolloutManager:
         # Every step's seeds derive from the run's seed (``config.seed``), whatever the settings hold.
         base = self.config.seed
         sampling = SamplingConfig.of(settings, base)
-        k = len(self.engines)
-        bounds = [round(j * len(prompts) / k) for j in range(k + 1)]
+        bounds = self._engine_bounds(len(prompts))
         waits: list[tuple[int, Waiter]] = []
         for j, engine in enumerate(self.engines):
             chunk = prompts[bounds[j] : bounds[j + 1]]
@@ -179,6 +211,25 @@ class RolloutManager:
             for out in wait(self.config.timeout_s):
                 outputs.append(replace(out, prompt_position=out.prompt_position + start))
         return outputs
+
+    def _engine_bounds(self, n: int) -> list[int]:
+        """Engine ``j`` serves prompts ``bounds[j]:bounds[j + 1]``."""
+        k = len(self.engines)
+        return [round(j * n / k) for j in range(k + 1)]
+
+    def _weight_versions(self) -> list[str | None]:
+        """Each engine's weight version, asked of the engine itself."""
+        pending = [(e, e.endpoint().get_weight_version()) for e in self.engines]
+        out: list[str | None] = []
+        for engine, call in pending:
+            try:
+                version = call.result(self.config.timeout_s)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"engine {engine.endpoint().name}: get_weight_version failed: {exc}"
+                ) from exc
+            out.append(None if version is None else str(version))
+        return out
 
     def _score(self, rows: Sequence[Mapping[str, Any]], outputs: Sequence[GenerationOutput]) -> list[float]:
         field_name = self.source.prompt_field
@@ -204,8 +255,16 @@ class RolloutManager:
         t0 = time.perf_counter()
         rows = self.source.next_rows(cfg.prompts_per_step)
         prompts = self._encode(rows)
+        before = self._weight_versions()
         outputs = self._run(prompts, cfg.sampling, step, stream=0)
         t_gen = time.perf_counter() - t0
+        after = self._weight_versions()
+        if before != after:
+            raise RuntimeError(
+                f"step {step}: the engines' weight versions changed during generation ({before} -> "
+                f"{after}); a weight update must not overlap a generate call"
+            )
+        bounds = self._engine_bounds(len(prompts))
         rewards = self._score(rows, outputs)
         samples = [
             Sample(
@@ -215,11 +274,17 @@ class RolloutManager:
                 rollout_log_probs=o.log_probs,
                 reward=r,
                 finish_reason=o.finish_reason,
+                weight_version=_version_number(before[_engine_of(o.prompt_position, bounds)]),
             )
             for o, r in zip(outputs, rewards, strict=True)
         ]
-        parts = split_samples(samples, self.dp_size)
-        boxes = [pack_fields(rank_fields(part)) for part in parts]
+        ids = split_indices(samples, self.dp_size)
+        boxes = [pack_fields(rank_fields([samples[i] for i in part])) for part in ids]
+        critic_ids, critic_boxes = ids, boxes
+        if self.critic_dp_size != self.dp_size:
+            critic_ids = split_indices(samples, self.critic_dp_size)
+            critic_boxes = [pack_fields(rank_fields([samples[i] for i in part])) for part in critic_ids]
+        versions = [s.weight_version for s in samples]
         lengths = [len(s.response_tokens) for s in samples]
         new_tokens = sum(lengths)
         metrics = {
@@ -231,8 +296,16 @@ class RolloutManager:
             "rollout/generate_seconds": t_gen,
             "rollout/tokens_per_second": new_tokens / t_gen if t_gen > 0 else 0.0,
             "rollout/seconds": time.perf_counter() - t0,
+            "rollout/weight_version_min": float(min(versions)),
+            "rollout/weight_version_max": float(max(versions)),
         }
-        return RolloutBatch(boxes=boxes, metrics=metrics)
+        return RolloutBatch(
+            boxes=boxes,
+            metrics=metrics,
+            sample_ids=ids,
+            critic_boxes=critic_boxes,
+            critic_sample_ids=critic_ids,
+        )
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Mean reward on ``eval_prompts`` fixed prompts (greedy unless ``eval_sampling`` says otherwise)."""

@@ -86,12 +86,14 @@ class TorchTrainer:
         with self.region(self.WEIGHTS_TAG):
             if config.role == "actor":
                 self.model = nn.Module.to(load_causal_lm(config.model_path, config.seed), load_to)
-                if self.alg.needs_reference:
-                    ref_dtype = torch.bfloat16 if self.autocast_dtype is not None else torch.float32
-                    reference = load_reference(config.model_path, config.seed, ref_dtype)
-                    self.reference = nn.Module.to(reference, load_to)
             else:
                 self.model = load_critic(config.model_path, config.seed).to(load_to)
+            # Reward-level KL: the critic holds the reference (it shapes the rewards before anyone
+            # trains); the KL loss term: the actor does.
+            if self.alg.reference_for(config.role):
+                ref_dtype = torch.bfloat16 if self.autocast_dtype is not None else torch.float32
+                reference = load_reference(config.model_path, config.seed, ref_dtype)
+                self.reference = nn.Module.to(reference, load_to)
         if self.device.type == "cpu":
             # from_pretrained maps safetensors files into memory; give every tensor its own resizable
             # storage so the memory backend can release and restore it.
@@ -303,13 +305,44 @@ class TorchTrainer:
                 steps += 1
         return {name: value / steps for name, value in totals.items()} | {"optimizer_steps": float(steps)}
 
-    def train_critic(self, samples: Samples) -> tuple[dict[str, float], torch.Tensor]:
-        """Values (before the update), GAE returns, value-loss steps. Returns ``(metrics, old_values)``."""
+    def token_rewards(self, samples: Samples) -> tuple[torch.Tensor, dict[str, float]]:
+        """The step's per-token rewards, ``[N, R_max]``: the outcome reward on the last token minus
+        ``kl_coef`` times the KL of the rollout policy to the reference on every token.
+
+        The KL is estimated from the rollout's log-probs (the policy that drew the tokens) and the
+        reference's, so it is known before any role trains; the critic computes it once and the
+        actor trains on the same tensor.
+        """
+        alg = self.alg
+        kl = None
+        metrics: dict[str, float] = {}
+        if alg.kl_coef > 0.0:
+            if self.reference is None:
+                raise RuntimeError(
+                    f"{self.config.role}: kl_coef={alg.kl_coef} but no reference model is loaded; "
+                    "the critic computes the KL-shaped rewards"
+                )
+            ref_log_probs = self._rank_log_probs(self.reference, samples)
+            kl = pm.kl_estimate(samples.rollout_log_probs, ref_log_probs, alg.kl_estimator)
+            metrics["reward_kl"] = self._masked_global_mean(kl, samples.response_mask)
+        rewards = pm.token_rewards(samples.reward, samples.response_mask, kl, alg.kl_coef)
+        metrics["token_reward_sum_mean"] = self._sample_mean(rewards.sum(dim=1))
+        return rewards, metrics
+
+    def _sample_mean(self, per_sample: torch.Tensor) -> float:
+        stats = self.dp.all_reduce(torch.tensor([float(per_sample.double().sum()), float(len(per_sample))]))
+        return float(stats[0] / stats[1].clamp(min=1.0))
+
+    def train_critic(self, samples: Samples) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """Token rewards, values (before the update), GAE returns, value-loss steps.
+
+        Returns ``(metrics, old_values, token_rewards)``: the actor trains on the same rewards.
+        """
         if self.config.role != "critic":
             raise RuntimeError("train_critic called on an actor")
         alg = self.alg
+        rewards, reward_metrics = self.token_rewards(samples)
         old_values = self.compute_values(samples)
-        rewards = pm.token_rewards(samples.reward, samples.response_mask)
         _, returns = pm.compute_gae(rewards, old_values, samples.response_mask, alg.gamma, alg.lam)
 
         def micro_loss(rows: list[int], mb: MicroBatch, denominator: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -329,10 +362,16 @@ class TorchTrainer:
         metrics = self._run_epochs(samples, micro_loss)
         metrics["values_mean"] = self._masked_global_mean(old_values, samples.loss_mask)
         metrics["returns_mean"] = self._masked_global_mean(returns, samples.loss_mask)
-        return metrics, old_values
+        return metrics | reward_metrics, old_values, rewards
 
-    def train_actor(self, samples: Samples, values: torch.Tensor | None) -> dict[str, float]:
-        """Old (and reference) log-probs, advantages (GAE with ``values``, or GRPO), policy-loss steps."""
+    def train_actor(
+        self, samples: Samples, values: torch.Tensor | None, rewards: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """Old (and reference) log-probs, advantages (GAE with ``values``, or GRPO), policy-loss steps.
+
+        ``rewards``: the critic's per-token rewards (:meth:`token_rewards`); required with ``kl_coef > 0``
+        (only the critic holds the reference for them), else the outcome rewards are used.
+        """
         if self.config.role != "actor":
             raise RuntimeError("train_actor called on a critic")
         alg = self.alg
@@ -342,11 +381,16 @@ class TorchTrainer:
         if alg.estimator == "ppo":
             if values is None:
                 raise ValueError("estimator='ppo' needs the critic's values")
-            kl = None
-            if alg.kl_coef > 0.0:
-                assert ref_log_probs is not None  # needs_reference holds when kl_coef > 0
-                kl = pm.kl_estimate(old_log_probs, ref_log_probs, alg.kl_estimator)
-            rewards = pm.token_rewards(samples.reward, samples.response_mask, kl, alg.kl_coef)
+            if rewards is None:
+                if alg.kl_coef > 0.0:
+                    raise ValueError(
+                        f"kl_coef={alg.kl_coef}: the actor trains on the critic's KL-shaped token rewards; "
+                        "pass the rewards train_critic returned"
+                    )
+                rewards = pm.token_rewards(samples.reward, samples.response_mask)
+            metrics_extra["token_reward_sum_mean"] = self._sample_mean(
+                (rewards * samples.response_mask).sum(1)
+            )
             advantages, _ = pm.compute_gae(rewards, values, samples.response_mask, alg.gamma, alg.lam)
         else:
             per_sample = pm.grpo_advantages(samples.reward, samples.prompt_index)
@@ -362,6 +406,16 @@ class TorchTrainer:
         )
         n = self.dp.all_reduce(torch.tensor([float(len(samples)), float(samples.reward.sum())]))
         metrics_extra["reward_mean"] = float(n[1] / n[0])
+        # Truncated importance sampling: the tokens were drawn by the rollout's policy, which may be
+        # a version behind the one PPO's ratio starts from (one-step-off training).
+        tis_weight: torch.Tensor | None = None
+        if alg.tis_cap is not None:
+            raw = torch.exp(old_log_probs - samples.rollout_log_probs) * samples.response_mask
+            tis_weight = raw.clamp(max=alg.tis_cap)
+            metrics_extra["tis_weight_mean"] = self._masked_global_mean(tis_weight, samples.loss_mask)
+            metrics_extra["tis_capped_fraction"] = self._masked_global_mean(
+                (raw > alg.tis_cap).float(), samples.loss_mask
+            )
 
         def micro_loss(rows: list[int], mb: MicroBatch, denominator: torch.Tensor) -> dict[str, torch.Tensor]:
             mask = samples.loss_mask[rows].to(self.device)
@@ -376,7 +430,8 @@ class TorchTrainer:
                 alg.eps_clip_high,
                 alg.eps_clip_c,
             )
-            pg_loss = pm.aggregate(terms.loss, mask, mode, denominator)
+            token_loss = terms.loss if tis_weight is None else terms.loss * tis_weight[rows].to(self.device)
+            pg_loss = pm.aggregate(token_loss, mask, mode, denominator)
             entropy_mean = pm.aggregate(entropy, mask, mode, denominator)
             loss = pg_loss - alg.entropy_coef * entropy_mean if alg.entropy_coef > 0 else pg_loss
             out = {

@@ -9,7 +9,7 @@ placement (role, model folder, device, memory backend, weight update group).
 They are pydantic dataclasses: every field is checked on construction, an unknown keyword is an error,
 and a bad value raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field and the fix.
 Nothing mutates them afterwards: derive a variant with ``dataclasses.replace`` (the driver makes the
-critic's config that way, with ``kl_coef=0``), which validates again.
+critic's config that way, with its role), which validates again.
 """
 
 from __future__ import annotations
@@ -60,7 +60,10 @@ class AlgorithmConfig:
         default=0.2, gt=0, description="the critic's new value stays within this of its old value"
     )
     kl_coef: float = Field(
-        default=0.0, ge=0, description="reward-level KL penalty -kl_coef * KL(policy || reference)"
+        default=0.0,
+        ge=0,
+        description="reward-level KL penalty -kl_coef * KL(rollout policy || reference) on every token; the "
+        "critic computes these rewards once per step (it holds the reference) and the actor trains on them",
     )
     use_kl_loss: bool = Field(default=False, description="the KL to the reference as a loss term instead")
     kl_loss_coef: float = Field(default=0.0, ge=0)
@@ -76,6 +79,12 @@ class AlgorithmConfig:
     )
     ppo_epochs: int = Field(default=1, ge=1, description="passes over each step's batch")
     num_mini_batches: int = Field(default=4, ge=1, description="optimizer steps per pass")
+    tis_cap: float | None = Field(
+        default=None,
+        ge=1,
+        description="truncated importance sampling: weight each token's policy loss by "
+        "min(pi_old / pi_rollout, tis_cap); null: off (train.async=one_step_off needs it)",
+    )
 
     def __post_init__(self) -> None:
         if self.use_kl_loss and self.kl_loss_coef == 0.0:
@@ -95,8 +104,13 @@ class AlgorithmConfig:
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the actor needs a frozen reference model (a KL term is on)."""
+        """Whether some role needs a frozen reference model (a KL term is on)."""
         return self.kl_coef > 0.0 or self.use_kl_loss
+
+    def reference_for(self, role: Role) -> bool:
+        """Whether ``role`` holds the reference: the critic for reward-level KL (it computes the
+        KL-shaped rewards before anyone trains), the actor for the KL loss term."""
+        return self.kl_coef > 0.0 if role == "critic" else self.use_kl_loss
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
@@ -176,11 +190,6 @@ class TrainerConfig(TrainSettings):
             raise ValueError("weight_sync_backend='nccl' needs device='cuda'; use 'gloo' on CPU")
         if self.role == "critic" and self.algorithm.estimator == "grpo":
             raise ValueError("a critic is not used with estimator='grpo'; drop the critic or use 'ppo'")
-        if self.role == "critic" and self.algorithm.kl_coef > 0.0:
-            raise ValueError(
-                "the critic has no reference model, so its returns cannot carry the KL penalty; give the "
-                "critic a copy of the config with algorithm.kl_coef=0"
-            )
 
     @property
     def lr(self) -> float:

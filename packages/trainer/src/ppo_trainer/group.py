@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.worker import TrainWorker
-from ppo_value_transport import Box, dispatch, gather, route
+from ppo_value_transport import Box, Pieces, dispatch, gather, route
 from ppo_weight_sync import EngineEndpoint
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class LocalSlots:
 
 @dataclass(frozen=True)
 class TrainResult:
-    """Rank 0's metrics (already reduced over ranks) and, from the critic, one values Box per rank."""
+    """Rank 0's metrics (already reduced over ranks) and, from the critic, one Box per rank holding
+    ``values`` and ``token_rewards`` per sample (``pack_fields``), in that rank's sample order."""
 
     metrics: dict[str, float]
     values: list[Box] | None
@@ -131,9 +132,13 @@ class TrainGroup:
         return self._get(refs, method)
 
     # ------------------------------------------------------------------ the driver's interface
-    def train(self, step: int, batches: Sequence[Box], values: Sequence[Box] | None = None) -> TrainResult:
-        """Train every rank on its batch Box (one per rank, or one for all); the actor needs ``values``."""
-        per_rank_values: list[Box | None] = (
+    def train(self, step: int, batches: Sequence[Box], values: Sequence[Pieces] | None = None) -> TrainResult:
+        """Train every rank on its batch Box (one per rank, or one for all).
+
+        The actor (``ppo``) needs ``values``: one ``Pieces`` per rank, from
+        ``ppo_value_transport.pair_values(critic_result.values, critic_sample_ids, actor_sample_ids)``.
+        """
+        per_rank_values: list[Pieces | None] = (
             list(route(values, self.world_size)) if values is not None else [None] * self.world_size
         )
         refs = [
@@ -146,6 +151,16 @@ class TrainGroup:
         metrics = dict(results[0][0])
         out_values = [r[1] for r in results] if self.role == "critic" else None
         return TrainResult(metrics=metrics, values=out_values)
+
+    def critic_outputs(self, batches: Sequence[Box], values: Sequence[Pieces]) -> list[Box]:
+        """Per actor rank, the critic values and token rewards ``train`` would use (for checks)."""
+        refs = [
+            w.critic_outputs.remote(b, v)
+            for w, b, v in zip(
+                self.workers, route(batches, self.world_size), route(values, self.world_size), strict=True
+            )
+        ]
+        return self._get(refs, "critic_outputs")
 
     def compute_values(self, batches: Sequence[Box]) -> list[Box]:
         """The critic's values without training, one Box per rank."""

@@ -38,7 +38,7 @@ from ppo_trainer.backend import DataParallel, TorchTrainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.models import count_parameters
-from ppo_value_transport import Box, pack, require_values, unpack, unpack_fields
+from ppo_value_transport import Box, Pieces, pack, pack_fields, require_values, unpack_fields, unpack_pieces
 from ppo_weight_sync import ColocatedIpc, EngineEndpoint, WeightSender, checksum, free_port, node_address
 
 log = logging.getLogger(__name__)
@@ -182,12 +182,14 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ training
     def train(
-        self, step: int, batch_box: Box, external: Box | None = None
+        self, step: int, batch_box: Box, external: Pieces | None = None
     ) -> tuple[dict[str, float], Box | None]:
         """One PPO update on this rank's batch.
 
-        Critic: returns ``(metrics, values Box)`` with its pre-update values per sample. Actor with the
-        ``ppo`` estimator: ``external`` must be the critic's values Box for this rank.
+        Critic: returns ``(metrics, Box)``, the Box holding per sample (``pack_fields``) its pre-update
+        ``values`` and the step's ``token_rewards`` (KL-shaped when ``kl_coef > 0``). Actor with the
+        ``ppo`` estimator: ``external`` is this rank's share of those payloads
+        (``ppo_value_transport.pair_values``), in this rank's sample order.
         """
         self._require_awake("train()")
         samples = Samples.from_fields(unpack_fields(batch_box))
@@ -196,18 +198,46 @@ class TrainWorker:
         if self.role == "critic":
             if external is not None:
                 raise ValueError(f"critic rank {self.rank} got values to train on; values go to the actor")
-            metrics, values = trainer.train_critic(samples)
-            return metrics, pack(samples.unpad(values))
+            metrics, values, rewards = trainer.train_critic(samples)
+            return metrics, pack_fields(
+                {"values": samples.unpad(values), "token_rewards": samples.unpad(rewards)}
+            )
         if self.config.algorithm.estimator == "ppo":
-            box = require_values(self.rank, external, role=self.role)
-            values = samples.pad_values(unpack(box), what=f"actor rank {self.rank}: critic values")
-            return trainer.train_actor(samples, values), None
+            values, rewards = self._critic_outputs(samples, external)
+            return trainer.train_actor(samples, values, rewards), None
         if external is not None:
             raise ValueError(
                 f"actor rank {self.rank} got critic values but estimator='grpo' does not use them; "
                 "run GRPO without a critic"
             )
         return trainer.train_actor(samples, None), None
+
+    def _critic_outputs(self, samples: Samples, external: Pieces | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The critic's values and token rewards for this rank's samples, padded ``[N, R_max]``."""
+        pieces = require_values(self.rank, external, role=self.role)
+        if not isinstance(pieces, Pieces):
+            raise ValueError(
+                f"actor rank {self.rank}: critic values must come as Pieces (ppo_value_transport.pair_values "
+                f"maps the critic's payloads to the actor's samples), got {type(pieces).__name__}"
+            )
+        fields = unpack_pieces(pieces, timeout_s=self.timeout_s)
+        missing = [f for f in ("values", "token_rewards") if f not in fields]
+        if missing:
+            raise ValueError(f"actor rank {self.rank}: the critic's payload lacks fields {missing}")
+        what = f"actor rank {self.rank}: critic"
+        return (
+            samples.pad_values(fields["values"], what=f"{what} values"),
+            samples.pad_values(fields["token_rewards"], what=f"{what} token rewards"),
+        )
+
+    def critic_outputs(self, batch_box: Box, external: Pieces | None) -> Box:
+        """What ``train`` would train this actor rank on: ``pack_fields`` of the critic's values and
+        token rewards per sample, in this rank's order (the same code path; for checks and tests)."""
+        if self.role != "actor":
+            raise RuntimeError("critic_outputs() is the actor's")
+        samples = Samples.from_fields(unpack_fields(batch_box))
+        values, rewards = self._critic_outputs(samples, external)
+        return pack_fields({"values": samples.unpad(values), "token_rewards": samples.unpad(rewards)})
 
     def compute_values(self, batch_box: Box) -> Box:
         """Critic values for a batch without training (same layout as ``train``'s values)."""

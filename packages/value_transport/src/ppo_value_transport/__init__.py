@@ -6,7 +6,7 @@ Inputs are torch tensors or numpy arrays; outputs are always torch tensors.
 from ppo_value_transport._box import Box
 from ppo_value_transport._codec import pack, pack_fields, unpack, unpack_fields
 from ppo_value_transport._dtypes import TORCH_DTYPES
-from ppo_value_transport._pairing import Topology, pair_ranks, pair_values
+from ppo_value_transport._pairing import Pieces, Rows, pair_values, unpack_pieces
 from ppo_value_transport._routing import MissingValuesError, dispatch, gather, require_values, route
 
 __version__ = "0.1.0"
@@ -17,16 +17,17 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "Box",
     "MissingValuesError",
-    "Topology",
+    "Pieces",
+    "Rows",
     "__version__",
     "dispatch",
     "gather",
     "pack",
     "pack_fields",
-    "pair_ranks",
     "pair_values",
     "require_values",
     "route",
     "unpack",
     "unpack_fields",
+    "unpack_pieces",
 ]

@@ -1,99 +1,131 @@
-"""Which producer rank (critic, last pipeline stage) feeds which consumer rank (actor)."""
+"""Which rows of which producer rank's payload (critic) each consumer rank (actor) receives.
+
+The two roles may split one step's samples differently: another data-parallel size, another
+balance. Each side says which samples it holds, as global sample ids in the order its rank holds
+them; :func:`pair_values` turns the producer's per-rank payloads into, for every consumer rank, the
+rows to take from each payload in the consumer's own order. Nothing is fetched on the driver: the
+consumer rank gathers its rows with :func:`unpack_pieces`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ppo_value_transport._box import Box
+from ppo_value_transport._codec import DEFAULT_TIMEOUT_S, unpack_fields
 from ppo_value_transport._routing import MissingValuesError
 
+SampleIds = Sequence[Sequence[int]]
 
-@dataclass(frozen=True)
-class Topology:
-    """A model-parallel layout in Megatron's default rank order.
 
-    Ranks vary fastest over tensor parallel, then context parallel, then data parallel, and
-    slowest over pipeline stages: ``rank = tp + TP*(cp + CP*(dp + DP*pp))``.
-    """
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """Rows ``rows`` (in this order) of the payload in ``box``, made by producer rank ``producer``."""
 
-    tensor_parallel: int = 1
-    context_parallel: int = 1
-    data_parallel: int = 1
-    pipeline_parallel: int = 1
+    box: Box
+    rows: tuple[int, ...]
+    producer: int = 0
 
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "context_parallel", "data_parallel", "pipeline_parallel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Topology.{name} must be a positive int, got {value!r}")
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """What one consumer rank receives: rows of producer payloads, concatenated in this order."""
+
+    parts: tuple[Rows, ...]
 
     @property
-    def world_size(self) -> int:
-        return self.tensor_parallel * self.context_parallel * self.data_parallel * self.pipeline_parallel
-
-    @property
-    def stage_size(self) -> int:
-        """Ranks per pipeline stage."""
-        return self.tensor_parallel * self.context_parallel * self.data_parallel
-
-    def pipeline_rank(self, rank: int) -> int:
-        self._check(rank)
-        return rank // self.stage_size
-
-    def data_parallel_rank(self, rank: int) -> int:
-        self._check(rank)
-        return (rank // (self.tensor_parallel * self.context_parallel)) % self.data_parallel
-
-    def last_stage_ranks(self) -> list[int]:
-        """The ranks of the last pipeline stage: the ones that produce outputs such as values."""
-        start = (self.pipeline_parallel - 1) * self.stage_size
-        return list(range(start, start + self.stage_size))
-
-    def _check(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside world_size {self.world_size} of {self}")
+    def num_samples(self) -> int:
+        return sum(len(p.rows) for p in self.parts)
 
 
-def pair_ranks(producer: Topology, consumer: Topology) -> list[int]:
-    """For every consumer rank, the producer rank whose values it receives.
+def _index(samples: SampleIds, side: str) -> dict[int, tuple[int, int]]:
+    """Sample id -> (rank, row); every id once."""
+    where: dict[int, tuple[int, int]] = {}
+    for rank, ids in enumerate(samples):
+        for row, sample in enumerate(ids):
+            if sample in where:
+                raise ValueError(
+                    f"pair_values: sample {sample} is held twice by the {side} (ranks {where[sample][0]} "
+                    f"and {rank}); each sample must sit on exactly one rank"
+                )
+            where[int(sample)] = (rank, row)
+    return where
 
-    Producer and consumer must share one topology (that is what makes the pairing exact): consumer
-    rank ``r`` gets the values of the producer's last-stage rank with the same tensor, context and
-    data parallel coordinates, i.e. the same micro-batches in the same order.
+
+def pair_values(
+    producer_values: Sequence[Box | None], producer_samples: SampleIds, consumer_samples: SampleIds
+) -> list[Pieces]:
+    """For every consumer rank, the rows of the producers' payloads that hold its samples, in order.
+
+    ``producer_values[i]`` is producer rank ``i``'s payload, one row per sample in the order of
+    ``producer_samples[i]`` (the sample ids that rank held). ``consumer_samples[j]`` lists the ids
+    consumer rank ``j`` holds, in its order. Both sides must hold the same set of samples. A producer
+    rank without a payload is a :class:`MissingValuesError` naming it and the consumer ranks that
+    needed it. Consecutive rows of one payload form one :class:`Rows`.
     """
-    if producer != consumer:
+    if len(producer_values) != len(producer_samples):
         raise ValueError(
-            f"pair_ranks: producer topology {producer} differs from consumer topology {consumer}; "
-            "values are routed rank to rank, so the critic and the actor need the same parallel layout"
+            f"pair_values: got {len(producer_values)} producer payloads for {len(producer_samples)} "
+            "producer ranks; pass one payload per producer rank"
         )
-    stage = consumer.stage_size
-    last = (producer.pipeline_parallel - 1) * stage
-    return [last + rank % stage for rank in range(consumer.world_size)]
+    held = _index(producer_samples, "producer")
+    wanted = _index(consumer_samples, "consumer")
+    if held.keys() != wanted.keys():
+        only_p = sorted(held.keys() - wanted.keys())[:5]
+        only_c = sorted(wanted.keys() - held.keys())[:5]
+        raise ValueError(
+            f"pair_values: producer and consumer hold different samples (producer only: {only_p}, "
+            f"consumer only: {only_c}); split the same batch for both roles"
+        )
+    out: list[Pieces] = []
+    for consumer_rank, ids in enumerate(consumer_samples):
+        parts: list[Rows] = []
+        run_rank, run_rows = -1, list[int]()
+        for sample in ids:
+            rank, row = held[int(sample)]
+            if rank != run_rank and run_rows:
+                parts.append(_rows(producer_values, run_rank, run_rows, consumer_rank))
+                run_rows = []
+            run_rank = rank
+            run_rows.append(row)
+        if run_rows:
+            parts.append(_rows(producer_values, run_rank, run_rows, consumer_rank))
+        out.append(Pieces(tuple(parts)))
+    return out
 
 
-def pair_values(producer_values: Sequence[Box | None], producer: Topology, consumer: Topology) -> list[Box]:
-    """Consumer-rank-ordered values from the producer's per-rank results.
+def _rows(values: Sequence[Box | None], rank: int, rows: list[int], consumer: int) -> Rows:
+    box = values[rank]
+    if not isinstance(box, Box):
+        got = "none" if box is None else type(box).__name__
+        raise MissingValuesError(
+            f"critic rank {rank} returned {got} instead of a values Box; actor rank {consumer} needs its "
+            "values"
+        )
+    return Rows(box, tuple(rows), rank)
 
-    ``producer_values[i]`` is what producer rank ``i`` returned (``None`` is expected from ranks
-    that are not on the last pipeline stage). A last-stage rank without values is a
-    :class:`MissingValuesError` naming the producer rank and the consumer ranks that needed it.
+
+def unpack_pieces(pieces: Pieces, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, list[torch.Tensor]]:
+    """Fetch the payloads (``pack_fields`` made) and return each field's tensors in consumer order.
+
+    The tensors are copies (``clone``): a consumer keeps only its rows, not the whole buffers.
     """
-    if len(producer_values) != producer.world_size:
-        raise ValueError(
-            f"pair_values: got {len(producer_values)} producer results for producer world_size "
-            f"{producer.world_size}; pass one result per producer rank"
-        )
-    pairs = pair_ranks(producer, consumer)
-    out: list[Box] = []
-    for producer_rank in pairs:
-        values = producer_values[producer_rank]
-        if not isinstance(values, Box):
-            needing = [c for c, p in enumerate(pairs) if p == producer_rank]
-            got = "none" if values is None else type(values).__name__
-            raise MissingValuesError(
-                f"critic rank {producer_rank} (last pipeline stage) returned {got} instead of a values "
-                f"Box; actor ranks {needing} need its values"
-            )
-        out.append(values)
+    out: dict[str, list[torch.Tensor]] = {}
+    for part in pieces.parts:
+        fields = unpack_fields(part.box, timeout_s=timeout_s)
+        for name, tensors in fields.items():
+            rows = out.setdefault(name, [])
+            for row in part.rows:
+                if not 0 <= row < len(tensors):
+                    raise ValueError(
+                        f"unpack_pieces: row {row} of critic rank {part.producer}'s payload, which holds "
+                        f"{len(tensors)} samples in field {name!r}"
+                    )
+                rows.append(tensors[row].clone())
+    counts = {name: len(v) for name, v in out.items()}
+    if any(n != pieces.num_samples for n in counts.values()):
+        raise ValueError(f"unpack_pieces: fields hold {counts} samples, expected {pieces.num_samples} each")
     return out

@@ -13,6 +13,7 @@ from ray.exceptions import GetTimeoutError
 from ppo_value_transport._box import Box
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 class MissingValuesError(RuntimeError):
@@ -81,7 +82,7 @@ def gather(refs: Sequence[ObjectRef], timeout_s: float, what: str) -> list[Any]:
         raise TimeoutError(f"{what}: results not available within {timeout_s:g} s") from exc
 
 
-def require_values(rank: int, values: Box | None, role: str = "actor") -> Box:
+def require_values(rank: int, values: V | None, role: str = "actor") -> V:
     """The values of ``rank``, or a :class:`MissingValuesError` that names the rank and role.
 
     A consumer that needs critic values and received none must fail loudly: training the actor
@@ -89,11 +90,15 @@ def require_values(rank: int, values: Box | None, role: str = "actor") -> Box:
     """
     if values is None:
         raise MissingValuesError(
-            f"{role} rank {rank} needs critic values but received none; the critic must return one "
-            f"values Box per {role} rank, in rank order (route() hands the i-th Box to rank i)"
+            f"{role} rank {rank} needs critic values but received none; the critic must return a "
+            "values Box for each of its ranks, and ppo_value_transport.pair_values maps them to the "
+            "actor's ranks"
         )
-    if not isinstance(values, Box):
+    # Pieces: the values of this rank's samples from the critic ranks (pair_values); a Box: one payload.
+    from ppo_value_transport._pairing import Pieces
+
+    if not isinstance(values, Box | Pieces):
         raise MissingValuesError(
-            f"{role} rank {rank} received {type(values).__name__} where a values Box was expected"
+            f"{role} rank {rank} received {type(values).__name__} where a values Box or Pieces was expected"
         )
     return values
