@@ -192,7 +192,7 @@ def test_critic_targets_include_the_kl_penalty(tiny_model: Path, fields_factory:
     """Reward-level KL: the critic shapes the rewards from the rollout's and the reference's log-probs,
     its returns (the value targets) carry the penalty, and the actor trains on the same rewards."""
     samples = Samples.from_fields(fields_factory(8, seed=21))
-    alg = AlgorithmConfig(lam=1.0, gamma=1.0, kl_coef=0.5, kl_estimator="k1")
+    alg = AlgorithmConfig(lam=1.0, gamma=1.0, kl_coef=0.5, kl_estimator="k1", num_mini_batches=1)
     critic = trainer(tiny_model, role="critic", algorithm=alg, micro_batch_size=3)
     assert critic.reference is not None
     mask = samples.response_mask
@@ -226,7 +226,9 @@ def test_truncated_importance_sampling_weights(tiny_model: Path, fields_factory:
     samples = Samples.from_fields(fields_factory(8, seed=22))
     values = torch.zeros(len(samples), samples.max_response)
     plain = trainer(tiny_model, micro_batch_size=4)
-    capped = trainer(tiny_model, micro_batch_size=4, algorithm=AlgorithmConfig(lam=1.0, tis_cap=2.0))
+    capped = trainer(
+        tiny_model, micro_batch_size=4, algorithm=AlgorithmConfig(lam=1.0, num_mini_batches=1, tis_cap=2.0)
+    )
     # Rollout log-probs equal to the trainer's: every weight is 1, the update is unchanged.
     on_policy = dataclasses.replace(samples, rollout_log_probs=plain.compute_log_probs(samples))
     m_plain = plain.train_actor(on_policy, values)
@@ -237,7 +239,11 @@ def test_truncated_importance_sampling_weights(tiny_model: Path, fields_factory:
     # above: ratio e^-0.5, under the cap, kept as it is.
     old = on_policy.rollout_log_probs
     for shift, weight, capped_fraction in ((-2.0, 2.0, 1.0), (0.5, math.exp(-0.5), 0.0)):
-        fresh = trainer(tiny_model, micro_batch_size=4, algorithm=AlgorithmConfig(lam=1.0, tis_cap=2.0))
+        fresh = trainer(
+            tiny_model,
+            micro_batch_size=4,
+            algorithm=AlgorithmConfig(lam=1.0, num_mini_batches=1, tis_cap=2.0),
+        )
         off = fresh.train_actor(
             dataclasses.replace(samples, rollout_log_probs=(old + shift) * samples.response_mask), values
         )

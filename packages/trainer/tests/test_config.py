@@ -88,7 +88,7 @@ def test_reward_kl_puts_the_reference_on_the_critic() -> None:
     assert (kl_loss.reference_for("critic"), kl_loss.reference_for("actor")) == (False, True)
     # the critic accepts reward-level KL (it computes the KL-shaped rewards)
     assert TrainerConfig(role="critic", model_path="/m", algorithm=reward_kl).algorithm.kl_coef == 0.1
-    with pytest.raises(ValueError, match=r"tis_cap=0.5 must be >= 1"):
+    with pytest.raises(ValueError, match=r"tis_cap\n  Input should be greater than or equal to 1"):
         AlgorithmConfig(tis_cap=0.5)
     assert AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1).needs_reference
 

@@ -142,6 +142,7 @@ class TrainSection(TrainSettings):
     def _yaml_off(cls, value: Any) -> Any:
         # YAML 1.1 reads a bare `off` as false.
         return "off" if value is False else value
+
     global_batch_size: int | None = Field(
         default=None,
         ge=1,
