@@ -2,6 +2,7 @@
 # GPU tests and the sleep/wake benchmark of ppo-lifecycle, in one go (about 2-3 minutes on an H200).
 # Run from the repository root or anywhere: bash packages/lifecycle/benchmarks/gpu.sh
 set -uo pipefail  # run every part even if one fails; each prints its own result
+failed=0  # set by any failing step; the script exits non-zero after running the rest
 export PYTHONUNBUFFERED=1
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -16,10 +17,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 
 echo "== GPU tests (4 GiB of state per backend)"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider -o addopts="" -s || echo "gpu tests: pytest exit code $?"
+  "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider -o addopts="" -s || { echo "GPU TESTS FAILED (exit $?)"; failed=1; }
 else
-  "$PY" tests/gpu_checks.py
+  "$PY" tests/gpu_checks.py || { echo "GPU CHECKS FAILED (exit $?)"; failed=1; }
 fi
 
 echo "== sleep/wake benchmark, 16 GiB of state"
-"$PY" benchmarks/sleep_wake.py --gib 16 --cycles 3 --tms-default-gib 16 --tms-default-cycles 2
+"$PY" benchmarks/sleep_wake.py --gib 16 --cycles 3 --tms-default-gib 16 --tms-default-cycles 2 \
+  || { echo "BENCHMARK FAILED (exit $?)"; failed=1; }
+exit "$failed"

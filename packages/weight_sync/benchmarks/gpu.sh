@@ -4,6 +4,7 @@
 # Bounded: tests at most 110 s (a test stuck for 60 s prints every thread's stack), benchmark at most
 # 110 s (progress lines per size and mode as it goes); about 4 minutes at worst, much less when healthy.
 set -euo pipefail
+failed=0  # set by any failing step; the script exits non-zero after running the rest
 export PYTHONUNBUFFERED=1
 # NCCL's warnings (from both processes: the engine's output is forwarded with an "[engine" prefix).
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
@@ -20,8 +21,9 @@ echo "== GPU tests (NCCL) =="
 TIMEOUT_ARGS=()
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARGS=(--timeout=90); fi
 (cd "$PKG" && timeout -k 5 110 "$PY" -m pytest tests/test_gpu.py -v -s -x -p no:cacheprovider -o addopts="" \
-    -o faulthandler_timeout=60 ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -rA) || echo "GPU TESTS FAILED (exit $?)"
+    -o faulthandler_timeout=60 ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -rA) || { echo "GPU TESTS FAILED (exit $?)"; failed=1; }
 
 echo "== GPU benchmark: 1, 4, 16 GB bf16, 512 MiB buckets, trainer GPU 0 -> engine GPU 1 =="
 timeout -k 5 110 "$PY" "$HERE/bench_update.py" --backend nccl --sizes-gb 1 4 16 --bucket-mb 512 --reps 3 \
-    --timeout-s 40 || echo "GPU BENCHMARK FAILED (exit $?)"
+    --timeout-s 40 || { echo "GPU BENCHMARK FAILED (exit $?)"; failed=1; }
+exit "$failed"
