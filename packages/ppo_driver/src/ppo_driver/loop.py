@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,14 +30,18 @@ from typing import Any
 
 import numpy as np
 import ray
+import ray.exceptions
 import torch
 from rich.console import Console
 
 from ppo_driver import build, checkpoint
 from ppo_driver.config import RunConfig, dump_config
-from ppo_driver.metrics import MetricsLog, StepProgress
+from ppo_driver.faults import Interrupted, RunFailed, StopSignals, check_finite, resume_hint
+from ppo_driver.metrics import METRICS_FILE, MetricsLog, StepProgress
 from ppo_driver.phases import PhaseTimer, PhaseTracker
 from ppo_driver.roles import RoleFactory, Roles, create_roles, shutdown_roles
+from ppo_driver.runlock import RunLock
+from ppo_lifecycle import Phase
 
 
 @dataclass
@@ -60,134 +65,247 @@ def train(
     console: Console | None = None,
     roles_factory: RoleFactory = create_roles,
 ) -> RunResult:
+    """Run the loop. A failing step raises ``RunFailed`` (step, phase, cause, where a re-run resumes);
+    SIGINT/SIGTERM raise ``Interrupted`` after a save at the end of the step they arrived in."""
     console = console or Console()
     # Absolute paths: the Ray workers that read the model and write checkpoints run in other folders.
     run_dir = run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
     ckpt_root = Path(config.checkpoint.dir).resolve() if config.checkpoint.dir else run_dir / "checkpoints"
     timeout_s = config.ray.timeout_s
+    at = _Where()
     with ExitStack() as stack:
-        stack.enter_context(_ray_session(config))
-        seed_everything(config.train.seed)
-        model_path = _model_path(config, run_dir)
-        roles = roles_factory(config, model_path, timeout_s)
-        stack.callback(shutdown_roles, roles)
-        rollout, actor, critic = roles.rollout, roles.actor, roles.critic
-        plan = build.offload_plan(config)
-        phases = PhaseTracker(plan, roles)
-
-        # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint.
-        start = 0
-        found = checkpoint.latest_complete(ckpt_root) if config.checkpoint.resume else None
-        if found is not None:
-            start, folder = found
-            phases.enter("save")
-            actor.load(folder / "actor")
-            if critic is not None:
-                critic.load(folder / "critic")
-            state = checkpoint.load_driver_state(folder)
-            rollout.load_state_dict(dict(state.rollout))
-            console.print(f"resumed from {folder} (step {start})", highlight=False)
-            changed = changed_fields(state.extra.get("config", {}), config)
-            if changed:
-                console.print(
-                    f"[yellow]warning:[/] resuming with a config that differs from the checkpoint's in "
-                    f"{', '.join(changed)}; the run will not match an uninterrupted one",
-                    highlight=False,
-                )
-        if start >= config.train.steps:
-            console.print(f"nothing to do: the checkpoint is at step {start} >= train.steps", highlight=False)
-
-        # First weight update: the engines start from the actor's weights (the loaded ones on resume).
-        phases.enter("weight_update")
-        actor.connect_engines(rollout.endpoints())
-        actor.update_weights(version=str(start))
-        phases.enter("generate")
-
-        log = MetricsLog(run_dir, tensorboard=config.logging.tensorboard, start_step=start)
-        stack.callback(log.close)
-        progress = stack.enter_context(
-            StepProgress(config.train.steps, start, console=console, enabled=config.logging.progress)
-        )
-        for step in range(start + 1, config.train.steps + 1):
-            phases.start_step()
-            timer = PhaseTimer()
-            trains_actor = step > config.train.num_critic_only_steps
-
-            with timer("generate"):
-                phases.enter("generate")
-                batch = rollout.generate(step)
-            metrics: dict[str, Any] = dict(batch.metrics)
-
-            values = None
-            if critic is not None:
-                with timer("critic_train"):
-                    phases.enter("critic_train")  # offloads colocated engines, wakes the critic
-                    result = critic.train(step, batch.boxes)
-                values = result.values
-                if values is None or len(values) == 0:
-                    raise RuntimeError(f"step {step}: the critic returned no values for the actor")
-                metrics.update(_prefixed("critic", result.metrics))
-                metrics["handoff/value_boxes"] = len(values)
-
-            if trains_actor:
-                with timer("actor_train"):
-                    phases.enter("actor_train")  # the critic sleeps, the actor wakes
-                    result = actor.train(step, batch.boxes, values)
-                metrics.update(_prefixed("actor", result.metrics))
-                if values is not None:
-                    metrics["handoff/values_used"] = 1
-
-            if _due(step, config.checkpoint.interval, config.train.steps, config.checkpoint.save_final):
-                with timer("save"):
-                    phases.enter("save")
-                    save_checkpoint(ckpt_root, step, roles, config)
-
-            if trains_actor:
-                with timer("weight_update"):
-                    phases.enter("weight_update")  # the actor reconnects to the engines if it slept
-                    metrics.update(_prefixed("weight_sync", actor.update_weights(version=str(step))))
-
-            phases.enter("generate")  # onload the engines
-            if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
-                with timer("eval"):
-                    metrics.update(_prefixed("eval", rollout.evaluate(step)))
-
-            metrics.update(_prefixed("actor", actor.pop_metrics()))
-            if critic is not None:
-                metrics.update(_prefixed("critic", critic.pop_metrics()))
-            metrics.update(phases.step_metrics())
-            metrics.update(timer.metrics())
-            metrics["actor_trained"] = int(trains_actor)
-            log.log(step, metrics)
-            progress.update(step, metrics)
-
-        actor_checksum = actor.weights_checksum()
-        engine_checksums = list(rollout.weights_checksums())
-        result_ = RunResult(
-            run_dir=run_dir,
-            first_step=start + 1,
-            last_step=max(start, config.train.steps),
-            history=log.history,
-            actor_checksum=actor_checksum,
-            engine_checksums=engine_checksums,
-        )
-        (run_dir / "summary.json").write_text(
-            json.dumps(
-                {
-                    "first_step": result_.first_step,
-                    "last_step": result_.last_step,
-                    "actor_checksum": actor_checksum,
-                    "engine_checksums": engine_checksums,
-                    "weights_match": result_.weights_match,
-                },
-                indent=1,
-            )
-            + "\n"
-        )
-        return result_
+        stack.enter_context(RunLock(run_dir))  # creates run_dir; refuses a second run in it
+        if not config.checkpoint.resume:
+            _start_over(run_dir, ckpt_root, console)
+        (run_dir / "config.yaml").write_text(dump_config(config))
+        stack.enter_context(_ray_session(config, console))
+        signals = stack.enter_context(StopSignals())
+        try:
+            return _run(config, run_dir, ckpt_root, console, roles_factory, timeout_s, stack, signals, at)
+        except (Interrupted, RunFailed):
+            raise
+        except Exception as exc:
+            raise RunFailed(
+                at.step, at.phase, exc, resume_hint(checkpoint.latest_complete(ckpt_root))
+            ) from exc
     raise AssertionError("unreachable")  # ExitStack does not swallow exceptions
+
+
+@dataclass
+class _Where:
+    """Where the loop is, for the report of a failure."""
+
+    step: int = 0
+    phase: str = "setup"
+
+
+def _run(
+    config: RunConfig,
+    run_dir: Path,
+    ckpt_root: Path,
+    console: Console,
+    roles_factory: RoleFactory,
+    timeout_s: float,
+    stack: ExitStack,
+    signals: StopSignals,
+    at: _Where,
+) -> RunResult:
+    seed_everything(config.train.seed)
+    model_path = _model_path(config, run_dir)
+    roles = roles_factory(config, model_path, timeout_s)
+    stack.callback(shutdown_roles, roles)
+    rollout, actor, critic = roles.rollout, roles.actor, roles.critic
+    plan = build.offload_plan(config)
+    phases = PhaseTracker(plan, roles)
+
+    def enter(phase: Phase) -> None:
+        at.phase = phase
+        phases.enter(phase)
+
+    # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
+    # loads (one that does not is reported and skipped for the previous one).
+    at.phase = "resume"
+    start = _resume(ckpt_root, roles, enter, config, console) if config.checkpoint.resume else 0
+    if start >= config.train.steps:
+        console.print(f"nothing to do: the checkpoint is at step {start} >= train.steps", highlight=False)
+
+    # First weight update: the engines start from the actor's weights (the loaded ones on resume).
+    at.step = start
+    enter("weight_update")
+    actor.connect_engines(rollout.endpoints())
+    actor.update_weights(version=str(start))
+    enter("generate")
+
+    log = MetricsLog(run_dir, tensorboard=config.logging.tensorboard, start_step=start)
+    stack.callback(log.close)
+    progress = stack.enter_context(
+        StepProgress(config.train.steps, start, console=console, enabled=config.logging.progress)
+    )
+    _stop_if_asked(signals, start, ckpt_root)
+    for step in range(start + 1, config.train.steps + 1):
+        at.step = step
+        phases.start_step()
+        timer = PhaseTimer()
+        trains_actor = step > config.train.num_critic_only_steps
+        saved = False
+
+        with timer("generate"):
+            enter("generate")
+            batch = rollout.generate(step)
+        metrics: dict[str, Any] = dict(batch.metrics)
+
+        values = None
+        if critic is not None:
+            with timer("critic_train"):
+                enter("critic_train")  # offloads colocated engines, wakes the critic
+                result = critic.train(step, batch.boxes)
+            check_finite("critic", step, result.metrics)
+            values = result.values
+            if values is None or len(values) == 0:
+                raise RuntimeError(f"step {step}: the critic returned no values for the actor")
+            metrics.update(_prefixed("critic", result.metrics))
+            metrics["handoff/value_boxes"] = len(values)
+
+        if trains_actor:
+            with timer("actor_train"):
+                enter("actor_train")  # the critic sleeps, the actor wakes
+                result = actor.train(step, batch.boxes, values)
+            # Before the save and the weight update: non-finite weights reach neither.
+            check_finite("actor", step, result.metrics)
+            metrics.update(_prefixed("actor", result.metrics))
+            if values is not None:
+                metrics["handoff/values_used"] = 1
+
+        if _due(step, config.checkpoint.interval, config.train.steps, config.checkpoint.save_final):
+            with timer("save"):
+                enter("save")
+                save_checkpoint(ckpt_root, step, roles, config)
+                saved = True
+
+        if trains_actor:
+            with timer("weight_update"):
+                enter("weight_update")  # the actor reconnects to the engines if it slept
+                metrics.update(_prefixed("weight_sync", actor.update_weights(version=str(step))))
+
+        enter("generate")  # onload the engines
+        if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
+            with timer("eval"):
+                metrics.update(_prefixed("eval", rollout.evaluate(step)))
+
+        metrics.update(_prefixed("actor", actor.pop_metrics()))
+        if critic is not None:
+            metrics.update(_prefixed("critic", critic.pop_metrics()))
+        metrics.update(phases.step_metrics())
+        metrics.update(timer.metrics())
+        metrics["actor_trained"] = int(trains_actor)
+        log.log(step, metrics)
+        progress.update(step, metrics)
+        if signals.requested is not None and step < config.train.steps:
+            if not saved:  # a safe point: the step is whole; save it so the re-run loses nothing
+                enter("save")
+                save_checkpoint(ckpt_root, step, roles, config)
+            _stop_if_asked(signals, step, ckpt_root)
+
+    actor_checksum = actor.weights_checksum()
+    engine_checksums = list(rollout.weights_checksums())
+    result_ = RunResult(
+        run_dir=run_dir,
+        first_step=start + 1,
+        last_step=max(start, config.train.steps),
+        history=log.history,
+        actor_checksum=actor_checksum,
+        engine_checksums=engine_checksums,
+    )
+    (run_dir / "summary.json").write_text(
+        json.dumps(
+            {
+                "first_step": result_.first_step,
+                "last_step": result_.last_step,
+                "actor_checksum": actor_checksum,
+                "engine_checksums": engine_checksums,
+                "weights_match": result_.weights_match,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    return result_
+
+
+def _stop_if_asked(signals: StopSignals, step: int, ckpt_root: Path) -> None:
+    if signals.requested is not None:
+        raise Interrupted(signals.requested, step, resume_hint(checkpoint.latest_complete(ckpt_root)))
+
+
+def _resume(
+    ckpt_root: Path, roles: Roles, enter: Callable[[Phase], None], config: RunConfig, console: Console
+) -> int:
+    """Load the latest complete checkpoint that loads; return its step (0 when there is none)."""
+    found = checkpoint.complete_checkpoints(ckpt_root)
+    for step, folder in reversed(found):
+        try:
+            checkpoint.verify(folder)
+            state = checkpoint.load_driver_state(folder)  # also restores the driver's RNG
+            enter("save")
+            roles.actor.load(folder / "actor")
+            if roles.critic is not None:
+                roles.critic.load(folder / "critic")
+            roles.rollout.load_state_dict(dict(state.rollout))
+        except Exception as exc:
+            if is_process_death(exc):
+                raise  # not the checkpoint's fault
+            console.print(
+                f"[yellow]warning:[/] checkpoint {folder} does not load ({_first_line(exc)}); "
+                "trying the previous complete one",
+                highlight=False,
+            )
+            continue
+        console.print(f"resumed from {folder} (step {step})", highlight=False)
+        changed = changed_fields(state.extra.get("config", {}), config)
+        if changed:
+            console.print(
+                f"[yellow]warning:[/] resuming with a config that differs from the checkpoint's in "
+                f"{', '.join(changed)}; the run will not match an uninterrupted one",
+                highlight=False,
+            )
+        return step
+    if found:
+        # Some roles may hold part of a checkpoint now: starting from step 0 would not be a fresh run.
+        raise checkpoint.CheckpointError(
+            f"none of the {len(found)} complete checkpoints under {ckpt_root} loads (see the warnings "
+            "above); move that folder aside to start over, or set checkpoint.resume=false"
+        )
+    return 0
+
+
+def _start_over(run_dir: Path, ckpt_root: Path, console: Console) -> None:
+    """``checkpoint.resume=false``: keep an older run's checkpoints and metrics, out of the new run's way."""
+    aside = checkpoint.move_aside(ckpt_root)
+    if aside is not None:
+        console.print(
+            f"checkpoint.resume=false: moved the earlier run's checkpoints from {ckpt_root} to {aside}",
+            highlight=False,
+        )
+    metrics = run_dir / METRICS_FILE
+    if metrics.exists():
+        old = metrics.with_name(f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        metrics.rename(old)
+        console.print(f"checkpoint.resume=false: moved the earlier run's metrics to {old}", highlight=False)
+
+
+def is_process_death(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ray.exceptions.RayActorError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    # Ray's task errors start with a header line; the worker's own message is the last line.
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"
 
 
 def save_checkpoint(root: Path, step: int, roles: Roles, config: RunConfig) -> Path:
@@ -283,7 +401,7 @@ def _model_path(config: RunConfig, run_dir: Path) -> Path:
 
 
 @contextmanager
-def _ray_session(config: RunConfig) -> Iterator[None]:
+def _ray_session(config: RunConfig, console: Console) -> Iterator[None]:
     """Join ``ray.address`` when given; otherwise start (and later stop) a local Ray instance."""
     if ray.is_initialized():
         yield
@@ -291,14 +409,39 @@ def _ray_session(config: RunConfig) -> Iterator[None]:
     if config.ray.address:
         ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
     else:
-        ray.init(
-            num_cpus=config.ray.num_cpus,
-            num_gpus=0 if config.placement.device == "cpu" else None,
-            object_store_memory=config.ray.object_store_memory_mb * 1024**2,
-            include_dashboard=False,
-            log_to_driver=config.logging.worker_logs,
-        )
+        start_local_ray(config, console)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+# Ray waits a fixed 30 s for its raylet to register; on a loaded machine (load average above 10 on
+# 2 cores) that is too short, and a worker importing torch can miss its registration window.
+LOCAL_RAY_ENV = {
+    "RAY_worker_register_timeout_seconds": "300",
+    "RAY_gcs_server_request_timeout_seconds": "180",
+}
+
+
+def start_local_ray(config: RunConfig, console: Console) -> None:
+    """Start a local Ray instance; if it does not come up, say so and try once more."""
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    kwargs: dict[str, Any] = {
+        "num_cpus": config.ray.num_cpus,
+        "num_gpus": 0 if config.placement.device == "cpu" else None,
+        "object_store_memory": config.ray.object_store_memory_mb * 1024**2,
+        "include_dashboard": False,
+        "log_to_driver": config.logging.worker_logs,
+    }
+    try:
+        ray.init(**kwargs)
+    except Exception as exc:  # Ray raises a bare Exception for "timed out during startup"
+        console.print(
+            f"[yellow]warning:[/] the local Ray instance did not start ({_first_line(exc)}); "
+            "the machine may be loaded: trying once more",
+            highlight=False,
+        )
+        ray.shutdown()
+        ray.init(**kwargs)
