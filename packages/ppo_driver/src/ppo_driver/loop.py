@@ -34,7 +34,7 @@ import ray.exceptions
 import torch
 from rich.console import Console
 
-from ppo_driver import build, checkpoint
+from ppo_driver import build, checkpoint, processes
 from ppo_driver.config import RunConfig, dump_config
 from ppo_driver.faults import Interrupted, RunFailed, StopSignals, check_finite, resume_hint
 from ppo_driver.metrics import METRICS_FILE, MetricsLog, StepProgress
@@ -114,6 +114,7 @@ def _run(
     model_path = _model_path(config, run_dir)
     roles = roles_factory(config, model_path, timeout_s)
     stack.callback(shutdown_roles, roles)
+    processes.record(roles, run_dir, timeout_s)
     rollout, actor, critic = roles.rollout, roles.actor, roles.critic
     plan = build.offload_plan(config)
     phases = PhaseTracker(plan, roles)
