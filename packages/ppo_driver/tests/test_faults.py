@@ -167,3 +167,29 @@ def test_stop_signals_turn_the_first_signal_into_a_request() -> None:
         with pytest.raises(KeyboardInterrupt):  # asked twice: stop now
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_starting_over_moves_the_earlier_run_aside(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from ppo_driver.loop import _start_over
+
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    for step in (30, 60):
+        ck.write_checkpoint(root, step, _write)
+    (run_dir / METRICS_FILE).write_text('{"step": 60}\n')
+    console = Console(record=True, width=300)
+    _start_over(run_dir, root, console)
+    said = console.export_text()
+    assert "moved the earlier run's checkpoints from" in said
+    assert "moved the earlier run's metrics to" in said
+    assert not root.exists()
+    assert not (run_dir / METRICS_FILE).exists()
+    (aside,) = run_dir.glob("checkpoints.before-*")
+    assert [s for s, _ in ck.complete_checkpoints(aside)] == [30, 60]
+    (old_metrics,) = run_dir.glob("metrics.before-*.jsonl")
+    assert old_metrics.read_text() == '{"step": 60}\n'
+    # The new run's checkpoints are its own: nothing of the earlier run is pruned into or resumed from.
+    ck.write_checkpoint(root, 2, _write, keep=1)
+    assert ck.latest_complete(root) == (2, root / "step_000002")
