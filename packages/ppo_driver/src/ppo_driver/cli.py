@@ -125,6 +125,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C: no safe point was awaited
+        err.print(
+            "stopped at once; a re-run of the same command resumes from the latest complete checkpoint",
+            highlight=False,
+        )
+        return 130
     except Exception as exc:
         from ppo_driver.faults import Interrupted, RunFailed
         from ppo_driver.runlock import RunFolderBusyError
