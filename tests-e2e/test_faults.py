@@ -218,7 +218,8 @@ def test_tampered_checkpoints_are_skipped_for_the_previous_one(reference: Path, 
     (root / "step_000008" / ck.MARKER).unlink()  # a copy cut short: no marker
     tensor = root / "step_000006" / "actor" / "model.safetensors"
     tensor.write_bytes(tensor.read_bytes()[: tensor.stat().st_size // 2])  # truncated tensor file
-    (root / "step_000004" / "driver.json").write_text('{"format": 1, "step": ')  # bad JSON
+    driver_json = root / "step_000004" / "driver.json"
+    driver_json.write_bytes(b"x" + driver_json.read_bytes()[1:])  # bad JSON, of the size written
     metrics = run_dir / "metrics.jsonl"
     metrics.write_text(metrics.read_text()[:-3])
 

@@ -237,7 +237,14 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         f"{config.placement.mode} on {config.placement.device}; run folder {run_dir}",
         highlight=False,
     )
-    result = train(config, run_dir, console=console)
+    err = Console(stderr=True, soft_wrap=True)
+
+    def show_warning(message: Warning | str, *_: object, **__: object) -> None:
+        err.print(f"[yellow]warning:[/] {message}", highlight=False)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show_warning  # one line per warning, as the config's warnings
+        result = train(config, run_dir, console=console)
     if result.history:
         console.print(summary_table(result.history, run_dir))
     status = "match" if result.weights_match else "DIFFER"
