@@ -80,14 +80,125 @@ def train(
         (run_dir / "config.yaml").write_text(dump_config(config))
         stack.enter_context(_ray_session(config, console))
         signals = stack.enter_context(StopSignals())
-        try:
-            return _run(config, run_dir, ckpt_root, console, roles_factory, timeout_s, stack, signals, at)
-        except (Interrupted, RunFailed):
-            raise
-        except Exception as exc:
-            raise RunFailed(
-                at.step, at.phase, exc, resume_hint(checkpoint.latest_complete(ckpt_root))
-            ) from exc
+        # Entered before the roles: their shutdown runs first, then a failure is reported.
+        stack.enter_context(_report_failures(at, ckpt_root))
+        seed_everything(config.train.seed)
+        model_path = _model_path(config, run_dir)
+        roles = roles_factory(config, model_path, timeout_s)
+        stack.callback(shutdown_roles, roles)
+        processes.record(roles, run_dir, timeout_s)
+        rollout, actor, critic = roles.rollout, roles.actor, roles.critic
+        plan = build.offload_plan(config)
+        phases = PhaseTracker(plan, roles, on_enter=at.entering)
+
+        # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
+        # loads (one that does not is reported and skipped for the previous one).
+        at.phase = "resume"
+        start = _resume(ckpt_root, roles, phases.enter, config, console) if config.checkpoint.resume else 0
+        if start >= config.train.steps:
+            console.print(f"nothing to do: the checkpoint is at step {start} >= train.steps", highlight=False)
+
+        # First weight update: the engines start from the actor's weights (the loaded ones on resume).
+        at.step = start
+        phases.enter("weight_update")
+        actor.connect_engines(rollout.endpoints())
+        actor.update_weights(version=str(start))
+        phases.enter("generate")
+
+        log = MetricsLog(run_dir, tensorboard=config.logging.tensorboard, start_step=start)
+        stack.callback(log.close)
+        progress = stack.enter_context(
+            StepProgress(config.train.steps, start, console=console, enabled=config.logging.progress)
+        )
+        _stop_if_asked(signals, start, ckpt_root)
+        for step in range(start + 1, config.train.steps + 1):
+            at.step = step
+            phases.start_step()
+            timer = PhaseTimer()
+            trains_actor = step > config.train.num_critic_only_steps
+            saved = False
+
+            with timer("generate"):
+                phases.enter("generate")
+                batch = rollout.generate(step)
+            metrics: dict[str, Any] = dict(batch.metrics)
+
+            values = None
+            if critic is not None:
+                with timer("critic_train"):
+                    phases.enter("critic_train")  # offloads colocated engines, wakes the critic
+                    result = critic.train(step, batch.boxes)
+                check_finite("critic", step, result.metrics)
+                values = result.values
+                if values is None or len(values) == 0:
+                    raise RuntimeError(f"step {step}: the critic returned no values for the actor")
+                metrics.update(_prefixed("critic", result.metrics))
+                metrics["handoff/value_boxes"] = len(values)
+
+            if trains_actor:
+                with timer("actor_train"):
+                    phases.enter("actor_train")  # the critic sleeps, the actor wakes
+                    result = actor.train(step, batch.boxes, values)
+                # Before the save and the weight update: non-finite weights reach neither.
+                check_finite("actor", step, result.metrics)
+                metrics.update(_prefixed("actor", result.metrics))
+                if values is not None:
+                    metrics["handoff/values_used"] = 1
+
+            if _due(step, config.checkpoint.interval, config.train.steps, config.checkpoint.save_final):
+                with timer("save"):
+                    phases.enter("save")
+                    save_checkpoint(ckpt_root, step, roles, config)
+                    saved = True
+
+            if trains_actor:
+                with timer("weight_update"):
+                    phases.enter("weight_update")  # the actor reconnects to the engines if it slept
+                    metrics.update(_prefixed("weight_sync", actor.update_weights(version=str(step))))
+
+            phases.enter("generate")  # onload the engines
+            if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
+                with timer("eval"):
+                    metrics.update(_prefixed("eval", rollout.evaluate(step)))
+
+            metrics.update(_prefixed("actor", actor.pop_metrics()))
+            if critic is not None:
+                metrics.update(_prefixed("critic", critic.pop_metrics()))
+            metrics.update(phases.step_metrics())
+            metrics.update(timer.metrics())
+            metrics["actor_trained"] = int(trains_actor)
+            log.log(step, metrics)
+            progress.update(step, metrics)
+            if signals.requested is not None and step < config.train.steps:
+                if not saved:  # a safe point: the step is whole; save it so the re-run loses nothing
+                    phases.enter("save")
+                    save_checkpoint(ckpt_root, step, roles, config)
+                _stop_if_asked(signals, step, ckpt_root)
+
+        actor_checksum = actor.weights_checksum()
+        engine_checksums = list(rollout.weights_checksums())
+        result_ = RunResult(
+            run_dir=run_dir,
+            first_step=start + 1,
+            last_step=max(start, config.train.steps),
+            history=log.history,
+            actor_checksum=actor_checksum,
+            engine_checksums=engine_checksums,
+        )
+        (run_dir / "summary.json").write_text(
+            json.dumps(
+                {
+                    "first_step": result_.first_step,
+                    "last_step": result_.last_step,
+                    "actor_checksum": actor_checksum,
+                    "engine_checksums": engine_checksums,
+                    "weights_match": result_.weights_match,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        return result_
     raise AssertionError("unreachable")  # ExitStack does not swallow exceptions
 
 
@@ -98,139 +209,19 @@ class _Where:
     step: int = 0
     phase: str = "setup"
 
+    def entering(self, phase: str) -> None:
+        self.phase = phase
 
-def _run(
-    config: RunConfig,
-    run_dir: Path,
-    ckpt_root: Path,
-    console: Console,
-    roles_factory: RoleFactory,
-    timeout_s: float,
-    stack: ExitStack,
-    signals: StopSignals,
-    at: _Where,
-) -> RunResult:
-    seed_everything(config.train.seed)
-    model_path = _model_path(config, run_dir)
-    roles = roles_factory(config, model_path, timeout_s)
-    stack.callback(shutdown_roles, roles)
-    processes.record(roles, run_dir, timeout_s)
-    rollout, actor, critic = roles.rollout, roles.actor, roles.critic
-    plan = build.offload_plan(config)
-    phases = PhaseTracker(plan, roles)
 
-    def enter(phase: Phase) -> None:
-        at.phase = phase
-        phases.enter(phase)
-
-    # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
-    # loads (one that does not is reported and skipped for the previous one).
-    at.phase = "resume"
-    start = _resume(ckpt_root, roles, enter, config, console) if config.checkpoint.resume else 0
-    if start >= config.train.steps:
-        console.print(f"nothing to do: the checkpoint is at step {start} >= train.steps", highlight=False)
-
-    # First weight update: the engines start from the actor's weights (the loaded ones on resume).
-    at.step = start
-    enter("weight_update")
-    actor.connect_engines(rollout.endpoints())
-    actor.update_weights(version=str(start))
-    enter("generate")
-
-    log = MetricsLog(run_dir, tensorboard=config.logging.tensorboard, start_step=start)
-    stack.callback(log.close)
-    progress = stack.enter_context(
-        StepProgress(config.train.steps, start, console=console, enabled=config.logging.progress)
-    )
-    _stop_if_asked(signals, start, ckpt_root)
-    for step in range(start + 1, config.train.steps + 1):
-        at.step = step
-        phases.start_step()
-        timer = PhaseTimer()
-        trains_actor = step > config.train.num_critic_only_steps
-        saved = False
-
-        with timer("generate"):
-            enter("generate")
-            batch = rollout.generate(step)
-        metrics: dict[str, Any] = dict(batch.metrics)
-
-        values = None
-        if critic is not None:
-            with timer("critic_train"):
-                enter("critic_train")  # offloads colocated engines, wakes the critic
-                result = critic.train(step, batch.boxes)
-            check_finite("critic", step, result.metrics)
-            values = result.values
-            if values is None or len(values) == 0:
-                raise RuntimeError(f"step {step}: the critic returned no values for the actor")
-            metrics.update(_prefixed("critic", result.metrics))
-            metrics["handoff/value_boxes"] = len(values)
-
-        if trains_actor:
-            with timer("actor_train"):
-                enter("actor_train")  # the critic sleeps, the actor wakes
-                result = actor.train(step, batch.boxes, values)
-            # Before the save and the weight update: non-finite weights reach neither.
-            check_finite("actor", step, result.metrics)
-            metrics.update(_prefixed("actor", result.metrics))
-            if values is not None:
-                metrics["handoff/values_used"] = 1
-
-        if _due(step, config.checkpoint.interval, config.train.steps, config.checkpoint.save_final):
-            with timer("save"):
-                enter("save")
-                save_checkpoint(ckpt_root, step, roles, config)
-                saved = True
-
-        if trains_actor:
-            with timer("weight_update"):
-                enter("weight_update")  # the actor reconnects to the engines if it slept
-                metrics.update(_prefixed("weight_sync", actor.update_weights(version=str(step))))
-
-        enter("generate")  # onload the engines
-        if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
-            with timer("eval"):
-                metrics.update(_prefixed("eval", rollout.evaluate(step)))
-
-        metrics.update(_prefixed("actor", actor.pop_metrics()))
-        if critic is not None:
-            metrics.update(_prefixed("critic", critic.pop_metrics()))
-        metrics.update(phases.step_metrics())
-        metrics.update(timer.metrics())
-        metrics["actor_trained"] = int(trains_actor)
-        log.log(step, metrics)
-        progress.update(step, metrics)
-        if signals.requested is not None and step < config.train.steps:
-            if not saved:  # a safe point: the step is whole; save it so the re-run loses nothing
-                enter("save")
-                save_checkpoint(ckpt_root, step, roles, config)
-            _stop_if_asked(signals, step, ckpt_root)
-
-    actor_checksum = actor.weights_checksum()
-    engine_checksums = list(rollout.weights_checksums())
-    result_ = RunResult(
-        run_dir=run_dir,
-        first_step=start + 1,
-        last_step=max(start, config.train.steps),
-        history=log.history,
-        actor_checksum=actor_checksum,
-        engine_checksums=engine_checksums,
-    )
-    (run_dir / "summary.json").write_text(
-        json.dumps(
-            {
-                "first_step": result_.first_step,
-                "last_step": result_.last_step,
-                "actor_checksum": actor_checksum,
-                "engine_checksums": engine_checksums,
-                "weights_match": result_.weights_match,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
-    return result_
+@contextmanager
+def _report_failures(at: _Where, ckpt_root: Path) -> Iterator[None]:
+    """Turn an error of the run into ``RunFailed``: the step, the phase, and where a re-run resumes."""
+    try:
+        yield
+    except (Interrupted, RunFailed):
+        raise
+    except Exception as exc:
+        raise RunFailed(at.step, at.phase, exc, resume_hint(checkpoint.latest_complete(ckpt_root))) from exc
 
 
 def _stop_if_asked(signals: StopSignals, step: int, ckpt_root: Path) -> None:
