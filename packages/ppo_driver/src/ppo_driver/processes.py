@@ -7,6 +7,7 @@ roles exist; roles made by another factory than ``create_roles`` are listed as f
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import ray
 from ppo_driver.roles import Roles
 
 PROCESSES_FILE = "processes.json"
+log = logging.getLogger(__name__)
 
 
 def _pid(_instance: Any) -> int:
@@ -43,8 +45,10 @@ def record(roles: Roles, run_dir: Path, timeout_s: float) -> dict[str, list[int]
     handles = _handles(roles)
     pids: dict[str, list[int]] = {"driver": [os.getpid()]}
     for role, actors in handles.items():
-        pids[role] = [
-            int(p) for p in ray.get([a.__ray_call__.remote(_pid) for a in actors], timeout=timeout_s)
-        ]
+        try:
+            refs = [a.__ray_call__.remote(_pid) for a in actors]
+            pids[role] = [int(p) for p in ray.get(refs, timeout=timeout_s)]
+        except Exception as exc:  # a diagnostic: the run's own calls report a dead worker properly
+            log.warning("processes.json: no pids for %s (%s)", role, exc)
     (run_dir / PROCESSES_FILE).write_text(json.dumps(pids, indent=1) + "\n")
     return pids
