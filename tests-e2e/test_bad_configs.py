@@ -10,6 +10,9 @@ from conftest import run_cli
 
 from ppo_driver.cli import main
 
+# A dataset run over an existing model folder ({tmp}: the test's folder, see _args).
+DATASET = ["rollout.task=null", "model.path={tmp}/model", "rollout.reward=exact_match"]
+
 # (case id, YAML file content or None, --set overrides, text the error must contain)
 BAD: list[tuple[str, str | None, list[str], str]] = [
     ("critic needs ppo", None, ["algorithm.estimator=grpo"], "algorithm.estimator"),
@@ -50,16 +53,29 @@ BAD: list[tuple[str, str | None, list[str], str]] = [
     ("colocate with other rollout size", None, ["placement.rollout_gpus=2"], "placement.rollout_gpus"),
     ("unknown task", None, ["rollout.task=sudoku"], "rollout.task"),
     ("bad --set syntax", None, ["train.steps"], "--set 'train.steps'"),
+    # Pre-flight: what only the run used to find out, after Ray had started.
+    ("reward module does not import", None, ["rollout.reward=no_such_mod_x:score"], "does not import"),
+    ("reward function missing", None, ["rollout.reward=json:no_such_fn"], "has no 'no_such_fn'"),
+    ("reward name unknown", None, ["rollout.reward=bleu"], "not a registered reward"),
+    ("model path missing", None, ["model.path=/no/such/model"], "model.path='/no/such/model' does not exist"),
+    ("dataset missing", None, [*DATASET, "rollout.dataset={tmp}/none.jsonl"], "does not exist"),
+    ("dataset empty", None, [*DATASET, "rollout.dataset={tmp}/empty.jsonl"], "is empty"),
+    ("dataset line not JSON", None, [*DATASET, "rollout.dataset={tmp}/bad.jsonl"], "line 2: not JSON"),
+    ("duplicate section", "train:\n  steps: 3\ntrain:\n  seed: 1\n", [], "duplicate key 'train'"),
 ]
 
 
 def _args(tmp_path: Path, text: str | None, overrides: list[str]) -> list[str]:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
     args = ["train", "--run-dir", str(tmp_path / "run")]
     if text is not None:
         (tmp_path / "config.yaml").write_text(text)
         args += ["--config", str(tmp_path / "config.yaml")]
     for item in overrides:
-        args += ["--set", item]
+        args += ["--set", item.replace("{tmp}", str(tmp_path))]
     return args
 
 
@@ -80,6 +96,20 @@ def test_bad_config_is_rejected_before_start(
     # Nothing started: no run folder, no Ray session.
     assert not (tmp_path / "run").exists()
     assert not ray.is_initialized()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("index", [3, -2])  # a rule of the config; a pre-flight check
+def test_validate_rejects_what_train_rejects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], index: int
+) -> None:
+    case, text, overrides, expected = BAD[index]
+    args = _args(tmp_path, text if text is not None else "{}\n", overrides)
+    sets = [a for a in args if a.startswith("--set") or "=" in a]
+    code = main(["validate", str(tmp_path / "config.yaml"), *sets])
+    _, err = capsys.readouterr()
+    assert code == 2, (case, err)
+    assert expected in err
 
 
 @pytest.mark.timeout(120)

@@ -18,6 +18,7 @@ from ppo_driver.config import load_config
 DEFAULT = load_config()  # the embedded default, what `ppo-driver train` runs without a config
 STEPS = DEFAULT.train.steps
 WINDOW = 5
+LEARNT = 0.8  # mean reward of the last WINDOW steps, and of the final greedy evaluation
 RESUME_AT = DEFAULT.checkpoint.interval  # the first checkpoint of the default run
 
 
@@ -40,7 +41,9 @@ def test_default_run_learns(default_run: tuple[Path, str]) -> None:
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     rewards = [r["rollout/reward_mean"] for r in records]
     first, last = statistics.fmean(rewards[:WINDOW]), statistics.fmean(rewards[-WINDOW:])
-    assert last > first + 0.15, (first, last, rewards)
+    # The task is learnt, not merely started: the bar for the default run.
+    assert last >= LEARNT, (first, last, rewards)
+    assert records[-1]["eval/reward_mean"] >= LEARNT, records[-1]
     assert "run summary" in stdout
     assert "engines hold the actor's final weights: match" in stdout
 

@@ -11,14 +11,15 @@ import ray
 from rich.console import Console
 
 from ppo_driver.config import load_config
-from ppo_driver.loop import train
+from ppo_driver.loop import start_local_ray, train
 
 QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=4, num_gpus=0, object_store_memory=256 * 1024**2, include_dashboard=False)
+    # The driver's own start-up: long timeouts and one retry, for a loaded CI machine.
+    start_local_ray(load_config(None, QUIET), Console(stderr=True))
     yield
     ray.shutdown()
 

@@ -106,6 +106,9 @@ def test_registry_and_module_function() -> None:
         ([1.0], "returned 1 values for 2 samples"),
         ([1.0, math.nan], r"returned nan for sample 1 \(prompt_index 1"),
         ([1.0, math.inf], "returned inf for sample 1"),
+        # Finite in float64, inf in the float32 that training uses.
+        ([1.0, 1e300], r"returned 1e\+300 for sample 1 .* training uses float32 rewards"),
+        ([-3.5e38, 1.0], r"returned -3.5e\+38 for sample 0 .* float32"),
         ([True, 1.0], r"returned True \(bool\) for sample 0"),
         (["1", 1.0], r"returned '1' \(str\) for sample 0"),
         (None, "returned NoneType, expected a sequence"),
@@ -126,4 +129,5 @@ def test_good_reward_results_are_floats() -> None:
 
     out = compute_rewards(lambda s: np.array([1, 0.25]), [_inp("1", "1"), _inp("2", "2")])
     assert out == [1.0, 0.25]
+    assert compute_rewards(lambda s: [3.4e38, -3.4e38], [_inp("1", "1"), _inp("2", "2")]) == [3.4e38, -3.4e38]
     assert all(type(x) is float for x in out)

@@ -5,17 +5,24 @@ Layout of one checkpoint, ``<dir>/step_000010/``::
     driver.json          step, config digest, rollout state (data position), RNG seeds and states
     driver.safetensors   tensors of the driver state (torch RNG state, tensors of the rollout state)
     actor/  critic/      written by ``TrainGroup.save`` (model, optimizer, RNG of each worker)
-    COMPLETE             written last, before the rename; a folder without it is ignored
+    COMPLETE             written last, before the rename; a folder without it is ignored. It
+                         lists every file's size, so a file cut short later is found before loading
 
-Nothing here unpickles: JSON for structure, safetensors for tensors.
+Every file and folder is fsynced before COMPLETE is written, and the folder after its rename, so a
+power cut or a SIGKILL at any moment leaves the latest complete checkpoint whole. A checkpoint that
+fails ``verify`` (a file missing or of the wrong size, JSON that does not parse) is skipped by the
+loop for the previous one. Nothing here unpickles: JSON for structure, safetensors for tensors.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import re
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,13 +58,23 @@ def latest_complete(root: Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that cannot be used: the message names the folder and what is wrong."""
+
+
+class DiskFullError(OSError):
+    """No space left on the device of a run or checkpoint folder; the message names the folder."""
+
+
 def write_checkpoint(
     root: Path, step: int, write: Callable[[Path], None], *, keep: int | None = None
 ) -> Path:
     """Call ``write(tmp)`` to fill a temporary folder, mark it complete, rename it to ``step_N``.
 
     A crash anywhere before the rename leaves only a ``.tmp-`` folder, which discovery ignores and
-    the next save of the same step removes. ``keep`` prunes older complete checkpoints afterwards.
+    the next save of the same step removes. Files are fsynced before the marker, the marker before
+    the rename, the parent folder after it. ``keep`` prunes complete checkpoints of earlier steps
+    (never a later one: those belong to another run, which the loop moves aside first).
     """
     root.mkdir(parents=True, exist_ok=True)
     final = step_folder(root, step)
@@ -65,21 +82,131 @@ def write_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    write(tmp)
-    (tmp / MARKER).write_text(json.dumps({"step": step, "format": FORMAT_VERSION}) + "\n")
+    try:
+        write(tmp)
+        sizes = _fsync_tree(tmp)
+        _write_synced(tmp / MARKER, json.dumps({"step": step, "format": FORMAT_VERSION, "files": sizes}))
+        _fsync_dir(tmp)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # also frees the space a full disk needs back
+        if is_disk_full(exc):
+            raise DiskFullError(
+                errno.ENOSPC,
+                f"no space left on the device of {root} while saving the step-{step} checkpoint; "
+                "free space there or set checkpoint.dir to a folder on another disk",
+            ) from exc
+        raise
     if final.exists():  # a re-run of the same step replaces its checkpoint
         old = root / f".old-{final.name}"
         if old.exists():
             shutil.rmtree(old)
         final.rename(old)
         tmp.rename(final)
+        _fsync_dir(root)
         shutil.rmtree(old)
     else:
         tmp.rename(final)
+        _fsync_dir(root)
     if keep is not None:
-        for _, folder in complete_checkpoints(root)[:-keep]:
+        earlier = [c for c in complete_checkpoints(root) if c[0] <= step]
+        for _, folder in earlier[:-keep]:
             shutil.rmtree(folder, ignore_errors=True)
     return final
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC anywhere in the cause chain, or the messages torch and Ray give for it.
+
+    torch's writer reports a full disk as "unexpected pos ..." and a Ray worker's ``OSError`` arrives
+    as text inside a ``RayTaskError``, so the text is all there is to go on for those.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        text = str(seen)
+        if "No space left on device" in text or "unexpected pos" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def verify(folder: Path) -> None:
+    """Raise ``CheckpointError`` when ``folder`` is not whole: every file COMPLETE lists is present with
+    its size, and every JSON file parses. A marker without a file list (older drivers) checks JSON only."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {folder}: {MARKER} does not parse ({exc})") from None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"checkpoint {folder}: {MARKER} holds {type(marker).__name__}, not a mapping")
+    for name, size in (marker.get("files") or {}).items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {folder}: {name} is missing")
+        actual = path.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"checkpoint {folder}: {name} has {actual} bytes, {size} were written (cut short?)"
+            )
+    for path in sorted(folder.rglob("*.json")):
+        try:
+            json.loads(path.read_text())
+        except ValueError as exc:
+            raise CheckpointError(
+                f"checkpoint {folder}: {path.relative_to(folder)} is not valid JSON ({exc})"
+            ) from None
+
+
+def move_aside(root: Path) -> Path | None:
+    """Rename ``root`` (an older run's checkpoints) to ``<root>.before-<time>``; None if it holds none.
+
+    A run started with ``checkpoint.resume=false`` must not mix its checkpoints with an older run's:
+    pruning and the next resume go by step number, and the older run's later steps would win.
+    """
+    if not any(True for _ in _step_folders(root)):
+        return None
+    aside = root.with_name(f"{root.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = root.with_name(f"{root.name}.before-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+    root.rename(aside)
+    return aside
+
+
+def _step_folders(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return [c for c in root.iterdir() if STEP_DIR.match(c.name) or c.name.startswith((".tmp-", ".old-"))]
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> dict[str, int]:
+    """fsync every file and folder under ``folder`` (deepest first); return each file's size."""
+    sizes: dict[str, int] = {}
+    for here, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            path = Path(here) / name
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+            sizes[str(path.relative_to(folder))] = path.stat().st_size
+        _fsync_dir(Path(here))
+    return dict(sorted(sizes.items()))
 
 
 # --- driver state: JSON + safetensors ---------------------------------------------------------
@@ -133,7 +260,12 @@ def save_driver_state(folder: Path, state: DriverState) -> None:
 
 
 def load_driver_state(folder: Path, *, restore_driver_rng: bool = True) -> DriverState:
-    doc = json.loads((folder / "driver.json").read_text())
+    try:
+        doc = json.loads((folder / "driver.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {folder}: driver.json cannot be read ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"checkpoint {folder}: driver.json holds {type(doc).__name__}, not a mapping")
     if doc.get("format") != FORMAT_VERSION:
         raise ValueError(
             f"checkpoint {folder} has format {doc.get('format')!r}, this driver reads {FORMAT_VERSION}; "

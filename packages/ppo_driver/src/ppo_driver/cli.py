@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ppo_driver import __version__
+from ppo_driver import __version__, preflight
 from ppo_driver.config import ConfigError, RunConfig, dump_config, load_config
 
 DESCRIPTION = """\
@@ -125,12 +125,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
-    except (FileNotFoundError, ValueError) as exc:
-        if args.command == "train":
-            raise  # an error of the run itself: keep the traceback
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
-        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: no safe point was awaited
+        err.print(
+            "stopped at once; a re-run of the same command resumes from the latest complete checkpoint",
+            highlight=False,
+        )
+        return 130
+    except Exception as exc:
+        from ppo_driver.faults import Interrupted, RunFailed
+        from ppo_driver.runlock import RunFolderBusyError
+
+        if isinstance(exc, Interrupted):  # one line, no traceback: the user asked for the stop
+            err.print(f"{exc}", highlight=False, markup=False)
+            return 128 + exc.signum
+        if isinstance(exc, RunFailed | RunFolderBusyError):
+            if isinstance(exc, RunFailed) and not _known_fault(exc.__cause__):
+                import traceback
+
+                err.print("".join(traceback.format_exception(exc.__cause__)), highlight=False, markup=False)
+            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            return 1
+        if isinstance(exc, FileNotFoundError | ValueError) and args.command != "train":
+            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            return 1
+        raise
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
+
+
+def _known_fault(cause: BaseException | None) -> bool:
+    """Failures the report explains in full (a dead process, non-finite values, a full disk, a
+    checkpoint that does not load): no traceback. Anything else keeps its traceback for a bug report."""
+    from ppo_driver.checkpoint import CheckpointError, DiskFullError
+    from ppo_driver.faults import NonFiniteError
+    from ppo_driver.loop import is_process_death
+    from ppo_rollout import RewardError
+
+    if cause is None:
+        return False
+    known = (NonFiniteError, DiskFullError, CheckpointError, RewardError)
+    return is_process_death(cause) or isinstance(cause, known)
 
 
 def resolve(args: argparse.Namespace) -> RunConfig:
@@ -140,6 +173,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"ray.address={json.dumps(args.ray_address)}")  # a JSON string is YAML
     if getattr(args, "run_dir", None):
         overrides.append(f"logging.run_dir={json.dumps(str(args.run_dir))}")
+    if args.config is not None:
+        preflight.check_yaml_file(args.config)  # duplicate keys, which load_config cannot see
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = load_config(args.config, overrides)
@@ -150,6 +185,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
 
 def _validate(args: argparse.Namespace, console: Console) -> int:
     config = resolve(args)
+    run_dir = Path(config.logging.run_dir) if config.logging.run_dir else None
+    preflight.check(config, run_dir=run_dir)
     console.print(dump_config(config), highlight=False, markup=False)
     console.print(describe_layout(config), highlight=False, markup=False)
     console.print("config OK", style="bold green")
@@ -189,6 +226,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     config = resolve(args)
     logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
     run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
     from ppo_driver.loop import train
     from ppo_driver.metrics import summary_table
 
@@ -199,7 +237,14 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         f"{config.placement.mode} on {config.placement.device}; run folder {run_dir}",
         highlight=False,
     )
-    result = train(config, run_dir, console=console)
+    err = Console(stderr=True, soft_wrap=True)
+
+    def show_warning(message: Warning | str, *_: object, **__: object) -> None:
+        err.print(f"[yellow]warning:[/] {message}", highlight=False)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show_warning  # one line per warning, as the config's warnings
+        result = train(config, run_dir, console=console)
     if result.history:
         console.print(summary_table(result.history, run_dir))
     status = "match" if result.weights_match else "DIFFER"

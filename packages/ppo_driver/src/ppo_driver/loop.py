@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,15 +31,19 @@ from typing import Any
 
 import numpy as np
 import ray
+import ray.exceptions
 import torch
 from rich.console import Console
 
-from ppo_driver import build, checkpoint
+from ppo_driver import build, checkpoint, processes
 from ppo_driver.config import RunConfig, dump_config
-from ppo_driver.metrics import MetricsLog, StepProgress
+from ppo_driver.faults import Interrupted, RunFailed, StopSignals, check_finite, resume_hint
+from ppo_driver.metrics import METRICS_FILE, MetricsLog, StepProgress
 from ppo_driver.phases import PhaseTimer, PhaseTracker
 from ppo_driver.roles import RoleFactory, Roles, create_roles, shutdown_roles
+from ppo_driver.runlock import RunLock
 from ppo_driver.schedule import BatchSchedule
+from ppo_lifecycle import Phase
 from ppo_value_transport import pair_values
 
 
@@ -63,46 +68,41 @@ def train(
     console: Console | None = None,
     roles_factory: RoleFactory = create_roles,
 ) -> RunResult:
+    """Run the loop. A failing step raises ``RunFailed`` (step, phase, cause, where a re-run resumes);
+    SIGINT/SIGTERM raise ``Interrupted`` after a save at the end of the step they arrived in."""
     console = console or Console()
     # Absolute paths: the Ray workers that read the model and write checkpoints run in other folders.
     run_dir = run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
     ckpt_root = Path(config.checkpoint.dir).resolve() if config.checkpoint.dir else run_dir / "checkpoints"
     timeout_s = config.ray.timeout_s
+    at = _Where()
     with ExitStack() as stack:
-        stack.enter_context(_ray_session(config))
+        stack.enter_context(RunLock(run_dir))  # creates run_dir; refuses a second run in it
+        if not config.checkpoint.resume:
+            _start_over(run_dir, ckpt_root, console)
+        (run_dir / "config.yaml").write_text(dump_config(config))
+        stack.enter_context(_ray_session(config, console))
+        signals = stack.enter_context(StopSignals())
+        # Entered before the roles: their shutdown runs first, then a failure is reported.
+        stack.enter_context(_report_failures(at, ckpt_root))
         seed_everything(config.train.seed)
         model_path = _model_path(config, run_dir)
         roles = roles_factory(config, model_path, timeout_s)
         stack.callback(shutdown_roles, roles)
+        processes.record(roles, run_dir, timeout_s)
         rollout, actor, critic = roles.rollout, roles.actor, roles.critic
         plan = build.offload_plan(config)
-        phases = PhaseTracker(plan, roles)
+        phases = PhaseTracker(plan, roles, on_enter=at.entering)
 
-        # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint.
-        start = 0
-        found = checkpoint.latest_complete(ckpt_root) if config.checkpoint.resume else None
-        if found is not None:
-            start, folder = found
-            phases.enter("save")
-            actor.load(folder / "actor")
-            if critic is not None:
-                critic.load(folder / "critic")
-            state = checkpoint.load_driver_state(folder)
-            rollout.load_state_dict(dict(state.rollout))
-            console.print(f"resumed from {folder} (step {start})", highlight=False)
-            changed = changed_fields(state.extra.get("config", {}), config)
-            if changed:
-                console.print(
-                    f"[yellow]warning:[/] resuming with a config that differs from the checkpoint's in "
-                    f"{', '.join(changed)}; the run will not match an uninterrupted one",
-                    highlight=False,
-                )
+        # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
+        # loads (one that does not is reported and skipped for the previous one).
+        at.phase = "resume"
+        start = _resume(ckpt_root, roles, phases.enter, config, console) if config.checkpoint.resume else 0
         if start >= config.train.steps:
             console.print(f"nothing to do: the checkpoint is at step {start} >= train.steps", highlight=False)
 
         # First weight update: the engines start from the actor's weights (the loaded ones on resume).
+        at.step = start
         phases.enter("weight_update")
         actor.connect_engines(rollout.endpoints())
         actor.update_weights(version=str(start))
@@ -126,10 +126,13 @@ def train(
         progress = stack.enter_context(
             StepProgress(config.train.steps, start, console=console, enabled=config.logging.progress)
         )
+        _stop_if_asked(signals, start, ckpt_root)
         for step in range(start + 1, config.train.steps + 1):
+            at.step = step
             phases.start_step()
             timer = PhaseTimer()
             trains_actor = step > config.train.num_critic_only_steps
+            saved = False
 
             with timer("generate"):
                 phases.enter("generate")
@@ -143,6 +146,7 @@ def train(
                 with timer("critic_train"):
                     phases.enter("critic_train")  # offloads colocated engines, wakes the critic
                     result = critic.train(step, batch.critic_boxes)
+                check_finite("critic", step, result.metrics)
                 if result.values is None or len(result.values) == 0:
                     raise RuntimeError(f"step {step}: the critic returned no values for the actor")
                 # The critic's ranks may hold the samples in another split: rows go by sample id.
@@ -154,6 +158,8 @@ def train(
                 with timer("actor_train"):
                     phases.enter("actor_train")  # the critic sleeps, the actor wakes
                     result = actor.train(step, batch.boxes, values)
+                # Before the save and the weight update: non-finite weights reach neither.
+                check_finite("actor", step, result.metrics)
                 metrics.update(_prefixed("actor", result.metrics))
                 if values is not None:
                     metrics["handoff/values_used"] = 1
@@ -162,6 +168,7 @@ def train(
                 with timer("save"):
                     phases.enter("save")
                     save_checkpoint(ckpt_root, step, roles, config)
+                    saved = True
 
             with timer("generate_wait"):
                 schedule.drain()  # the engines finish the next batch before their weights change
@@ -184,6 +191,11 @@ def train(
             metrics["actor_trained"] = int(trains_actor)
             log.log(step, metrics)
             progress.update(step, metrics)
+            if signals.requested is not None and step < config.train.steps:
+                if not saved:  # a safe point: the step is whole; save it so the re-run loses nothing
+                    phases.enter("save")
+                    save_checkpoint(ckpt_root, step, roles, config)
+                _stop_if_asked(signals, step, ckpt_root)
 
         actor_checksum = actor.weights_checksum()
         engine_checksums = list(rollout.weights_checksums())
@@ -210,6 +222,104 @@ def train(
         )
         return result_
     raise AssertionError("unreachable")  # ExitStack does not swallow exceptions
+
+
+@dataclass
+class _Where:
+    """Where the loop is, for the report of a failure."""
+
+    step: int = 0
+    phase: str = "setup"
+
+    def entering(self, phase: str) -> None:
+        self.phase = phase
+
+
+@contextmanager
+def _report_failures(at: _Where, ckpt_root: Path) -> Iterator[None]:
+    """Turn an error of the run into ``RunFailed``: the step, the phase, and where a re-run resumes."""
+    try:
+        yield
+    except (Interrupted, RunFailed):
+        raise
+    except Exception as exc:
+        raise RunFailed(at.step, at.phase, exc, resume_hint(checkpoint.latest_complete(ckpt_root))) from exc
+
+
+def _stop_if_asked(signals: StopSignals, step: int, ckpt_root: Path) -> None:
+    if signals.requested is not None:
+        raise Interrupted(signals.requested, step, resume_hint(checkpoint.latest_complete(ckpt_root)))
+
+
+def _resume(
+    ckpt_root: Path, roles: Roles, enter: Callable[[Phase], None], config: RunConfig, console: Console
+) -> int:
+    """Load the latest complete checkpoint that loads; return its step (0 when there is none)."""
+    found = checkpoint.complete_checkpoints(ckpt_root)
+    for step, folder in reversed(found):
+        try:
+            checkpoint.verify(folder)
+            state = checkpoint.load_driver_state(folder)  # also restores the driver's RNG
+            enter("save")
+            roles.actor.load(folder / "actor")
+            if roles.critic is not None:
+                roles.critic.load(folder / "critic")
+            roles.rollout.load_state_dict(dict(state.rollout))
+        except Exception as exc:
+            if is_process_death(exc):
+                raise  # not the checkpoint's fault
+            console.print(
+                f"[yellow]warning:[/] checkpoint {folder} does not load ({_first_line(exc)}); "
+                "trying the previous complete one",
+                highlight=False,
+            )
+            continue
+        console.print(f"resumed from {folder} (step {step})", highlight=False)
+        changed = changed_fields(state.extra.get("config", {}), config)
+        if changed:
+            console.print(
+                f"[yellow]warning:[/] resuming with a config that differs from the checkpoint's in "
+                f"{', '.join(changed)}; the run will not match an uninterrupted one",
+                highlight=False,
+            )
+        return step
+    if found:
+        # Some roles may hold part of a checkpoint now: starting from step 0 would not be a fresh run.
+        raise checkpoint.CheckpointError(
+            f"none of the {len(found)} complete checkpoints under {ckpt_root} loads (see the warnings "
+            "above); move that folder aside to start over, or set checkpoint.resume=false"
+        )
+    return 0
+
+
+def _start_over(run_dir: Path, ckpt_root: Path, console: Console) -> None:
+    """``checkpoint.resume=false``: keep an older run's checkpoints and metrics, out of the new run's way."""
+    aside = checkpoint.move_aside(ckpt_root)
+    if aside is not None:
+        console.print(
+            f"checkpoint.resume=false: moved the earlier run's checkpoints from {ckpt_root} to {aside}",
+            highlight=False,
+        )
+    metrics = run_dir / METRICS_FILE
+    if metrics.exists():
+        old = metrics.with_name(f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        metrics.rename(old)
+        console.print(f"checkpoint.resume=false: moved the earlier run's metrics to {old}", highlight=False)
+
+
+def is_process_death(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ray.exceptions.RayActorError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    # Ray's task errors start with a header line; the worker's own message is the last line.
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"
 
 
 def save_checkpoint(root: Path, step: int, roles: Roles, config: RunConfig) -> Path:
@@ -320,7 +430,7 @@ def _model_path(config: RunConfig, run_dir: Path) -> Path:
 
 
 @contextmanager
-def _ray_session(config: RunConfig) -> Iterator[None]:
+def _ray_session(config: RunConfig, console: Console) -> Iterator[None]:
     """Join ``ray.address`` when given; otherwise start (and later stop) a local Ray instance."""
     if ray.is_initialized():
         yield
@@ -328,14 +438,39 @@ def _ray_session(config: RunConfig) -> Iterator[None]:
     if config.ray.address:
         ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
     else:
-        ray.init(
-            num_cpus=config.ray.num_cpus,
-            num_gpus=0 if config.placement.device == "cpu" else None,
-            object_store_memory=config.ray.object_store_memory_mb * 1024**2,
-            include_dashboard=False,
-            log_to_driver=config.logging.worker_logs,
-        )
+        start_local_ray(config, console)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+# Ray waits a fixed 30 s for its raylet to register; on a loaded machine (load average above 10 on
+# 2 cores) that is too short, and a worker importing torch can miss its registration window.
+LOCAL_RAY_ENV = {
+    "RAY_worker_register_timeout_seconds": "300",
+    "RAY_gcs_server_request_timeout_seconds": "180",
+}
+
+
+def start_local_ray(config: RunConfig, console: Console) -> None:
+    """Start a local Ray instance; if it does not come up, say so and try once more."""
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    kwargs: dict[str, Any] = {
+        "num_cpus": config.ray.num_cpus,
+        "num_gpus": 0 if config.placement.device == "cpu" else None,
+        "object_store_memory": config.ray.object_store_memory_mb * 1024**2,
+        "include_dashboard": False,
+        "log_to_driver": config.logging.worker_logs,
+    }
+    try:
+        ray.init(**kwargs)
+    except Exception as exc:  # Ray raises a bare Exception for "timed out during startup"
+        console.print(
+            f"[yellow]warning:[/] the local Ray instance did not start ({_first_line(exc)}); "
+            "the machine may be loaded: trying once more",
+            highlight=False,
+        )
+        ray.shutdown()
+        ray.init(**kwargs)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -44,11 +46,37 @@ def _tensorboard_writer(folder: Path) -> _Scalars | None:
     return writer
 
 
+class CutLastLineWarning(UserWarning):
+    """The last line of ``metrics.jsonl`` was cut short (a process killed mid-write); it is dropped."""
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass the run folder that `ppo-driver train` wrote")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return parse_lines(path)
+
+
+def parse_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``. A last line that does not parse is what a kill during a
+    write leaves: it is dropped with a ``CutLastLineWarning``. A bad line before it is an error."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a {type(record).__name__}, not an object")
+        except ValueError as exc:
+            if number == len(lines):
+                message = f"{path}: the last line is cut short ({exc}); dropped it"
+                warnings.warn(message, CutLastLineWarning, stacklevel=2)
+                break
+            raise ValueError(
+                f"{path}, line {number}: not a JSON object ({exc}); remove or repair that line"
+            ) from None
+        records.append(record)
+    return records
 
 
 class MetricsLog:
@@ -59,12 +87,13 @@ class MetricsLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         # A resumed run rewrites the steps after its checkpoint: drop the lines it will write again.
         if self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= start_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [r for r in parse_lines(self.path) if r.get("step", 0) <= start_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with tmp.open("w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in kept))
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(self.path)  # a kill during this rewrite leaves the old file whole
         self._file = self.path.open("a")
         self._tb = _tensorboard_writer(run_dir / "tensorboard") if tensorboard else None
         self.history: list[dict[str, Any]] = []

@@ -14,8 +14,12 @@ from ppo_lifecycle import OffloadPlan, Phase
 class PhaseTracker:
     """Applies ``OffloadPlan.transitions`` between consecutive phases and records them per step."""
 
-    def __init__(self, plan: OffloadPlan, roles: Roles) -> None:
+    def __init__(
+        self, plan: OffloadPlan, roles: Roles, *, on_enter: Callable[[Phase], None] | None = None
+    ) -> None:
         self.plan = plan
+        # Told the phase before its transitions run, so a failing sleep or wake is reported in it.
+        self._on_enter = on_enter
         self.phase: Phase | None = None
         self._do: dict[tuple[str, str], Callable[[], None]] = {
             ("rollout", "sleep"): roles.rollout.offload,
@@ -30,6 +34,8 @@ class PhaseTracker:
         self.done: list[str] = []
 
     def enter(self, phase: Phase) -> None:
+        if self._on_enter is not None:
+            self._on_enter(phase)
         if self.phase is None:  # right after creation every role is resident
             todo = self.plan.transitions_from(self.present, phase)
         else:

@@ -90,7 +90,8 @@ class RolloutSettings:
     reward: str | None = Field(
         default=None, description="reward name or 'module:function'; null: the task's own"
     )
-    prompts_per_step: int = Field(default=8, ge=1)
+    # 32 x 8 samples a step: the default run learns its task in 60 steps (8 prompts reached 0.34).
+    prompts_per_step: int = Field(default=32, ge=1)
     sampling: SamplingSettings = SamplingSettings()
     eval_prompts: int = Field(default=16, ge=0, description="prompts of each evaluation (greedy)")
     max_prompt_length: int = Field(default=256, ge=2, description="in tokens, including <bos>")

@@ -108,6 +108,11 @@ def _describe(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
+# The largest float32 (numpy.finfo(numpy.float32).max): rewards become float32 tensors in training,
+# where a larger finite float64 turns into inf and every loss after it into NaN.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def check_rewards(values: Any, samples: Sequence[RewardInput], fn_name: str) -> list[float]:
     """One finite real per sample, else ``RewardError`` naming the sample and the function."""
     try:
@@ -135,6 +140,11 @@ def check_rewards(values: Any, samples: Sequence[RewardInput], fn_name: str) -> 
         if not math.isfinite(as_float):
             raise RewardError(
                 f"reward function {fn_name} returned {as_float} for {where}; rewards must be finite"
+            )
+        if abs(as_float) > FLOAT32_MAX:
+            raise RewardError(
+                f"reward function {fn_name} returned {as_float} for {where}; training uses float32 "
+                f"rewards, which cannot hold more than {FLOAT32_MAX:.4g} in magnitude; scale the rewards"
             )
         out.append(as_float)
     return out

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
-
 __all__ = ["TASKS", "Task", "get_task", "make_tiny_model"]
 
 
@@ -83,6 +81,8 @@ def make_tiny_model(
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 
     get_task(task)  # validate the name: every built-in task shares the tokenizer
     if hidden_size % num_heads:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -124,7 +125,14 @@ class TrainGroup:
                 break
             ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             for ref in ready:
-                ray.get(ref)  # raises the rank's own exception
+                try:
+                    ray.get(ref)  # raises the rank's own exception
+                except RayActorError as exc:
+                    # Ray's bare ActorDiedError names an actor id; the driver's report needs the rank.
+                    raise RuntimeError(
+                        f"{self.role} rank {refs.index(ref)}: {what}: the worker process died "
+                        f"({str(exc).strip().splitlines()[0]})"
+                    ) from exc
         return gather(refs, max(deadline - time.monotonic(), 1.0), f"{self.role} group: {what}")
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

@@ -1,0 +1,199 @@
+"""Checks of a validated config that need no Ray and no GPU, run by ``validate`` and by ``train``
+before the run folder is created or Ray starts: a bad input stops here, with exit code 2 and the
+field named, instead of minutes later inside a Ray worker.
+
+- the YAML file has no duplicate keys (``train:`` twice would silently drop the first section);
+- ``rollout.reward``: a ``module:function`` that imports and names a callable, or a registered name;
+- ``model.path``: a local model folder (or a Hugging Face id already in the local cache);
+- ``rollout.dataset``: exists, is not empty, and its first lines are JSON objects holding
+  ``rollout.prompt_field``;
+- the run folder and the checkpoint folder can be created and written.
+
+This module reads the config; it changes nothing and imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ppo_driver.config import ConfigError, RunConfig
+
+DATASET_LINES_CHECKED = 5
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses a mapping with the same key twice (PyYAML keeps the last silently)."""
+
+
+def _construct_unique_mapping(loader: UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(
+                f"duplicate key {key!r} at line {key_node.start_mark.line + 1} (first at line "
+                f"{seen[key]}) of {key_node.start_mark.name}: the second would silently replace the "
+                "first; merge the two into one"
+            )
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_unique_mapping,
+)
+
+
+def check_yaml_file(path: Path) -> None:
+    """Refuse duplicate keys in a config file (other YAML errors are reported by ``load_config``)."""
+    if not path.is_file():
+        return
+    try:
+        yaml.load(path.read_text(), Loader=UniqueKeyLoader)
+    except yaml.YAMLError:
+        return
+
+
+def check(config: RunConfig, *, run_dir: Path | None = None) -> None:
+    """Raise ``ConfigError`` listing every problem found; ``run_dir`` also checks the folders."""
+    problems = [*_reward(config), *_model(config), *_dataset(config)]
+    if run_dir is not None:
+        problems += _writable("--run-dir / logging.run_dir", run_dir)
+        if config.checkpoint.dir:
+            problems += _writable("checkpoint.dir", Path(config.checkpoint.dir))
+    if problems:
+        n = len(problems)
+        raise ConfigError(
+            f"invalid config ({n} error{'s' if n > 1 else ''}):\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+def _reward(config: RunConfig) -> list[str]:
+    spec = config.rollout.reward
+    if spec is None:
+        if config.rollout.dataset is not None:
+            return [
+                "rollout.reward is required with rollout.dataset: "
+                "a registered name or 'package.module:function'"
+            ]
+        return []
+    if ":" not in spec:
+        from ppo_rollout.rewards import registered_rewards
+
+        if spec not in registered_rewards():
+            return [
+                f"rollout.reward={spec!r} is not a registered reward ({', '.join(registered_rewards())}); "
+                "use one of them or 'package.module:function'"
+            ]
+        return []
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        return [f"rollout.reward={spec!r}: write 'package.module:function'"]
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import error, or whatever the module raises while importing
+        return [
+            f"rollout.reward={spec!r}: module {module_name!r} does not import ({type(exc).__name__}: {exc}); "
+            "check the name and that the module is installed or on PYTHONPATH"
+        ]
+    fn = getattr(module, attr, None)
+    if fn is None:
+        return [f"rollout.reward={spec!r}: module {module_name!r} has no {attr!r}; check the function's name"]
+    if not callable(fn):
+        return [
+            f"rollout.reward={spec!r}: {attr!r} in {module_name!r} is a {type(fn).__name__}, not a function"
+        ]
+    return []
+
+
+def _model(config: RunConfig) -> list[str]:
+    path = config.model.path
+    if path is None:
+        return []
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            return [
+                f"model.path={path!r} is a folder without config.json; point it at a Hugging Face "
+                "model folder (config.json, weights and tokenizer files)"
+            ]
+        return []
+    if local.exists():
+        return [f"model.path={path!r} is a file; point it at the Hugging Face model folder that holds it"]
+    if _HUB_ID.match(path) and _in_hub_cache(path):
+        return []
+    return [
+        f"model.path={path!r} does not exist; set it to a local Hugging Face model folder (download one "
+        f"with `hf download {path if _HUB_ID.match(path) else 'ORG/NAME'} --local-dir DIR`), or to null "
+        "for the built-in tiny model"
+    ]
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    cache = Path(os.environ.get("HF_HUB_CACHE", home / "hub"))
+    snapshots = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    return snapshots.is_dir() and any(snapshots.iterdir())
+
+
+def _dataset(config: RunConfig) -> list[str]:
+    dataset = config.rollout.dataset
+    if dataset is None:
+        return []
+    path = Path(dataset).expanduser()
+    if not path.is_file():
+        return [
+            f"rollout.dataset={dataset!r} does not exist (or is not a file); give the path of a JSONL file"
+        ]
+    field = config.rollout.prompt_field
+    checked = 0
+    with path.open() as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                return [
+                    f"rollout.dataset={dataset!r}, line {number}: not JSON ({exc}); one JSON object per line"
+                ]
+            if not isinstance(row, dict):
+                return [
+                    f"rollout.dataset={dataset!r}, line {number}: a {type(row).__name__}, not a JSON object"
+                ]
+            if field not in row:
+                return [
+                    f"rollout.dataset={dataset!r}, line {number}: no {field!r} field (rollout.prompt_field); "
+                    f"its fields: {sorted(row)}; set rollout.prompt_field to the prompt's field"
+                ]
+            checked += 1
+            if checked >= DATASET_LINES_CHECKED:
+                break
+    if checked == 0:
+        return [f"rollout.dataset={dataset!r} is empty; give a JSONL file with one prompt object per line"]
+    return []
+
+
+def _writable(field: str, folder: Path) -> list[str]:
+    """The folder, or its nearest existing parent, is a writable folder (nothing is created here)."""
+    folder = folder.expanduser().absolute()
+    probe = folder
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return [f"{field}: {probe} is a file, so the folder {folder} cannot be created; pick another path"]
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == folder else f"cannot be created: {probe} is not writable"
+        return [f"{field}: {folder} {what}; pick a folder you can write to"]
+    return []

@@ -1,0 +1,68 @@
+"""One run per run folder: an advisory lock held for the life of the process.
+
+``fcntl.flock`` on ``<run_dir>/.lock``: the kernel releases it when the holder exits, however it
+exits (SIGKILL included), so a stale lock file never blocks the next run. The file holds the
+holder's pid, host and start time, which the refusal names.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+LOCK_FILE = ".lock"
+
+
+class RunFolderBusyError(RuntimeError):
+    """Another live process holds the run folder."""
+
+
+class RunLock:
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self._file: IO[str] | None = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = self.path.open("a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "an unknown process"
+            f.close()
+            raise RunFolderBusyError(
+                f"run folder {self.path.parent} is in use by {_describe(holder)}; wait for that run to "
+                "end (or stop it), or pass another --run-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
+        f.flush()
+        self._file = f
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._file is not None:
+            self._file.seek(0)
+            self._file.truncate()
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
+def _describe(holder: str) -> str:
+    try:
+        info = json.loads(holder)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
+        return f"pid {info['pid']} on {info['host']} (since {since})"
+    except (ValueError, KeyError, TypeError):
+        return holder
