@@ -32,6 +32,7 @@ PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "trainer": ("ppo-trainer", ()),
     "rollout": ("ppo-rollout", ()),
     "ppo_driver": ("ppo-driver", ("tensorboard",)),
+    "testsupport": ("ppo-testsupport", ()),
 }
 
 
