@@ -53,7 +53,7 @@ def run(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ppo_trainer import AlgorithmConfig, TrainerConfig, TrainGroup
-    from ppo_value_transport import pack_fields
+    from ppo_value_transport import pack_fields, pair_values
     from ppo_weight_sync import RayEngineEndpoint
     from ppo_weight_sync.testing.engine import TensorEngine
 
@@ -104,6 +104,8 @@ def run(
         # 32 samples per rank, 128 prompt + 128 response tokens each.
         n, length = (32, 128) if on_gpu else (8, 8)
         halves = [pack_fields(make_batch(n, length, length, vocab, seed=s)) for s in (0, 1)]
+        # Both roles split the batch the same way: rank r holds samples [r * n, (r + 1) * n).
+        sample_ids = [list(range(r * n, (r + 1) * n)) for r in (0, 1)]
         out: dict[str, list[float]] = {
             k: [] for k in ("critic_gib", "actor_gib", "critic_s", "actor_s", "update_s", "value_loss")
         }
@@ -115,7 +117,8 @@ def run(
                 start = time.perf_counter()
                 if name == "critic":
                     result = group.train(step, halves)
-                    values = result.values
+                    assert result.values is not None, "the critic returned no values"
+                    values = pair_values(result.values, sample_ids, sample_ids)
                     out["value_loss"].append(result.metrics["value_loss"])
                 else:
                     group.train(step, halves, values)

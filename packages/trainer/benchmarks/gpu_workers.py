@@ -104,7 +104,7 @@ def run(
     from transformers import AutoConfig
 
     from ppo_trainer import AlgorithmConfig, TrainerConfig, TrainGroup
-    from ppo_value_transport import pack_fields
+    from ppo_value_transport import pack_fields, pair_values
     from ppo_weight_sync import RayEngineEndpoint
     from ppo_weight_sync.testing.engine import TensorEngine
 
@@ -155,9 +155,11 @@ def run(
             )
             actor.connect_engines([RayEngineEndpoint(engine_handle, num_gpus=1, name="engine-0")])
         value_losses, critic_freed, actor_freed, update_s = [], [], [], []
-        box = pack_fields(
-            make_batch(32, 128, 128, vocab, seed=0) if on_gpu else make_batch(8, 8, 8, vocab, seed=0)
-        )
+        samples = 32 if on_gpu else 8
+        tokens = 128 if on_gpu else 8
+        box = pack_fields(make_batch(samples, tokens, tokens, vocab, seed=0))
+        # One rank on each side holding the same samples: the critic's rows map one to one.
+        sample_ids = [list(range(samples))]
         for step in range(1, steps + 1):
             stage(backend, f"step {step}: critic wake + train")
             critic.wake_up()
@@ -172,7 +174,8 @@ def run(
             value_losses.append(c.metrics["value_loss"])
             stage(backend, f"step {step}: actor wake + train")
             actor.wake_up()
-            actor.train(step, [box], c.values)
+            assert c.values is not None, "the critic returned no values"
+            actor.train(step, [box], pair_values(c.values, sample_ids, sample_ids))
             awake = free()
             stage(backend, f"step {step}: actor sleep")
             actor.sleep()
