@@ -186,7 +186,9 @@ def exactness(folder: Path, device: str) -> None:
     prompts = make_prompts(EXACT, EXACT.vocab)
     n, new = EXACT.samples, EXACT.new_tokens
     rows = [p for p in prompts for _ in range(n)]
-    greedy = core.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=new, n_samples_per_prompt=n))
+    greedy = core.generate(
+        prompts, SamplingConfig(temperature=0.0, max_new_tokens=new, n_samples_per_prompt=n)
+    )
     check(
         core.last_decode_path == expected,
         f"exact: decode path {core.last_decode_path} (graph failure: {core.graph_failure})",
@@ -198,11 +200,18 @@ def exactness(folder: Path, device: str) -> None:
     )
     for s in (
         SamplingConfig(temperature=1.0, max_new_tokens=new, n_samples_per_prompt=n, seed=7),
-        SamplingConfig(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=new, n_samples_per_prompt=n, seed=8),
-        SamplingConfig(temperature=1.0, max_new_tokens=new, n_samples_per_prompt=n, seed=9, stop_token_ids=(5, 6)),
+        SamplingConfig(
+            temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=new, n_samples_per_prompt=n, seed=8
+        ),
+        SamplingConfig(
+            temperature=1.0, max_new_tokens=new, n_samples_per_prompt=n, seed=9, stop_token_ids=(5, 6)
+        ),
     ):
         a, b = core.generate(prompts, s), loop.generate(prompts, s)
-        same = [(x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason) for x, y in zip(a, b, strict=True)]
+        same = [
+            (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+            for x, y in zip(a, b, strict=True)
+        ]
         err = max(
             max((abs(u - v) for u, v in zip(x.log_probs, y.log_probs, strict=True)), default=0.0)
             for x, y in zip(a, b, strict=True)
@@ -211,7 +220,6 @@ def exactness(folder: Path, device: str) -> None:
         label = f"T={s.temperature} top_k={s.top_k} top_p={s.top_p} stop={s.stop_token_ids}"
         check(all(same), f"exact (float32), {label}: {sum(same)}/{len(same)} samples equal the decode loop's")
         check(err < 1e-4, f"exact (float32), {label}: log-probs within {err:.2e} of the decode loop's")
-    del core, loop
 
 
 def bench(name: str, size: Size, folder: Path, device: str) -> tuple[str, ...]:
@@ -228,7 +236,9 @@ def bench(name: str, size: Size, folder: Path, device: str) -> tuple[str, ...]:
     tokens = len(rows) * new
     sample = SamplingConfig(temperature=1.0, max_new_tokens=new, n_samples_per_prompt=n, seed=3)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=new, n_samples_per_prompt=n)
-    print(f"\n== {name}: {params / 1e9:.2f}B parameters, vocab {vocab}, {len(rows)} x {new} tokens", flush=True)
+    print(
+        f"\n== {name}: {params / 1e9:.2f}B parameters, vocab {vocab}, {len(rows)} x {new} tokens", flush=True
+    )
 
     first, _ = timed(lambda: core.generate(prompts, sample))  # captures the graphs
     check(
@@ -270,9 +280,6 @@ def bench(name: str, size: Size, folder: Path, device: str) -> tuple[str, ...]:
         f"{loop_tps:,.0f} ({loop_tps / hf_tps:.2f}x)",
         f"{first:.2f} s",
     )
-    del core, loop
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -297,6 +304,8 @@ def main() -> int:
             exactness(Path(tmp), args.device)
             for name in names:
                 table.append(bench(name, SIZES[name], Path(tmp), args.device))
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()  # the last size's models and caches are gone
     except CheckFailed:
         return 1
     print(f"\n{machine}, torch {torch.__version__}, bfloat16 on CUDA, tokens/s of generated tokens\n")

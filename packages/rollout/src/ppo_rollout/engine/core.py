@@ -337,7 +337,8 @@ class GenerationCore:
         # One generate call at a time owns the kept buffers; a concurrent call gets its own.
         own = self._graphs_lock.acquire(blocking=False)
         try:
-            runner = self._graphs if own else DecodeGraphs(decoder, use_graphs=self._use_graphs)
+            kept = self._graphs if own else None
+            runner = kept or DecodeGraphs(decoder, use_graphs=self._use_graphs)
             result = self._static_with(call, decoder, runner)
             self.last_decode_path = "cuda-graphs" if runner.use_graphs else "static-eager"
             self.graph_failure = runner.graph_failure

@@ -96,8 +96,9 @@ def unsupported_reason(model: Any) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in _ARCHITECTURES:
         return f"model_type {model_type!r} is not one of {sorted(_ARCHITECTURES)}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} (only silu)"
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        return f"hidden_act {act!r} (only silu)"
     if getattr(config, "use_sliding_window", False):
         return "sliding-window attention"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
