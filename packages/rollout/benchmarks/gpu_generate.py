@@ -222,6 +222,26 @@ def exactness(folder: Path, device: str) -> None:
         check(err < 1e-4, f"exact (float32), {label}: log-probs within {err:.2e} of the decode loop's")
 
 
+def step_ms(core: GenerationCore) -> str:
+    """Milliseconds per replay of each kept decode graph (by KV bucket): where a step's time goes as
+    the attended cache grows. Diagnostic only: it rewinds the kept buffers to column 0 first."""
+    graphs = core._graphs
+    if graphs is None or graphs.buffers is None or not graphs._graphs:
+        return "no graphs"
+    b = graphs.buffers
+    parts = []
+    for (kv_len, key), graph in sorted(graphs._graphs.items(), key=lambda kv: str(kv[0])):
+        b.col.zero_()
+        b.step.zero_()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            graph.replay()
+        sync()
+        parts.append(f"T={key[0]} kv {kv_len}: {(time.perf_counter() - t0) * 100:.2f} ms")
+    return ", ".join(parts)
+
+
 def bench(name: str, size: Size, folder: Path, device: str) -> tuple[str, ...]:
     dtype = "bfloat16" if device == "cuda" else "float32"
     path = build(size, folder / name, getattr(torch, dtype), device)
@@ -265,6 +285,9 @@ def bench(name: str, size: Size, folder: Path, device: str) -> tuple[str, ...]:
     print(f"ok     {name}: greedy vs generate: {greedy_vs_hf(mine, ref, ref_logits, name)}", flush=True)
     del ref_logits
 
+    if device == "cuda":
+        print(f"info  {name}: decode step per KV bucket: {step_ms(core)}", flush=True)
+    print(f"info  {name}: generate {hf_s / new * 1000:.2f} ms per token step", flush=True)
     ours_tps, hf_tps, loop_tps = tokens / ours_s, tokens / hf_s, tokens / loop_s
     print(
         f"{name}: ours {ours_s:.2f} s (first call {first:.2f} s), generate {hf_s:.2f} s, loop {loop_s:.2f} s",
