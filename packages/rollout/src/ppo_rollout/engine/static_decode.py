@@ -172,6 +172,9 @@ class LlamaStaticDecoder:
         self.vocab = int(self.embed.weight.shape[0])
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        # Decode attention: "sdpa" (PyTorch's fused kernels) or "matmul" (transformers' eager form).
+        # Which is faster for one query over a long cache depends on the GPU; see gpu_generate.py.
+        self.attention = "sdpa"
 
     # -- buffers ------------------------------------------------------------------------------------
     def allocate(self, batch: int, capacity: int, max_new: int) -> DecodeBuffers:
@@ -249,19 +252,34 @@ class LlamaStaticDecoder:
             else:
                 keys.index_copy_(2, col, k)
                 values.index_copy_(2, col, v)
-            out = F.scaled_dot_product_attention(
-                q,
-                keys[:rows, :, :kv_len],
-                values[:rows, :, :kv_len],
-                attn_mask=bias,
-                scale=self.scaling,
-                enable_gqa=gqa,
-            )
+            if self.attention == "matmul" and col is not None:
+                out = self._attend_matmul(q, keys[:rows, :, :kv_len], values[:rows, :, :kv_len], bias)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q,
+                    keys[:rows, :, :kv_len],
+                    values[:rows, :, :kv_len],
+                    attn_mask=bias,
+                    scale=self.scaling,
+                    enable_gqa=gqa,
+                )
             out = attn.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
             hidden = residual + out
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.lm_head(self.norm(hidden[:, -1:, :]))[:, 0, :]
+
+    def _attend_matmul(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """transformers' eager attention (two batched matmuls around a float32 softmax), for one query."""
+        groups = self.heads // self.kv_heads
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling + bias
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, values)
 
     def prefill_bias(self, valid: torch.Tensor) -> torch.Tensor:
         """[B, 1, T, T] additive mask: causal, padding columns off, and the diagonal always on (a
