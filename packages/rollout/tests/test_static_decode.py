@@ -260,10 +260,11 @@ def test_auto_is_the_loop_on_cpu(tiny_model: Path) -> None:
     assert core._graphs is None
 
 
-def test_matmul_decode_attention_gives_the_loops_tokens(tiny_model: Path) -> None:
+def test_sdpa_decode_attention_gives_the_loops_tokens(tiny_model: Path) -> None:
     static, loop = GenerationCore(tiny_model, decode="static"), GenerationCore(tiny_model, decode="loop")
     assert static._decoder is not None
-    static._decoder.attention = "matmul"
+    assert static._decoder.attention == "matmul"  # the default; sdpa is the alternative
+    static._decoder.attention = "sdpa"
     for s in (
         SamplingConfig(temperature=0.0, max_new_tokens=30, n_samples_per_prompt=2),
         SamplingConfig(temperature=1.0, max_new_tokens=30, n_samples_per_prompt=3, seed=4),
