@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU tests and benchmarks of ppo-rollout, in one go (under 4 minutes on an H200: the three
-# timeouts below add up to 240 s).
+# GPU tests and benchmarks of ppo-rollout, in one go (under 8 minutes on an H200: the four
+# timeouts below add up to 440 s).
 # Run from the repository root: bash packages/rollout/benchmarks/gpu.sh
 set -uo pipefail
 status=0
@@ -19,4 +19,6 @@ echo "== bench_generate: tiny model on GPU (float32)"
 timeout 30 "$PY" benchmarks/bench_generate.py --device cuda --preset tiny --repeats 3 || status=1
 echo "== bench_generate: small model on GPU (bfloat16)"
 timeout 70 "$PY" benchmarks/bench_generate.py --device cuda --preset small --dtype bfloat16 --repeats 3 || status=1
+echo "== gpu_generate: the engine against generate at 0.22B and 0.82B (bfloat16), with exactness checks"
+timeout 200 "$PY" benchmarks/gpu_generate.py || status=1
 exit $status

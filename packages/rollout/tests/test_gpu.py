@@ -159,3 +159,69 @@ def test_nccl_weight_update_into_an_engine_actor(ray_gpus: None, tiny_model: Pat
         _stage("nccl test: done")
     finally:
         ray.kill(actor)
+
+
+def test_cuda_graph_decode_greedy_equals_transformers_generate(medium_model: Path) -> None:
+    """float32, ragged prompts in a padded batch bucket: greedy tokens equal generate's token for token
+    (eos on: a sample ends with it, generate pads after it); sampled tokens equal the decode loop's for
+    the same seed; a second call replays the kept graphs; releasing the KV cache drops them."""
+    _stage("graph decode test: loading")
+    core = GenerationCore(medium_model, device="cuda")
+    loop = GenerationCore(medium_model, device="cuda", decode="loop")
+    prompts = [[1, *range(4, 4 + k)] for k in (3, 9, 1, 14, 6)]
+    n, new = 3, 40  # 15 rows: a 16-row bucket with one padding row
+    outs = core.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=new, n_samples_per_prompt=n))
+    assert core.last_decode_path == "cuda-graphs", core.graph_failure
+    rows = [p for p in prompts for _ in range(n)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    with torch.no_grad():
+        ref = core.model.generate(
+            input_ids=ids.cuda(),
+            attention_mask=mask.cuda(),
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=core.pad_token_id,
+            eos_token_id=list(core.eos_token_ids),
+        )[:, width:].tolist()
+    for out, r in zip(outs, ref, strict=True):
+        assert list(out.token_ids) == r[: len(out.token_ids)]
+        if out.finish_reason == "length":
+            assert len(out.token_ids) == new
+        else:
+            assert out.token_ids[-1] in core.eos_token_ids
+    _stage("graph decode test: sampling against the decode loop")
+    captured = core._graphs.captures if core._graphs is not None else 0
+    for s in (
+        SamplingConfig(temperature=1.0, max_new_tokens=new, n_samples_per_prompt=n, seed=11),
+        SamplingConfig(
+            temperature=0.8, top_k=8, top_p=0.9, max_new_tokens=new, n_samples_per_prompt=n, seed=12
+        ),
+    ):
+        _same_outputs(core.generate(prompts, s), loop.generate(prompts, s))
+    again = core.generate(
+        prompts, SamplingConfig(temperature=1.0, max_new_tokens=new, n_samples_per_prompt=n, seed=11)
+    )
+    assert core._graphs is not None
+    assert core._graphs.captures == captured + 2  # the second sampling mode only; the repeat replays
+    assert again == core.generate(
+        prompts, SamplingConfig(temperature=1.0, max_new_tokens=new, n_samples_per_prompt=n, seed=11)
+    )
+    _stage("graph decode test: done")
+
+
+def test_engine_release_drops_the_kept_kv_cache(tiny_model: Path) -> None:
+    engine = BuiltinEngine(tiny_model, device="cuda")
+    s = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    before = engine.generate(PROMPTS, s)
+    graphs = engine._core._graphs
+    assert graphs is not None
+    assert graphs.buffers is not None
+    assert engine.release_memory_occupation(tags=["kv_cache"]).success
+    assert graphs.buffers is None
+    assert engine.resume_memory_occupation(tags=["kv_cache"]).success
+    assert engine.generate(PROMPTS, s) == before

@@ -7,8 +7,9 @@
 update loads the new weights, ``continue_generation`` lets it go on with them.
 
 Memory: the model's tensors are tracked under SGLang's tag ``"weights"`` by a ppo_lifecycle memory
-backend (host copies on CPU; pinned copies or torch_memory_saver on CUDA). ``"kv_cache"`` is accepted
-too; the KV cache lives only inside one ``generate`` call, so nothing is held under it between calls.
+backend (host copies on CPU; pinned copies or torch_memory_saver on CUDA). ``"kv_cache"`` frees the
+static KV cache and decode graphs the generation core keeps between calls on CUDA (they are rebuilt by
+the next ``generate``); nothing else is held under it.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ class BuiltinEngine:
         return EngineReply.ok("Generation continued.")
 
     def flush_cache(self) -> EngineReply:
-        # No prefix cache is kept between requests; the KV cache of a call dies with the call.
+        # No prefix cache is kept between requests: the static KV cache kept on CUDA is rewritten from
+        # column 0 by every call, so nothing in it is ever reused.
         return EngineReply.ok("Cache flushed (the built-in engine holds no cache between requests).")
 
     def is_paused(self) -> bool:
@@ -259,6 +261,9 @@ class BuiltinEngine:
                     f"engine {self.name}: {self._active} generate call(s) in flight; wait for them"
                 )
             with self._step_lock:
+                if "kv_cache" in chosen:
+                    # The generation core keeps its static KV cache and decode graphs between calls.
+                    self._core.drop_decode_state()
                 stats = self._memory.release(chosen)
                 if self.device.type == "cuda":
                     # Hand the freed blocks (and the last call's KV cache) back to the driver, so

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -22,12 +23,39 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from ..config import SamplingConfig
+from .decode_graphs import SDPA_BACKENDS, DecodeGraphs
+from .static_decode import (
+    KV_BLOCK,
+    STOP_SLOTS,
+    LlamaStaticDecoder,
+    Sampler,
+    batch_bucket,
+    kv_bucket,
+    round_up,
+    stop_check_due,
+    unsupported_reason,
+)
 
-__all__ = ["GenerationCore", "GenerationOutput", "sample_tokens"]
+__all__ = [
+    "DECODE_MODES",
+    "GenerationCore",
+    "GenerationOutput",
+    "make_sampler",
+    "pick_with_noise",
+    "sample_tokens",
+    "sampling_distribution",
+]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+DECODE_MODES = ("auto", "loop", "static", "static-eager")
+"""``GenerationCore(decode=...)``: "loop" is the Hugging Face forward with a dynamic cache, one Python
+iteration per token; "static" the static KV cache with CUDA-graph decode steps on CUDA (eager on CPU);
+"static-eager" the static cache without graphs; "auto" is "static" on CUDA for the model types the
+static decoder knows (Llama, Qwen2) and "loop" everywhere else."""
 
 
 @dataclass(frozen=True)
@@ -40,15 +68,15 @@ class GenerationOutput:
     finish_reason: str  # "stop": a stop token was sampled (and is the last token); "length": max_new_tokens
 
 
-def sample_tokens(
-    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` [B, V]; returns (tokens [B] int64, log-probs [B] float32)."""
-    logits = logits.float()
+def sampling_distribution(
+    logits: torch.Tensor, sampling: SamplingConfig
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the probabilities to draw from [B, V], or None when greedy; the log-probs of every token [B, V]).
+
+    ``logits`` must be float32. Top-k and top-p truncate the draw, never the log-probs.
+    """
     if sampling.temperature == 0.0:
-        tokens = logits.argmax(dim=-1)
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
-        return tokens, logp
+        return None, torch.log_softmax(logits, dim=-1)
     scaled = logits / sampling.temperature
     logp_all = torch.log_softmax(scaled, dim=-1)
     masked = scaled
@@ -63,9 +91,43 @@ def sample_tokens(
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= sampling.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         masked = masked.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(masked, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.softmax(masked, dim=-1), logp_all
+
+
+def pick_with_noise(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One draw per row: ``argmax(probs / noise)``, ``noise`` Exp(1) draws of the same shape.
+
+    This is how ``torch.multinomial(probs, 1)`` samples (its one-sample fast path fills
+    ``empty_like(probs).exponential_(1, generator)`` and takes this argmax), so noise drawn with the
+    same generator in the same shape gives the same tokens -- without the host syncs multinomial makes
+    to validate ``probs``, which a captured CUDA graph cannot contain.
+    """
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample_tokens(
+    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` [B, V]; returns (tokens [B] int64, log-probs [B] float32)."""
+    logits = logits.float()
+    probs, logp_all = sampling_distribution(logits, sampling)
+    if probs is None:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
     return tokens, logp_all.gather(-1, tokens[:, None])[:, 0]
+
+
+def make_sampler(sampling: SamplingConfig) -> Sampler:
+    """The sampling of :func:`sample_tokens` with the noise passed in (the static decoder's form)."""
+
+    def sample(logits: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits.float()
+        probs, logp_all = sampling_distribution(logits, sampling)
+        tokens = logits.argmax(dim=-1) if probs is None else pick_with_noise(probs, noise)
+        return tokens, logp_all.gather(-1, tokens[:, None])[:, 0]
+
+    return sample
 
 
 def _as_list(value: Any) -> list[int]:
@@ -76,16 +138,44 @@ def _as_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One generate call's inputs on the device."""
+
+    input_ids: torch.Tensor  # [B, W] left-padded
+    mask: torch.Tensor  # [B, W] int64, 1 on prompt tokens
+    sampling: SamplingConfig
+    generator: torch.Generator
+    stop_ids: list[int]
+    guard: Callable[[], AbstractContextManager[Any]]
+
+
+# (tokens [B, N], log-probs [B, N], lengths [B], stopped [B]) on the host
+_Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class GenerationCore:
-    """Loads a causal LM from ``model_path`` and generates for batches of token-id prompts."""
+    """Loads a causal LM from ``model_path`` and generates for batches of token-id prompts.
+
+    ``decode`` picks the decode path (:data:`DECODE_MODES`); :attr:`last_decode_path` says which one
+    the last call took ("loop", "static-eager" or "cuda-graphs") and :attr:`graph_failure` why graphs
+    were given up, if they were.
+    """
 
     def __init__(
-        self, model_path: str | Path, device: str | torch.device = "cpu", dtype: str = "float32"
+        self,
+        model_path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: str = "float32",
+        *,
+        decode: str = "auto",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {list(DECODE_MODES)}, got {decode!r}")
         self.device = torch.device(device)
         model: Any = AutoModelForCausalLM.from_pretrained(str(model_path))
         self.model: Any = model.to(device=self.device, dtype=_DTYPES[dtype]).eval().requires_grad_(False)
@@ -105,6 +195,24 @@ class GenerationCore:
         # transformers 5.x renamed the forward argument ``past_key_values`` to ``cache``.
         params = inspect.signature(type(self.model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._decoder = self._pick_decoder(decode)
+        self._use_graphs = decode in ("auto", "static")
+        self._graphs_lock = threading.Lock()
+        self._graphs = (
+            DecodeGraphs(self._decoder, use_graphs=self._use_graphs) if self._decoder is not None else None
+        )
+        self.last_decode_path: str | None = None
+        self.graph_failure: str | None = None
+
+    def _pick_decoder(self, decode: str) -> LlamaStaticDecoder | None:
+        if decode == "loop":
+            return None
+        reason = unsupported_reason(self.model)
+        if decode == "auto":
+            return LlamaStaticDecoder(self.model) if reason is None and self.device.type == "cuda" else None
+        if reason is not None:
+            raise ValueError(f"decode={decode!r}: {reason}; use decode='loop' (or 'auto') for this model")
+        return LlamaStaticDecoder(self.model)
 
     # -- validation ------------------------------------------------------------------------------
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -140,7 +248,6 @@ class GenerationCore:
         pass (the engine uses it to pause between decode steps and to keep weight loads out of them).
         """
         self.check_prompts(prompts, sampling.max_new_tokens)
-        guard = step_guard or contextlib.nullcontext
         n = sampling.n_samples_per_prompt
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         batch = len(rows)
@@ -151,17 +258,43 @@ class GenerationCore:
         for i, r in enumerate(rows):
             input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
             mask[i, width - len(r) :] = 1
-        input_ids, mask = input_ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        generator = torch.Generator(device=dev)
-        generator.manual_seed(int(sampling.seed if seed is None else seed) & 0x7FFF_FFFF_FFFF_FFFF)
-        stop_ids = torch.tensor(
-            sorted({*self.eos_token_ids, *sampling.stop_token_ids}), dtype=torch.long, device=dev
+        call = _Call(
+            input_ids=input_ids.to(dev),
+            mask=mask.to(dev),
+            sampling=sampling,
+            generator=torch.Generator(device=dev),
+            stop_ids=sorted({*self.eos_token_ids, *sampling.stop_token_ids}),
+            guard=step_guard or contextlib.nullcontext,
         )
+        call.generator.manual_seed(int(sampling.seed if seed is None else seed) & 0x7FFF_FFFF_FFFF_FFFF)
+        if self._decoder is None:
+            self.last_decode_path = "loop"
+            tokens, logps, lengths, stopped = self._generate_loop(call)
+        else:
+            tokens, logps, lengths, stopped = self._generate_static(call, self._decoder)
+        results = []
+        for i in range(batch):
+            length = int(lengths[i])
+            results.append(
+                GenerationOutput(
+                    prompt_position=i // n,
+                    token_ids=tuple(tokens[i, :length].tolist()),
+                    log_probs=tuple(logps[i, :length].tolist()),
+                    finish_reason="stop" if bool(stopped[i]) else "length",
+                )
+            )
+        return results
 
+    def _generate_loop(self, call: _Call) -> _Outputs:
+        """The Hugging Face forward with its dynamic cache, one Python iteration per token."""
+        sampling, dev = call.sampling, self.device
+        input_ids, mask = call.input_ids, call.mask
+        batch = input_ids.shape[0]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = torch.tensor(call.stop_ids, dtype=torch.long, device=dev)
         # The cache object is filled in place by every forward pass.
         cache_arg = {self._cache_kwarg: _new_cache()}
-        with guard():
+        with call.guard():
             out = self.model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache_arg
             )
@@ -173,7 +306,7 @@ class GenerationCore:
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         lengths = torch.full((batch,), sampling.max_new_tokens, dtype=torch.long, device=dev)
         for t in range(sampling.max_new_tokens):
-            tokens, logp = sample_tokens(logits, sampling, generator)
+            tokens, logp = sample_tokens(logits, sampling, call.generator)
             tokens = torch.where(finished, torch.full_like(tokens, self.pad_token_id), tokens)
             tokens_out[:, t] = tokens
             logps_out[:, t] = logp
@@ -184,7 +317,7 @@ class GenerationCore:
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=dev)], dim=1)
             last_pos = last_pos + 1
-            with guard():
+            with call.guard():
                 out = self.model(
                     input_ids=tokens[:, None],
                     attention_mask=mask,
@@ -193,21 +326,102 @@ class GenerationCore:
                     **cache_arg,
                 )
             logits = out.logits[:, -1, :]
+        return tokens_out.cpu(), logps_out.cpu(), lengths.cpu(), finished.cpu()
 
-        tokens_cpu, logps_cpu = tokens_out.cpu(), logps_out.cpu()
-        stopped = finished.cpu()
-        results = []
-        for i in range(batch):
-            length = int(lengths[i])
-            results.append(
-                GenerationOutput(
-                    prompt_position=i // n,
-                    token_ids=tuple(tokens_cpu[i, :length].tolist()),
-                    log_probs=tuple(logps_cpu[i, :length].tolist()),
-                    finish_reason="stop" if bool(stopped[i]) else "length",
-                )
+    def _generate_static(self, call: _Call, decoder: LlamaStaticDecoder) -> _Outputs:
+        """The static KV cache; on CUDA each decode step is a graph replay (see ``static_decode``).
+
+        The same tokens as :meth:`_generate_loop` for the same seed wherever the two forward passes
+        agree on the logits' order (sampling noise is drawn the same way; see ``pick_with_noise``).
+        """
+        # One generate call at a time owns the kept buffers; a concurrent call gets its own.
+        own = self._graphs_lock.acquire(blocking=False)
+        try:
+            kept = self._graphs if own else None
+            runner = kept or DecodeGraphs(decoder, use_graphs=self._use_graphs)
+            result = self._static_with(call, decoder, runner)
+            self.last_decode_path = "cuda-graphs" if runner.use_graphs else "static-eager"
+            self.graph_failure = runner.graph_failure
+            return result
+        finally:
+            if own:
+                self._graphs_lock.release()
+
+    def _static_with(self, call: _Call, decoder: LlamaStaticDecoder, runner: DecodeGraphs) -> _Outputs:
+        sampling, dev, pad = call.sampling, self.device, self.pad_token_id
+        max_new = sampling.max_new_tokens
+        rows, width = call.input_ids.shape
+        if len(call.stop_ids) > STOP_SLOTS:
+            raise ValueError(
+                f"at most {STOP_SLOTS} stop tokens (eos included) are supported, got {len(call.stop_ids)}: "
+                "shorten sampling.stop_token_ids"
             )
-        return results
+        capacity = round_up(width + max_new - 1, KV_BLOCK)
+        weights_key = tuple(t.data_ptr() for t in self.model.state_dict().values())
+        b = runner.prepare(batch_bucket(rows), capacity, max_new, weights_key)
+        capacity = b.capacity
+        valid = call.mask.bool()
+
+        # Prefill (eager), rows [0, rows) of the cache.
+        positions = (call.mask.cumsum(-1) - 1).clamp(min=0)
+        with call.guard(), sdpa_kernel(SDPA_BACKENDS):
+            logits = decoder.forward(
+                call.input_ids, positions, b, decoder.prefill_bias(valid), width, col=None
+            ).float()
+        # Token 0 from the prefill's logits, drawn exactly as the plain loop draws it.
+        probs, logp_all = sampling_distribution(logits, sampling)
+        if probs is None:
+            tok0 = logits.argmax(dim=-1)
+        else:
+            tok0 = pick_with_noise(probs, torch.empty_like(probs).exponential_(1, generator=call.generator))
+        logp0 = logp_all.gather(-1, tok0[:, None])[:, 0]
+
+        # The decode state: rows past ``rows`` pad the batch bucket; they are finished from the start
+        # and attend to one (zero) cache column.
+        b.valid.zero_()
+        b.valid[:rows, :width] = valid
+        b.valid[rows:, width - 1] = True
+        stop = torch.tensor(call.stop_ids, dtype=torch.long, device=dev)
+        b.stop_ids.fill_(-1)
+        b.stop_ids[: len(call.stop_ids)] = stop
+        hit0 = (tok0[:, None] == stop[None, :]).any(dim=-1)
+        b.tokens_out[:rows, 0] = tok0
+        b.logps_out[:rows, 0] = logp0
+        b.finished.fill_(True)
+        b.finished[:rows] = hit0
+        b.lengths.fill_(max_new)
+        b.lengths[:rows] = torch.where(hit0, 1, max_new)
+        b.tok.fill_(pad)
+        b.tok[:rows] = tok0
+        b.pos.zero_()
+        b.pos[:rows] = positions[:, -1] + 1
+        b.col.fill_(width)
+        b.step.fill_(1)
+
+        sampler = make_sampler(sampling)
+        sampling_key = (sampling.temperature, sampling.top_k, sampling.top_p)
+        greedy = sampling.temperature == 0.0
+        done = max_new == 1 or bool(hit0.all())
+        t = 1
+        while not done:
+            if not greedy:
+                b.noise[:rows].exponential_(1, generator=call.generator)
+            with call.guard():
+                runner.step(kv_bucket(width + t, capacity), sampling_key, sampler, pad)
+            t += 1
+            done = t == max_new or (stop_check_due(t - 1) and bool(b.finished[:rows].all()))
+        return (
+            b.tokens_out[:rows, :max_new].cpu(),
+            b.logps_out[:rows, :max_new].cpu(),
+            b.lengths[:rows].cpu(),
+            b.finished[:rows].cpu(),
+        )
+
+    def drop_decode_state(self) -> None:
+        """Frees the kept KV cache and decode graphs (the engine calls this when it releases memory)."""
+        with self._graphs_lock:
+            if self._graphs is not None:
+                self._graphs.drop()
 
     # -- weights -----------------------------------------------------------------------------------
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:

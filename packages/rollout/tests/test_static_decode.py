@@ -1,0 +1,272 @@
+"""The static-KV-cache decode path on CPU (eager; CUDA graphs are in test_gpu.py): the same tokens as the
+decode loop, bucketing, stop checks, cache indexing, and what is kept between calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from ppo_rollout import SamplingConfig
+from ppo_rollout.engine.core import GenerationCore, make_sampler, pick_with_noise, sampling_distribution
+from ppo_rollout.engine.static_decode import (
+    batch_bucket,
+    kv_bucket,
+    round_up,
+    stop_check_due,
+    unsupported_reason,
+)
+
+PROMPTS = [[1, 5, 6], [1, 7, 8, 9, 14], [1, 4]]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path) -> tuple[GenerationCore, GenerationCore]:
+    return GenerationCore(tiny_model, decode="static"), GenerationCore(tiny_model, decode="loop")
+
+
+def _same(a: list[Any], b: list[Any]) -> None:
+    assert [(o.prompt_position, o.token_ids, o.finish_reason) for o in a] == [
+        (o.prompt_position, o.token_ids, o.finish_reason) for o in b
+    ]
+    for x, y in zip(a, b, strict=True):
+        assert x.log_probs == pytest.approx(y.log_probs, abs=1e-5)
+
+
+def test_batch_bucket() -> None:
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 250, 256, 257)] == [
+        1, 2, 4, 8, 8, 16, 16, 32, 256, 256, 272,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="at least one row"):
+        batch_bucket(0)
+
+
+def test_kv_bucket_and_round_up() -> None:
+    assert [kv_bucket(c, 320) for c in (1, 64, 65, 128, 129, 300, 320)] == [64, 64, 128, 128, 192, 320, 320]
+    assert kv_bucket(70, 100) == 100  # capped at the capacity
+    assert kv_bucket(5, 64, block=4) == 8
+    for bad in (0, 321):
+        with pytest.raises(ValueError, match="columns must be in"):
+            kv_bucket(bad, 320)
+    assert [round_up(n, 64) for n in (0, 1, 64, 65)] == [0, 64, 64, 128]
+    with pytest.raises(ValueError, match="multiple >= 1"):
+        round_up(3, 0)
+
+
+def test_stop_check_due() -> None:
+    assert [s for s in range(64) if stop_check_due(s)] == [15, 31, 47, 63]
+    assert [s for s in range(5) if stop_check_due(s, every=1)] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="every >= 1"):
+        stop_check_due(3, every=0)
+
+
+def test_pick_with_noise_is_multinomial_for_the_same_generator() -> None:
+    probs = torch.softmax(torch.randn(64, 30, generator=torch.Generator().manual_seed(0)), dim=-1)
+    for seed in range(5):
+        g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        drawn = torch.multinomial(probs, 1, generator=g1)[:, 0]
+        noise = torch.empty_like(probs).exponential_(1, generator=g2)
+        assert torch.equal(pick_with_noise(probs, noise), drawn)
+        assert torch.equal(g1.get_state(), g2.get_state())  # the streams stay in step too
+
+
+def test_make_sampler_greedy_ignores_noise() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 0.5]])
+    tokens, logp = make_sampler(SamplingConfig(temperature=0.0))(logits, torch.full((2, 3), 1e-9))
+    assert tokens.tolist() == [1, 0]
+    assert logp.tolist() == pytest.approx(
+        torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0].tolist()
+    )
+    probs, _ = sampling_distribution(logits, SamplingConfig(temperature=1.0, top_k=1))
+    assert probs is not None
+    assert probs.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(temperature=0.0, max_new_tokens=40, n_samples_per_prompt=2),
+        SamplingConfig(temperature=1.0, max_new_tokens=40, n_samples_per_prompt=3, seed=4),
+        SamplingConfig(
+            temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=20, n_samples_per_prompt=3, seed=7
+        ),
+        SamplingConfig(
+            temperature=1.0, max_new_tokens=30, n_samples_per_prompt=2, seed=1, stop_token_ids=(5, 6)
+        ),
+        SamplingConfig(temperature=1.0, max_new_tokens=1, n_samples_per_prompt=2, seed=2),
+    ],
+    ids=["greedy", "sampled", "top-k-top-p", "stop-tokens", "one-token"],
+)
+def test_static_path_gives_the_loops_tokens(
+    pair: tuple[GenerationCore, GenerationCore], sampling: Any
+) -> None:
+    static, loop = pair
+    a = static.generate(PROMPTS, sampling)
+    assert static.last_decode_path == "static-eager"
+    assert loop.last_decode_path == "loop" or loop.last_decode_path is None
+    b = loop.generate(PROMPTS, sampling)
+    assert loop.last_decode_path == "loop"
+    _same(a, b)
+
+
+def test_stop_tokens_end_rows_early_in_the_static_path(pair: tuple[GenerationCore, GenerationCore]) -> None:
+    static, _ = pair
+    outs = static.generate(
+        PROMPTS, SamplingConfig(temperature=1.0, max_new_tokens=30, seed=1, stop_token_ids=(5, 6))
+    )
+    stopped = [o for o in outs if o.finish_reason == "stop"]
+    assert stopped, "seed 1 stops at least one row (the draw is fixed by the seed)"
+    stops = {5, 6, *static.eos_token_ids}
+    for o in stopped:
+        assert o.token_ids[-1] in stops
+        assert not set(o.token_ids[:-1]) & stops
+    for o in outs:
+        if o.finish_reason == "length":
+            assert len(o.token_ids) == 30
+            assert not set(o.token_ids) & stops
+
+
+def test_cache_columns_positions_and_mask_after_a_call(tiny_model: Path) -> None:
+    core = GenerationCore(tiny_model, decode="static")
+    new = 10
+    core.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=new))
+    b = core._graphs.buffers if core._graphs is not None else None
+    assert b is not None
+    width = max(len(p) for p in PROMPTS)
+    assert b.batch == 4  # 3 rows, bucket 4
+    assert b.capacity == round_up(width + new - 1, 64)
+    assert int(b.col) == width + new - 1  # the column the next token would go to
+    assert int(b.step) == new
+    assert b.pos[:3].tolist() == [len(p) + new - 1 for p in PROMPTS]
+    for i, p in enumerate(PROMPTS):
+        row = b.valid[i].tolist()
+        expect = [width - len(p) <= c < width + new - 1 for c in range(b.capacity)]
+        assert row == expect, i
+    assert b.valid[3].tolist() == [c == width - 1 or width <= c < width + new - 1 for c in range(b.capacity)]
+    assert bool(b.finished[3])  # the bucket's padding row is finished from the start
+    # Columns never written stay zero; written ones hold the prompt's keys as transformers computes them.
+    assert torch.count_nonzero(b.keys[0][:3, :, width + new - 1 :]) == 0
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in PROMPTS])[:, None]).long()
+    out = core.model(
+        input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True
+    )
+    cache = out.past_key_values
+    ref = cache.layers[1].keys if hasattr(cache, "layers") else cache.key_cache[1]
+    for i, p in enumerate(PROMPTS):
+        cols = slice(width - len(p), width)
+        assert torch.allclose(b.keys[1][i, :, cols], ref[i, :, cols], atol=1e-5)
+
+
+def test_buffers_are_kept_between_calls_and_dropped(tiny_model: Path) -> None:
+    core = GenerationCore(tiny_model, decode="static")
+    s = SamplingConfig(temperature=1.0, max_new_tokens=8, n_samples_per_prompt=2, seed=3)
+    first = core.generate(PROMPTS, s)
+    assert core._graphs is not None
+    kept = core._graphs.buffers
+    assert kept is not None
+    assert core.generate(PROMPTS, s) == first
+    assert core._graphs.buffers is kept  # same bucket and capacity: reused, not reallocated
+    core.generate(PROMPTS, SamplingConfig(max_new_tokens=8, n_samples_per_prompt=4))  # 12 rows: bucket 16
+    assert core._graphs.buffers is not kept
+    core.drop_decode_state()
+    assert core._graphs.buffers is None
+    assert core.generate(PROMPTS, s) == first
+
+
+def test_a_concurrent_call_uses_its_own_buffers(tiny_model: Path) -> None:
+    core = GenerationCore(tiny_model, decode="static")
+    s = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=3)
+    alone = core.generate(PROMPTS, s)
+    kept = core._graphs.buffers if core._graphs is not None else None
+    with core._graphs_lock:  # as if another generate call were running
+        assert core.generate(PROMPTS, s) == alone
+    assert core._graphs is not None
+    assert core._graphs.buffers is kept
+
+
+def _save(model: torch.nn.Module, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_grouped_query_attention_and_qwen2_biases(tmp_path: Path) -> None:
+    common: dict[str, Any] = {
+        "vocab_size": 40,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
+    torch.manual_seed(0)
+    folders = [
+        _save(LlamaForCausalLM(LlamaConfig(**common)), tmp_path / "llama-gqa"),
+        _save(Qwen2ForCausalLM(Qwen2Config(**common)), tmp_path / "qwen2"),
+    ]
+    for folder in folders:
+        static, loop = GenerationCore(folder, decode="static"), GenerationCore(folder, decode="loop")
+        for s in (
+            SamplingConfig(temperature=0.0, max_new_tokens=12, n_samples_per_prompt=2),
+            SamplingConfig(temperature=1.0, max_new_tokens=12, n_samples_per_prompt=2, seed=5),
+        ):
+            _same(static.generate(PROMPTS, s), loop.generate(PROMPTS, s))
+
+
+def test_unsupported_models_and_bad_modes(tmp_path: Path, tiny_model: Path) -> None:
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=20, n_embd=16, n_layer=1, n_head=2, n_positions=32))
+    assert "model_type 'gpt2'" in str(unsupported_reason(gpt2))
+    folder = _save(gpt2, tmp_path / "gpt2")
+    with pytest.raises(ValueError, match=r"decode='static': model_type 'gpt2'.*use decode='loop'"):
+        GenerationCore(folder, decode="static")
+    auto = GenerationCore(folder)  # auto falls back to the loop
+    auto.generate([[1, 2]], SamplingConfig(max_new_tokens=3))
+    assert auto.last_decode_path == "loop"
+    with pytest.raises(ValueError, match="decode must be one of"):
+        GenerationCore(tiny_model, decode="graphs")
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=20,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+        )
+    )
+    assert "rope type 'dynamic'" in str(unsupported_reason(llama))
+    assert unsupported_reason(GenerationCore(tiny_model).model) is None
+
+
+def test_auto_is_the_loop_on_cpu(tiny_model: Path) -> None:
+    core = GenerationCore(tiny_model)
+    core.generate(PROMPTS, SamplingConfig(max_new_tokens=3))
+    assert core.last_decode_path == "loop"
+    assert core._graphs is None
+
+
+def test_sdpa_decode_attention_gives_the_loops_tokens(tiny_model: Path) -> None:
+    static, loop = GenerationCore(tiny_model, decode="static"), GenerationCore(tiny_model, decode="loop")
+    assert static._decoder is not None
+    assert static._decoder.attention == "matmul"  # the default; sdpa is the alternative
+    static._decoder.attention = "sdpa"
+    for s in (
+        SamplingConfig(temperature=0.0, max_new_tokens=30, n_samples_per_prompt=2),
+        SamplingConfig(temperature=1.0, max_new_tokens=30, n_samples_per_prompt=3, seed=4),
+    ):
+        _same(static.generate(PROMPTS, s), loop.generate(PROMPTS, s))
