@@ -186,7 +186,7 @@ class TrainerConfig(TrainSettings):
         named = [i for engines in colocated for i in engines]
         if len(set(named)) != len(named):
             raise ValueError(
-                f"weight_sync_colocated={colocated!r} names an engine twice (each engine has one sending rank)"
+                f"weight_sync_colocated={colocated!r} names an engine twice (one sending rank each)"
             )
         if named and self.device != "cuda":
             raise ValueError("weight_sync_colocated needs device='cuda' (CUDA IPC); leave it empty on CPU")

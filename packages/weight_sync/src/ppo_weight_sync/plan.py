@@ -127,7 +127,8 @@ def plan_senders(
     for r, device in enumerate(rank_devices):
         if device in owner:
             raise ValueError(
-                f"trainer ranks {owner[device]} and {r} are both on device {device!r}; each rank needs its own GPU"
+                f"trainer ranks {owner[device]} and {r} are both on device {device!r}; "
+                "each rank needs its own GPU"
             )
         owner[device] = r
     ipc_by_rank: list[list[int]] = [[] for _ in rank_devices]
