@@ -368,3 +368,23 @@ def test_the_http_route_carries_sglangs_request_and_the_engines_reply() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("total", "bucket"),
+    [
+        (0, 64 << 20),
+        (100 << 20, 64 << 20),  # small models: the floor
+        (990_000_000, 128 << 20),  # 1 GB: an eighth is 124 MB, nearest power of two 128 MiB
+        (1_640_000_000, 256 << 20),  # the driver's 0.82B bf16 model
+        (4_010_000_000, 512 << 20),  # 4 GB: 501 MB -> 512 MiB
+        (16_060_000_000, 1 << 30),  # 16 GB: 2 GB, capped at 1 GiB
+    ],
+)
+def test_auto_bucket_bytes_follows_the_total(total: int, bucket: int) -> None:
+    from ppo_weight_sync.ipc import auto_bucket_bytes
+
+    assert auto_bucket_bytes(total) == bucket
+    if total >= 512 << 20:
+        # The two buffers stay well below a copy of the model (at most about a third of it).
+        assert 2 * auto_bucket_bytes(total) <= 0.36 * total

@@ -80,6 +80,8 @@ class CopyTransport:
         self.sends = 0
         self.closed = 0
         self.seen_paused: list[bool] = []
+        self.prepared: Sequence[tuple[str, torch.Tensor]] | None = None
+        self.sent_prepared: list[bool] = []  # send got the very items prepare was given
 
     @property
     def engines(self) -> tuple[EngineEndpoint, ...]:
@@ -89,7 +91,11 @@ class CopyTransport:
     def load_format(self) -> str | None:
         return "copy"
 
+    def prepare(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.prepared = items
+
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
+        self.sent_prepared.append(items is self.prepared)
         for endpoint in self._engines:
             self.seen_paused.append(endpoint.engine.paused)
             for name, tensor in items:
@@ -137,6 +143,7 @@ def test_one_update_serves_a_claimed_engine_and_a_group_engine() -> None:
             assert held["flushes"] >= 1
         (transport,) = factory.opened
         assert transport.seen_paused == [True]  # sent inside the pause
+        assert transport.sent_prepared == [True]  # prepared (before the pause) with what it sent
         metrics = sender.pop_metrics()
         assert metrics["weight_sync/bytes"] == sum(t.numel() * t.element_size() for t in sent.values())
         sender.disconnect()

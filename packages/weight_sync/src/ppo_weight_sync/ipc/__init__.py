@@ -6,7 +6,13 @@ the functions that touch handles need CUDA."""
 from ppo_weight_sync.ipc.handles import IpcHandle, device_index, device_uuid, export_buffer, open_handle
 from ppo_weight_sync.ipc.layout import ALIGN, BucketLayout, plan_layouts
 from ppo_weight_sync.ipc.mapping import IpcMappings, load_bucket
-from ppo_weight_sync.ipc.packer import BucketPacker, PipelineStats, send_buckets
+from ppo_weight_sync.ipc.packer import (
+    BucketPacker,
+    PipelineStats,
+    auto_bucket_bytes,
+    pack_first,
+    send_buckets,
+)
 from ppo_weight_sync.ipc.payload import (
     PPO_IPC_FORMAT,
     FlattenedBucket,
@@ -32,6 +38,7 @@ __all__ = [
     "IpcMappings",
     "IpcTransport",
     "PipelineStats",
+    "auto_bucket_bytes",
     "decode_flattened_bucket",
     "decode_ipc_bucket",
     "device_index",
@@ -42,6 +49,7 @@ __all__ = [
     "export_flattened_bucket",
     "load_bucket",
     "open_handle",
+    "pack_first",
     "plan_layouts",
     "send_buckets",
     "tensor_request",

@@ -17,7 +17,12 @@ from ppo_weight_sync.buckets import FLATTENED_BUCKET
 from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.ipc.layout import BucketLayout
 from ppo_weight_sync.ipc.mapping import IPC_POLL_S, IpcMappings
-from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, decode_flattened_bucket, decode_ipc_bucket
+from ppo_weight_sync.ipc.payload import (
+    PPO_IPC_FORMAT,
+    IpcBucket,
+    decode_flattened_bucket,
+    decode_ipc_bucket,
+)
 from ppo_weight_sync.ops import EngineReply
 
 __all__ = ["IPC_LOAD_FORMATS", "IpcTensorReceiver", "check_layout"]
@@ -25,6 +30,7 @@ __all__ = ["IPC_LOAD_FORMATS", "IpcTensorReceiver", "check_layout"]
 log = logging.getLogger(__name__)
 
 IPC_LOAD_FORMATS: tuple[str, ...] = (PPO_IPC_FORMAT, FLATTENED_BUCKET)
+_DECODED_MAX = 4096  # decoded bucket messages kept (a few per bucket per sender)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 Expected = Callable[[], Mapping[str, tuple[torch.dtype, tuple[int, ...]]]]
@@ -65,6 +71,9 @@ class IpcTensorReceiver:
         self.tp_rank = tp_rank
         self.timeout_s = timeout_s
         self.mappings = IpcMappings()
+        # A sender repeats the same message for the same bucket every update (same buffer, same layout):
+        # decode each once. Bounded; emptied when a session is released.
+        self._decoded: dict[str, IpcBucket] = {}
 
     def update_weights_from_tensor(
         self,
@@ -98,7 +107,12 @@ class IpcTensorReceiver:
             return EngineReply.refused(f"Bad update request: {exc}")
 
     def _ours(self, entry: str) -> EngineReply:
-        bucket = decode_ipc_bucket(entry)
+        bucket = self._decoded.get(entry)
+        if bucket is None:
+            bucket = decode_ipc_bucket(entry)
+            if len(self._decoded) >= _DECODED_MAX:
+                self._decoded.clear()
+            self._decoded[entry] = bucket
         try:
             with on_device(self.device):
                 # Mapped before the check: the export's count is taken over even when the bucket is
@@ -152,4 +166,5 @@ class IpcTensorReceiver:
 
     def release(self, session: str) -> int:
         """Unmap ``session``'s buffers (the sender disconnects, or is about to free them)."""
+        self._decoded = {k: v for k, v in self._decoded.items() if v.session != session}
         return self.mappings.release(session)

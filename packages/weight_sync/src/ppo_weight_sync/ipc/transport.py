@@ -31,7 +31,14 @@ from ppo_weight_sync.endpoints import EngineEndpoint, Pending
 from ppo_weight_sync.errors import EngineTimeoutError, EngineUnavailableError, WeightSyncError, check_reply
 from ppo_weight_sync.ipc.handles import export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout
-from ppo_weight_sync.ipc.packer import BucketPacker, PipelineStats, send_buckets
+from ppo_weight_sync.ipc.packer import (
+    MAX_AUTO_BUCKET,
+    BucketPacker,
+    PipelineStats,
+    auto_bucket_bytes,
+    pack_first,
+    send_buckets,
+)
 from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, encode_flattened_bucket, encode_ipc_bucket
 from ppo_weight_sync.ops import EngineReply
 from ppo_weight_sync.transports.base import Sent
@@ -47,20 +54,22 @@ class ColocatedIpc:
     """Claims the engines named in ``engines`` (on this process's GPU) for CUDA IPC updates.
 
     ``bucket_bytes``: the size of each of the two GPU buffers (a tensor bigger than that gets a buffer of
-    its size); ``device``: this process's GPU (default: the current CUDA device when the transport opens).
+    its size); None (default): :func:`~ppo_weight_sync.ipc.auto_bucket_bytes` of each update's total
+    (an eighth of it, rounded to a power of two, 64 MiB to 1 GiB); ``device``: this process's GPU
+    (default: the current CUDA device when the transport opens).
     """
 
     def __init__(
         self,
         engines: Collection[str],
         *,
-        bucket_bytes: int = 512 << 20,
+        bucket_bytes: int | None = None,
         device: torch.device | None = None,
     ) -> None:
         if isinstance(engines, str):
             raise ValueError(f"engines must be a collection of engine names, got the string {engines!r}")
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+            raise ValueError(f"bucket_bytes must be a positive int or None (auto), got {bucket_bytes!r}")
         self.names = frozenset(engines)
         self.bucket_bytes = bucket_bytes
         self.device = device
@@ -81,13 +90,22 @@ class IpcTransport:
     """A :class:`~ppo_weight_sync.transports.Transport` for colocated engines; ``session`` names the
     connection on the engines (their mappings); :attr:`last` holds the last send's pipeline figures."""
 
-    def __init__(self, *, device: torch.device, bucket_bytes: int, timeout_s: float) -> None:
-        self.packer = BucketPacker(device, bucket_bytes, timeout_s)
+    def __init__(self, *, device: torch.device, bucket_bytes: int | None, timeout_s: float) -> None:
+        # None: sized per update from its total (auto_bucket_bytes); the packer's own size is then unused.
+        self.bucket_bytes = bucket_bytes
+        self.packer = BucketPacker(device, bucket_bytes or MAX_AUTO_BUCKET, timeout_s)
         self.timeout_s = timeout_s
         self._engines: list[EngineEndpoint] = []
         self._formats: dict[str, str] = {}
         self.session = ""
         self.last: PipelineStats | None = None
+        # Kept between updates of the same tensors (names, dtypes, shapes): the layouts, and each
+        # engine's message per bucket (our format names the same buffer and layout every update).
+        self._plan_key: tuple[object, ...] = ()
+        self._layouts: list[BucketLayout] = []
+        self._entries: dict[tuple[str, int], str] = {}
+        self._entries_key: tuple[object, ...] = ()
+        self._prepared: Sequence[tuple[str, torch.Tensor]] | None = None
 
     @property
     def engines(self) -> tuple[EngineEndpoint, ...]:
@@ -114,9 +132,39 @@ class IpcTransport:
         }
         self.session = session
 
+    def layouts(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[BucketLayout]:
+        """The update's buckets (cached while the tensors' names, dtypes and shapes stay the same)."""
+        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in items)
+        if key != self._plan_key:
+            total = sum(t.numel() * t.element_size() for _, t in items)
+            bucket_bytes = self.bucket_bytes or auto_bucket_bytes(total)
+            self._layouts = self.packer.plan(items, bucket_bytes)
+            self._plan_key = key
+            self._entries = {}
+        return self._layouts
+
+    def prepare(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Queue bucket 0's copies now, while the engines pause and flush (no engine sees it before
+        :meth:`send`)."""
+        self._prepared = None
+        pack_first(self.packer, items, self.layouts(items))
+        self._prepared = items
+
+    def _entry(self, engine: EngineEndpoint, k: int, slot: int, layout: BucketLayout) -> str:
+        key = (self.session, self.packer.generation)
+        if key != self._entries_key:
+            self._entries, self._entries_key = {}, key
+        entry = self._entries.get((engine.name, k))
+        if entry is None:
+            entry = encode_ipc_bucket(self.session, self.packer.handle(engine.name, slot), layout)
+            self._entries[(engine.name, k)] = entry
+        return entry
+
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
         """Every bucket to every colocated engine; the version and the cache flush go with the last one."""
-        layouts = self.packer.plan(items)
+        first_packed, self._prepared = self._prepared is items, None
+        layouts = self.layouts(items)
+        index = {id(layout): k for k, layout in enumerate(layouts)}
         engines = list(self._engines)
 
         def post(slot: int, layout: BucketLayout, last: bool) -> list[Callable[[float], None]]:
@@ -124,7 +172,7 @@ class IpcTransport:
             for engine in engines:
                 fmt = self._formats[engine.name]
                 if fmt == PPO_IPC_FORMAT:
-                    entry = encode_ipc_bucket(self.session, self.packer.handle(engine.name, slot), layout)
+                    entry = self._entry(engine, index[id(layout)], slot, layout)
                 else:
                     entry = encode_flattened_bucket(export_buffer(self.packer.buffer(slot)), layout)
                 pending = engine.update_weights_from_tensor(
@@ -138,7 +186,7 @@ class IpcTransport:
             return waiters
 
         start = time.perf_counter()
-        stats = send_buckets(self.packer, items, layouts, post, self.timeout_s)
+        stats = send_buckets(self.packer, items, layouts, post, self.timeout_s, first_packed=first_packed)
         self.last = stats
         log.debug("colocated update: %s in %.1f ms", stats, (time.perf_counter() - start) * 1e3)
         return Sent(nbytes=stats.nbytes, buckets=stats.buckets)
@@ -182,6 +230,7 @@ class IpcTransport:
             else:
                 log.warning("engine %s did not release its colocated buffers: %s", engine.name, error)
         self._formats = {}
+        self._entries, self._entries_key, self._prepared = {}, (), None
         try:
             self.packer.free()
         except Exception as exc:  # close() never raises
