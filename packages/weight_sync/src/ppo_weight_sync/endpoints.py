@@ -34,8 +34,14 @@ __all__ = [
 ]
 
 # load formats an engine may accept besides per-tensor broadcast (load_format None, every SGLang); the last
-# is the colocated (CUDA IPC) format of update_weights_from_tensor (ppo_weight_sync.ipc).
-RECEIVER_LOAD_FORMATS: tuple[str, ...] = (STREAM_FORMAT_PREFIX, FLATTENED_BUCKET, "ppo_ipc_bucket")
+# two are the colocated (CUDA IPC) formats of update_weights_from_tensor (ppo_weight_sync.ipc): one
+# request per bucket, one request per update.
+RECEIVER_LOAD_FORMATS: tuple[str, ...] = (
+    STREAM_FORMAT_PREFIX,
+    FLATTENED_BUCKET,
+    "ppo_ipc_bucket",
+    "ppo_ipc_stream",
+)
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)

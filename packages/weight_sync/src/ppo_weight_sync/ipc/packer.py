@@ -1,6 +1,7 @@
 """Sender side of a colocated update: two reusable GPU bucket buffers, packed in turn, shared once.
 
-The pipeline (:func:`send_buckets`): bucket *k* is packed into buffer ``k % 2``; once its copies are
+The pipelines (:func:`send_buckets`, one message per bucket; :func:`send_stream`, one per update with the
+buckets announced through shared counters): bucket *k* is packed into buffer ``k % 2``; once its copies are
 done the engine is told (one message per bucket) and bucket *k+1* is packed into the other buffer while
 the engine copies *k* out. A buffer is packed again only after the engine answered for the bucket it
 held, and the engine answers only once its copies finished, so no byte is overwritten while read.
@@ -21,6 +22,7 @@ import torch
 
 from ppo_weight_sync.ipc.handles import IpcHandle, export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout, plan_layouts
+from ppo_weight_sync.ipc.signals import BucketSignals
 
 __all__ = [
     "BucketPacker",
@@ -252,6 +254,69 @@ def send_buckets(
     return PipelineStats(
         nbytes=sum(sum(layout.sizes()) for layout in layouts),
         buckets=len(layouts),
+        seconds=time.perf_counter() - start,
+        wait_pack_s=wait_pack,
+        wait_reply_s=wait_reply,
+    )
+
+
+def send_stream(
+    packer: BucketPacker,
+    items: Sequence[tuple[str, torch.Tensor]],
+    layouts: Sequence[BucketLayout],
+    signals: Sequence[BucketSignals],
+    post: Callable[[], Sequence[Callable[[float], None]]],
+    check: Callable[[], None],
+    timeout_s: float,
+    *,
+    first_packed: bool = False,
+) -> PipelineStats:
+    """One request per update (``ppo_ipc_stream``): ``post()`` sends it and returns a waiter per engine;
+    then bucket *k* is packed into buffer ``k % 2``, announced through every engine's ``signals``
+    (``packed``), and buffer ``k % 2`` is packed again only once each engine's ``loaded`` says it copied
+    bucket *k-2* out.
+    ``check()`` raises when an engine's request already answered (a failure, or a refusal that stops
+    the update); it runs between polls. On any failure the engine is told to stop (``abort``) and its
+    answer awaited (bounded) before this returns, so the buffers are no longer read."""
+    start = time.perf_counter()
+    packer.reserve(layouts)
+    per_bucket = split_tensors(items, layouts)
+    n = len(layouts)
+    wait_pack = wait_reply = 0.0
+    for signal in signals:
+        signal.start()
+    waiters = list(post())
+    try:
+        if n and not first_packed:
+            packer.pack(0, layouts[0], per_bucket[0])
+        for k in range(n):
+            slot = k % 2
+            t0 = time.perf_counter()
+            packer.wait_packed(slot, check)
+            wait_pack += time.perf_counter() - t0
+            for signal in signals:
+                signal.set("packed", k + 1)
+            if k + 1 < n:
+                t0 = time.perf_counter()
+                # Buffer 1 - slot held bucket k - 1: it must be copied out before it is packed again.
+                for signal in signals:
+                    signal.wait_at_least("loaded", k, timeout_s, f"copying weight bucket {k - 1} out", check)
+                wait_reply += time.perf_counter() - t0
+                packer.pack(1 - slot, layouts[k + 1], per_bucket[k + 1])
+        t0 = time.perf_counter()
+        for waiter in waiters:
+            waiter(timeout_s)
+        wait_reply += time.perf_counter() - t0
+    except BaseException:
+        for signal in signals:
+            signal.set("abort", 1)
+        for waiter in waiters:
+            with contextlib.suppress(Exception):
+                waiter(timeout_s)
+        raise
+    return PipelineStats(
+        nbytes=sum(sum(layout.sizes()) for layout in layouts),
+        buckets=n,
         seconds=time.perf_counter() - start,
         wait_pack_s=wait_pack,
         wait_reply_s=wait_reply,
