@@ -352,10 +352,9 @@ class TrainWorker:
                 group_name=self.config.weight_sync_group,
                 master_address=node_address(),
                 timeout_s=self.timeout_s,
-                # Engines on this rank's GPU load over CUDA IPC; the others (rank 0's) join the group.
-                transports=[ColocatedIpc(colocated, bucket_bytes=self.config.bucket_bytes)]
-                if colocated
-                else [],
+                # Engines on this rank's GPU load over CUDA IPC (buckets sized from the model:
+                # ColocatedIpc's auto_bucket_bytes); the others (rank 0's) join the group.
+                transports=[ColocatedIpc(colocated)] if colocated else [],
             )
         if not self.lifecycle.is_asleep:
             self._sender.connect(self._targets)
