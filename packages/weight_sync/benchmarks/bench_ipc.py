@@ -13,11 +13,16 @@ model (``bench_update.spec_for``). Modes, in the same run, same bytes, same buck
   HTTP engine process on the same GPU; bytes staged through host memory);
 - ``clone``: one on-GPU ``clone()`` of the whole buffer, for scale.
 
+``update`` is the whole ``WeightSender.update()`` to an HTTP engine process on the same GPU: in one
+request per update (``ppo_ipc_stream``, the default), and ``update (request per bucket)``
+(``ppo_ipc_bucket``); the bucket size is ``auto_bucket_bytes`` of the model's size unless ``--bucket-mb``
+says otherwise, and ``--raw-mb`` adds the update and the raw pipeline at a second size (the issue's).
+
 Each figure is the median of ``--reps`` after a warm-up; ``ipc`` also reports where its host time went
 (waiting for packing, waiting for the engine's answers). After the last ``ipc`` repetition the engine's
 weights are compared with the trainer's on the GPU (per-tensor integer fingerprints of the bf16 bits).
 
-    python benchmarks/bench_ipc.py --sizes-gb 1 4 16 --bucket-mb 64 128 512
+    python benchmarks/bench_ipc.py --sizes-gb 1 4 16 --raw-mb 64 128 512 --gloo-max-gb 0
 """
 
 from __future__ import annotations
@@ -189,6 +194,7 @@ def bench_update(
     reps: int,
     timeout_s: float,
     sglang_format: bool,
+    stream: bool = True,
 ) -> dict[str, Any]:
     """The whole ``WeightSender.update()`` (pause, flush, buckets, continue) to an HTTP engine process
     on this GPU, connected as colocated: ``ppo_ipc_bucket`` (ours) or SGLang's ``flattened_bucket``."""
@@ -198,7 +204,7 @@ def bench_update(
     sender = WeightSender(
         backend="nccl",
         timeout_s=timeout_s,
-        transports=[ColocatedIpc(["near"], bucket_bytes=bucket_bytes)],
+        transports=[ColocatedIpc(["near"], bucket_bytes=bucket_bytes, stream=stream)],
     )
     sender.connect([ep])
     (transport,) = [t for t in sender._conn.transports if isinstance(t, IpcTransport)]
@@ -230,7 +236,11 @@ def bench_update(
     ep.request("POST", "/bench_set_spec", {"spec": {}})
     ep.close()
     return {
-        "mode": "update (sglang format)" if sglang_format else "update",
+        "mode": "update (sglang format)"
+        if sglang_format
+        else "update"
+        if stream
+        else "update (request per bucket)",
         "seconds": statistics.median(walls),
         "buckets": int(m["weight_sync/ipc_buckets"]),
         "control_ms": statistics.median(control) * 1e3,
@@ -344,6 +354,10 @@ def main() -> None:
 
             add(
                 bench_update(url, spec, weights, None if auto else bucket, args.reps, args.timeout_s, False),
+                label,
+            )
+            add(
+                bench_update(url, spec, weights, bucket, args.reps, args.timeout_s, False, stream=False),
                 label,
             )
             add(bench_ipc(peer, device, weights, bucket, args.reps, args.timeout_s), label)
