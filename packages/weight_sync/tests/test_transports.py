@@ -11,6 +11,7 @@ import torch
 from ppo_weight_sync import (
     RECEIVER_LOAD_FORMATS,
     EngineReply,
+    EngineUnavailableError,
     HttpEngineEndpoint,
     Pending,
     Sent,
@@ -150,6 +151,36 @@ def test_one_update_serves_a_claimed_engine_and_a_group_engine() -> None:
         assert transport.closed == 1
         assert not sender.is_connected
         assert sender.last_disconnect_errors == []
+    finally:
+        sender.disconnect()
+        proc.kill()
+        proc.wait(30)
+
+
+def test_a_failed_update_keeps_no_tensor_alive_for_the_cyclic_collector() -> None:
+    """The update's tensors (on a trainer, a whole gathered model) are freed as soon as the caller drops
+    them after a failure, not when Python's cyclic collector next runs: no exception-frame cycle."""
+    import gc
+    import weakref
+
+    proc, url = start_process(SPEC, seed=2, timeout_s=90)
+    sender = WeightSender(timeout_s=30, bucket_bytes=256)
+    try:
+        http = HttpEngineEndpoint(url, name="doomed", load_formats=RECEIVER_LOAD_FORMATS)
+        sender.connect([http])
+        proc.kill()
+        proc.wait(30)
+        sent = make_weights(SPEC, seed=9)
+        watch = weakref.ref(next(iter(sent.values())))
+        gc.disable()
+        try:
+            with pytest.raises(EngineUnavailableError, match="doomed"):
+                sender.update(sent.items(), "never")
+            del sent
+            assert watch() is None, "a failed update left its tensors to the cyclic collector"
+        finally:
+            gc.enable()
+        assert not sender.is_connected
     finally:
         sender.disconnect()
         proc.kill()

@@ -259,10 +259,16 @@ class WeightSender:
             self._conn.reset()
             raise
         finally:
-            if in_session:
-                self._end_after_failure(in_session)
-            if paused:
-                self._continue(engines, failure)
+            try:
+                if in_session:
+                    self._end_after_failure(in_session)
+                if paused:
+                    self._continue(engines, failure)
+            finally:
+                # The exception's traceback holds this frame, whose local would hold the exception: a
+                # cycle that keeps every tensor of the update (a whole gathered model on the GPU) until
+                # the cyclic collector runs. Break it.
+                failure = None
 
     def _end_after_failure(self, engines: list[EngineEndpoint]) -> None:
         """Close the weight-update sessions a failed update left open (an open session refuses the next
@@ -273,7 +279,8 @@ class WeightSender:
                     engine.name, "end_weight_update", engine.end_weight_update().result(self.timeout_s)
                 )
             except WeightSyncError as exc:
-                log.warning("end_weight_update after a failed update: %s", exc)
+                # The text, not the exception: a kept log record must not keep the update's frames.
+                log.warning("end_weight_update after a failed update: %s", str(exc))
 
     def _continue(self, engines: list[EngineEndpoint], failure: BaseException | None) -> None:
         t0 = time.perf_counter()
@@ -285,7 +292,7 @@ class WeightSender:
                 if isinstance(exc, EngineUnavailableError):
                     self._conn.reset()
                 raise
-            log.warning("continue_generation after a failed update: %s", exc)
+            log.warning("continue_generation after a failed update: %s", str(exc))
 
     def _all(self, engines: Sequence[EngineEndpoint], op: str, call: Any) -> list[EngineReply]:
         return self._replies(self._issue(engines, call), op)
