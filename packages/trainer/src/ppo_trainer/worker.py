@@ -338,9 +338,17 @@ class TrainWorker:
             raise ValueError("connect_engines: engines is empty; pass the rollout engines' endpoints")
         self._engines = list(engines)
         try:
-            mine = self.sends()
+            plan = self._plan()
         except ValueError as exc:
             raise ValueError(f"weight_sync_colocated={self.config.weight_sync_colocated}: {exc}") from None
+        mine = plan.for_rank(self.rank)
+        if self.rank == 0:
+            names = ", ".join(f"{i}={e.name}" for i, e in enumerate(self._engines))
+            log.info(
+                "weight updates (engines %s): %s",
+                names,
+                "; ".join(plan.describe(self.config.weight_sync_backend)) or "none",
+            )
         self._targets = [self._engines[i] for i in (*mine.ipc, *mine.group)]
         if not self._targets:
             return
