@@ -262,13 +262,13 @@ def test_translations_build() -> None:
     [
         ("2gpu-disaggregate", [], "nccl", (), "bfloat16"),
         ("2gpu-disaggregate", ["model.dtype=float32"], "nccl", (), "float32"),
-        # Colocated, engine 0 shares actor rank 0's GPU: CUDA IPC to it, NCCL to engine 1 on GPU 1.
-        ("2gpu-colocate", [], "nccl", (0,), "bfloat16"),
+        # Colocated, two actor ranks: each sends to the engine on its own GPU over CUDA IPC.
+        ("2gpu-colocate", [], "nccl", ((0,), (1,)), "bfloat16"),
         ("cpu-default", [], "gloo", (), "float32"),
     ],
 )
 def test_the_actor_sends_what_the_engines_accept(
-    name: str, overrides: list[str], backend: str, colocated: tuple[int, ...], dtype: str
+    name: str, overrides: list[str], backend: str, colocated: tuple[tuple[int, ...], ...], dtype: str
 ) -> None:
     from ppo_driver import build
 

@@ -47,12 +47,13 @@ def test_algorithm_config_rejects(kwargs: dict, field: str) -> None:
         ({"memory_backend": "pinned"}, "memory_backend"),
         ({"weight_sync_backend": "nccl"}, "weight_sync_backend"),
         ({"weight_sync_dtype": "int8"}, "weight_sync_dtype"),
-        ({"weight_sync_colocated": (0,)}, "weight_sync_colocated needs device='cuda'"),
+        ({"weight_sync_colocated": ((0,),)}, "weight_sync_colocated needs device='cuda'"),
         (
-            {"device": "cuda", "weight_sync_colocated": (0, 0)},
-            r"weight_sync_colocated=\(0, 0\) names an engine twice",
+            {"device": "cuda", "weight_sync_colocated": ((0,), (0,))},
+            r"weight_sync_colocated=\(\(0,\), \(0,\)\) names an engine twice",
         ),
-        ({"device": "cuda", "weight_sync_colocated": (-1,)}, "weight_sync_colocated"),
+        ({"device": "cuda", "weight_sync_colocated": ((-1,),)}, "weight_sync_colocated"),
+        ({"device": "cuda", "weight_sync_colocated": (0,)}, "weight_sync_colocated"),
         ({"data_parallel": "ddp"}, "data_parallel"),
         ({"role": "critic", "algorithm": AlgorithmConfig(estimator="grpo")}, "grpo"),
     ],
@@ -108,3 +109,27 @@ def test_reward_kl_puts_the_reference_on_the_critic() -> None:
 def test_data_parallel_choice(kwargs: dict, world_size: int, state_share: float, shards: bool) -> None:
     config = TrainerConfig(role="actor", model_path="/m", **kwargs)
     assert config.shards(world_size, state_share) is shards
+
+
+def test_the_ranks_weight_sync_metrics_merge_bytes_add_times_take_the_slowest() -> None:
+    from ppo_trainer.group import merge_sync_metrics
+
+    rank0 = {
+        "weight_sync/bytes": 4e9,
+        "weight_sync/seconds": 0.010,
+        "weight_sync/gb_per_s": 400.0,
+        "weight_sync/ipc_buckets": 9.0,
+        "weight_sync/updates": 1.0,
+        "reconnected": 0.0,
+    }
+    rank1 = {**rank0, "weight_sync/seconds": 0.020, "reconnected": 1.0}
+    merged = merge_sync_metrics([rank0, rank1, {}])  # a rank that sends nothing returns {}
+    assert merged == {
+        "weight_sync/bytes": 8e9,
+        "weight_sync/seconds": 0.020,
+        "weight_sync/gb_per_s": 400.0,  # 8 GB moved in the slowest rank's 20 ms
+        "weight_sync/ipc_buckets": 18.0,
+        "weight_sync/updates": 1.0,
+        "reconnected": 1.0,
+    }
+    assert merge_sync_metrics([{}, {}]) == {}

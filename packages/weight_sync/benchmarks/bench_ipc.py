@@ -13,11 +13,16 @@ model (``bench_update.spec_for``). Modes, in the same run, same bytes, same buck
   HTTP engine process on the same GPU; bytes staged through host memory);
 - ``clone``: one on-GPU ``clone()`` of the whole buffer, for scale.
 
+``update`` is the whole ``WeightSender.update()`` to an HTTP engine process on the same GPU: in one
+request per update (``ppo_ipc_stream``, the default), and ``update (request per bucket)``
+(``ppo_ipc_bucket``); the bucket size is ``auto_bucket_bytes`` of the model's size unless ``--bucket-mb``
+says otherwise, and ``--raw-mb`` adds the update and the raw pipeline at a second size (the issue's).
+
 Each figure is the median of ``--reps`` after a warm-up; ``ipc`` also reports where its host time went
 (waiting for packing, waiting for the engine's answers). After the last ``ipc`` repetition the engine's
 weights are compared with the trainer's on the GPU (per-tensor integer fingerprints of the bf16 bits).
 
-    python benchmarks/bench_ipc.py --sizes-gb 1 4 16 --bucket-mb 64 128 512
+    python benchmarks/bench_ipc.py --sizes-gb 1 4 16 --raw-mb 64 128 512 --gloo-max-gb 0
 """
 
 from __future__ import annotations
@@ -40,7 +45,15 @@ from bench_update import GB, random_weights, spec_for, start_engine
 from ppo_weight_sync import ColocatedIpc, HttpEngineEndpoint, WeightSender
 from ppo_weight_sync.device_sync import wait_stream
 from ppo_weight_sync.endpoints import RECEIVER_LOAD_FORMATS
-from ppo_weight_sync.ipc import BucketLayout, BucketPacker, encode_ipc_bucket, export_buffer, send_buckets
+from ppo_weight_sync.ipc import (
+    BucketLayout,
+    BucketPacker,
+    IpcTransport,
+    auto_bucket_bytes,
+    encode_ipc_bucket,
+    export_buffer,
+    send_buckets,
+)
 from ppo_weight_sync.testing.ipc_peer import IpcPeer, gpu_fingerprint
 
 T0 = time.monotonic()
@@ -177,10 +190,11 @@ def bench_update(
     url: str,
     spec: dict[str, Any],
     weights: list[tuple[str, torch.Tensor]],
-    bucket_bytes: int,
+    bucket_bytes: int | None,
     reps: int,
     timeout_s: float,
     sglang_format: bool,
+    stream: bool = True,
 ) -> dict[str, Any]:
     """The whole ``WeightSender.update()`` (pause, flush, buckets, continue) to an HTTP engine process
     on this GPU, connected as colocated: ``ppo_ipc_bucket`` (ours) or SGLang's ``flattened_bucket``."""
@@ -189,12 +203,12 @@ def bench_update(
     ep.request("POST", "/bench_set_spec", {"spec": spec})
     sender = WeightSender(
         backend="nccl",
-        bucket_bytes=bucket_bytes,
         timeout_s=timeout_s,
-        transports=[ColocatedIpc(["near"], bucket_bytes=bucket_bytes)],
+        transports=[ColocatedIpc(["near"], bucket_bytes=bucket_bytes, stream=stream)],
     )
     sender.connect([ep])
-    walls, control, transfer = [], [], []
+    (transport,) = [t for t in sender._conn.transports if isinstance(t, IpcTransport)]
+    walls, control, transfer, packs, replies = [], [], [], [], []
     for r in range(reps + 1):
         sync(weights[0][1].device)
         t0 = time.perf_counter()
@@ -205,6 +219,16 @@ def bench_update(
             walls.append(wall)
             control.append(m["weight_sync/control_seconds"])
             transfer.append(m["weight_sync/ipc_seconds"])
+            assert transport.last is not None
+            packs.append(transport.last.wait_pack_s)
+            replies.append(transport.last.wait_reply_s)
+    # One kept-alive HTTP round trip to the same server (what each bucket's message costs at least).
+    rtts = []
+    for _ in range(21):
+        t0 = time.perf_counter()
+        ep.get_weight_version().result(timeout_s)
+        rtts.append(time.perf_counter() - t0)
+    used = transport.packer.allocated_bytes // 2
     same = ep.request("POST", "/bench_fingerprint", {}) == json.loads(json.dumps(fingerprint(weights)))
     state = ep.request("POST", "/bench_mappings", {})
     sender.disconnect()
@@ -212,11 +236,19 @@ def bench_update(
     ep.request("POST", "/bench_set_spec", {"spec": {}})
     ep.close()
     return {
-        "mode": "update (sglang format)" if sglang_format else "update",
+        "mode": "update (sglang format)"
+        if sglang_format
+        else "update"
+        if stream
+        else "update (request per bucket)",
         "seconds": statistics.median(walls),
         "buckets": int(m["weight_sync/ipc_buckets"]),
         "control_ms": statistics.median(control) * 1e3,
         "transfer_ms": statistics.median(transfer) * 1e3,
+        "wait_pack_ms": statistics.median(packs) * 1e3,
+        "wait_reply_ms": statistics.median(replies) * 1e3,
+        "rtt_ms": statistics.median(rtts) * 1e3,
+        "buffer_mb": used / 2**20,
         "bit_identical": same,
         "mappings": f"{state['ipc_mappings']} -> {released['ipc_mappings']}",
     }
@@ -243,13 +275,49 @@ def bench_gloo(
     return {"mode": "gloo", "seconds": statistics.median(walls), "buckets": -1}
 
 
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        "| size GB | bucket MiB | mode | seconds | GB/s | vs raw (same buckets) | vs best raw | buckets "
+        "| where the time went, ms | same |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        extra = ""
+        if r["mode"] == "ipc":
+            extra = f"waits: pack {r['wait_pack_ms']:.1f}, replies {r['wait_reply_ms']:.1f}"
+        if "control_ms" in r:
+            extra = (
+                f"control {r['control_ms']:.1f}, transfer {r['transfer_ms']:.1f} (waits: pack "
+                f"{r['wait_pack_ms']:.1f}, replies {r['wait_reply_ms']:.1f}); one HTTP round trip "
+                f"{r['rtt_ms']:.2f}; mappings {r['mappings']}"
+            )
+        same_raw = f"{r['vs_raw']:.0%}" if r.get("vs_raw") is not None else ""
+        print(
+            f"| {r['size_gb']:.2f} | {r['bucket_mb']} | {r['mode']} | {r['seconds']:.4f} | "
+            f"{r['gb_per_s']:.1f} | {same_raw} | {r['vs_best_raw']:.0%} | {r['buckets']} | {extra} | "
+            f"{r.get('bit_identical', '')} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="colocated weight updates on one GPU")
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[1, 4, 16])
     parser.add_argument(
-        "--bucket-mb", type=int, nargs="+", default=[64, 128, 512], help="one per size, or one for all"
+        "--bucket-mb",
+        nargs="+",
+        default=["auto"],
+        help="the update's bucket size per size (or one for all): MiB, or 'auto' (auto_bucket_bytes)",
+    )
+    parser.add_argument(
+        "--raw-mb",
+        type=int,
+        nargs="*",
+        default=[],
+        help="per size, a second bucket size for the raw pipeline and the update (the issue's: 64 128 512)",
     )
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--sglang", action="store_true", help="also SGLang's flattened_bucket format")
     parser.add_argument("--gloo-reps", type=int, default=1)
     parser.add_argument("--gloo-max-gb", type=float, default=4.0, help="skip gloo above this size (slow)")
     parser.add_argument("--timeout-s", type=float, default=60.0)
@@ -257,73 +325,74 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_ipc needs a CUDA GPU")
-    buckets = (
-        args.bucket_mb
-        if len(args.bucket_mb) == len(args.sizes_gb)
-        else args.bucket_mb[:1] * len(args.sizes_gb)
-    )
+    n = len(args.sizes_gb)
+    buckets = args.bucket_mb if len(args.bucket_mb) == n else args.bucket_mb[:1] * n
+    second = args.raw_mb if len(args.raw_mb) == n else (args.raw_mb[:1] * n if args.raw_mb else [None] * n)
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
     peer = IpcPeer("cuda:0", name="engine", timeout_s=args.timeout_s)
     proc, url = start_engine("cuda:0", {}, args.timeout_s)
     ep = HttpEngineEndpoint(url, name="gloo-engine", timeout_s=600, load_formats=RECEIVER_LOAD_FORMATS)
     rows: list[dict[str, Any]] = []
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, reps {args.reps}", flush=True)
     try:
-        for gb, bucket_mb in zip(args.sizes_gb, buckets, strict=True):
+        for gb, bucket_arg, other_mb in zip(args.sizes_gb, buckets, second, strict=True):
             spec = spec_for(gb)
             weights = random_weights(spec, device)
             nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-            say(f"{gb:g} GB: {nbytes / GB:.2f} GB in {len(weights)} tensors, {bucket_mb} MiB buckets")
+            auto = bucket_arg == "auto"
+            bucket = auto_bucket_bytes(nbytes) if auto else int(bucket_arg) << 20
+            label = f"{bucket >> 20} (auto)" if auto else str(bucket >> 20)
+            say(f"{gb:g} GB: {nbytes / GB:.2f} GB in {len(weights)} tensors, {label} MiB buckets")
             peer.call("spec", spec, None)
-            got = [bench_ipc(peer, device, weights, bucket_mb << 20, args.reps, args.timeout_s)]
-            say(f"{gb:g} GB ipc: {got[-1]}")
-            got.append(bench_raw(peer, device, nbytes, bucket_mb << 20, args.reps, args.timeout_s))
-            say(f"{gb:g} GB raw: {got[-1]}")
-            got.append(bench_clone(device, nbytes, args.reps))
-            for sglang_format in (False, True):
-                got.append(
-                    bench_update(
-                        url, spec, weights, bucket_mb << 20, args.reps, args.timeout_s, sglang_format
-                    )
+            got: list[dict[str, Any]] = []
+
+            def add(row: dict[str, Any], mb: Any, got: list[dict[str, Any]] = got, gb: float = gb) -> None:
+                row["bucket_mb"] = mb
+                got.append(row)
+                say(f"{gb:g} GB {row['mode']} ({mb} MiB): {row}")
+
+            add(
+                bench_update(url, spec, weights, None if auto else bucket, args.reps, args.timeout_s, False),
+                label,
+            )
+            add(
+                bench_update(url, spec, weights, bucket, args.reps, args.timeout_s, False, stream=False),
+                label,
+            )
+            add(bench_ipc(peer, device, weights, bucket, args.reps, args.timeout_s), label)
+            add(bench_raw(peer, device, nbytes, bucket, args.reps, args.timeout_s), label)
+            if other_mb and other_mb << 20 != bucket:
+                add(
+                    bench_update(url, spec, weights, other_mb << 20, args.reps, args.timeout_s, False),
+                    other_mb,
                 )
-                say(f"{gb:g} GB {got[-1]['mode']}: {got[-1]}")
+                add(bench_raw(peer, device, nbytes, other_mb << 20, args.reps, args.timeout_s), other_mb)
+            if args.sglang:
+                add(bench_update(url, spec, weights, bucket, args.reps, args.timeout_s, True), label)
+            add(bench_clone(device, nbytes, args.reps), "")
             if gb <= args.gloo_max_gb:
-                got.append(bench_gloo(ep, spec, weights, args.gloo_reps, args.timeout_s))
-                say(f"{gb:g} GB gloo: {got[-1]}")
+                add(bench_gloo(ep, spec, weights, args.gloo_reps, args.timeout_s), "")
             peer.call("drop_weights")
             del weights
             torch.cuda.empty_cache()
-            raw = next(g for g in got if g["mode"] == "raw")["seconds"]
+            raws = {g["bucket_mb"]: g["seconds"] for g in got if g["mode"] == "raw"}
+            best = min(raws.values())
             for g in got:
-                g.update(size_gb=nbytes / GB, bucket_mb=bucket_mb, gb_per_s=nbytes / g["seconds"] / GB)
-                g["vs_raw"] = raw / g["seconds"]
+                g.update(size_gb=nbytes / GB, gb_per_s=nbytes / g["seconds"] / GB)
+                g["vs_raw"] = raws[g["bucket_mb"]] / g["seconds"] if g["bucket_mb"] in raws else None
+                g["vs_best_raw"] = best / g["seconds"]
             rows += got
+            print_table(got)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
     finally:
         peer.stop()
         proc.kill()
         proc.wait()
     print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, reps {args.reps}")
-    print(
-        "| size GB | bucket MiB | mode | seconds | GB/s | vs raw | buckets | where the time went, ms | same |"
-    )
-    print("|---:|---:|---|---:|---:|---:|---:|---|---|")
-    for r in rows:
-        extra = ""
-        if "wait_pack_ms" in r:
-            extra = f"waits: pack {r['wait_pack_ms']:.1f}, replies {r['wait_reply_ms']:.1f}"
-        if "control_ms" in r:
-            extra = (
-                f"control {r['control_ms']:.1f}, transfer {r['transfer_ms']:.1f}; mappings {r['mappings']}"
-            )
-        print(
-            f"| {r['size_gb']:.2f} | {r['bucket_mb']} | {r['mode']} | {r['seconds']:.4f} | "
-            f"{r['gb_per_s']:.1f} | {r['vs_raw']:.0%} | {r['buckets']} | {extra} | "
-            f"{r.get('bit_identical', '')} |",
-            flush=True,
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_table(rows)
     if any(r.get("bit_identical") is False for r in rows):
         raise SystemExit("the engine's weights differ from the trainer's after an ipc update")
 

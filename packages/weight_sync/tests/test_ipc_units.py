@@ -368,3 +368,141 @@ def test_the_http_route_carries_sglangs_request_and_the_engines_reply() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("total", "bucket"),
+    [
+        (0, 64 << 20),
+        (100 << 20, 64 << 20),  # small models: the floor
+        (990_000_000, 128 << 20),  # 1 GB: an eighth is 124 MB, nearest power of two 128 MiB
+        (1_640_000_000, 256 << 20),  # the driver's 0.82B bf16 model
+        (4_010_000_000, 512 << 20),  # 4 GB: 501 MB -> 512 MiB
+        (16_060_000_000, 1 << 30),  # 16 GB: 2 GB, capped at 1 GiB
+    ],
+)
+def test_auto_bucket_bytes_follows_the_total(total: int, bucket: int) -> None:
+    from ppo_weight_sync.ipc import auto_bucket_bytes
+
+    assert auto_bucket_bytes(total) == bucket
+    if total >= 512 << 20:
+        # The two buffers stay well below a copy of the model (at most about a third of it).
+        assert 2 * auto_bucket_bytes(total) <= 0.36 * total
+
+
+def _bump(path: str, field: str, up_to: int) -> None:
+    """Another process: raise ``field`` of the signals at ``path`` one step at a time."""
+    from ppo_weight_sync.ipc import BucketSignals
+
+    signals = BucketSignals.attach(path)
+    for value in range(1, up_to + 1):
+        signals.set(field, value)
+    signals.close()
+
+
+def test_bucket_signals_cross_processes_and_every_wait_is_bounded() -> None:
+    import multiprocessing
+    import os
+
+    from ppo_weight_sync.ipc import BucketSignals
+
+    signals = BucketSignals.create()
+    try:
+        signals.set("packed", 3)
+        signals.start()
+        assert [signals.get(f) for f in ("packed", "loaded", "abort")] == [0, 0, 0]
+        child = multiprocessing.get_context("spawn").Process(target=_bump, args=(signals.path, "loaded", 5))
+        child.start()
+        signals.wait_at_least("loaded", 5, 60.0, "the child's counter")  # written by the other process
+        child.join(30)
+        assert child.exitcode == 0
+        assert signals.get("loaded") == 5
+        with pytest.raises(TimeoutError, match=r"bucket 7 copied: not done within 0.05 s \(packed 0 < 1\)"):
+            signals.wait_at_least("packed", 1, 0.05, "bucket 7 copied")
+
+        def stop() -> None:
+            raise RuntimeError("the engine answered")
+
+        with pytest.raises(RuntimeError, match="the engine answered"):
+            signals.wait_at_least("packed", 1, 60.0, "bucket 0", stop)
+        with pytest.raises(ValueError, match="is not a sender's signal file"):
+            BucketSignals.attach(signals.path + "-missing")
+    finally:
+        signals.close()
+    assert not os.path.exists(signals.path)  # the sender's file is removed with it
+    signals.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        signals.get("packed")
+
+
+def test_one_request_per_update_message_round_trip_and_errors() -> None:
+    from ppo_weight_sync.ipc import decode_ipc_stream, encode_ipc_stream
+
+    layouts = plan_layouts(METAS, bucket_bytes=256)
+    assert len(layouts) > 1
+    entry = encode_ipc_stream("sess", [HANDLE, HANDLE], layouts, "/dev/shm/x")
+    got = decode_ipc_stream(entry)
+    assert (got.session, got.handles, got.layouts, got.signals) == (
+        "sess",
+        (HANDLE, HANDLE),
+        tuple(layouts),
+        "/dev/shm/x",
+    )
+    with pytest.raises(ValueError, match="two buffers' handles, got 1"):
+        encode_ipc_stream("sess", [HANDLE], layouts, "p")
+    with pytest.raises(ValueError, match="handles must list the two buffers"):
+        decode_ipc_stream(json.dumps({"session": "s", "handles": [], "layouts": [], "signals": "p"}))
+    with pytest.raises(ValueError, match="layouts must list at least one bucket"):
+        decode_ipc_stream(entry.replace(json.dumps([lay.to_wire() for lay in layouts]), "[]"))
+    with pytest.raises(ValueError, match="expected an object with session, handles, layouts and signals"):
+        decode_ipc_stream("[]")
+
+
+def test_a_one_request_update_is_refused_whole_before_any_mapping() -> None:
+    from ppo_weight_sync.ipc import PPO_IPC_STREAM, encode_ipc_stream
+
+    layouts = plan_layouts([*METAS, ("stranger", torch.float32, (4,))], bucket_bytes=256)
+    loaded: list[str] = []
+    gpu = IpcTensorReceiver(lambda named: loaded.extend(n for n, _ in named), _held, torch.device("cuda", 0))
+    entry = encode_ipc_stream("s", [HANDLE, HANDLE], layouts, "/nonexistent")
+    reply = gpu.update_weights_from_tensor([entry], load_format=PPO_IPC_STREAM)
+    assert reply == EngineReply.refused(
+        f"Rejected update, nothing loaded: bucket {len(layouts) - 1}: "
+        "tensor 'stranger' is not a weight of this engine"
+    )
+    assert loaded == []
+    assert gpu.mappings.count() == 0
+
+
+class _StreamEndpoint(_Endpoint):
+    def __init__(self, name: str, formats: tuple[str, ...]) -> None:
+        super().__init__(name, 1)
+        self.load_formats = formats
+
+    def destroy_weights_update_group(self, *, group_name: str) -> object:
+        from ppo_weight_sync.endpoints import Done
+
+        return Done(EngineReply.ok(f"released {group_name}"))
+
+
+def test_the_transport_streams_only_when_every_engine_takes_it() -> None:
+    import os
+
+    from ppo_weight_sync.ipc import PPO_IPC_STREAM
+
+    both = (PPO_IPC_FORMAT, PPO_IPC_STREAM)
+    transport = IpcTransport(device=torch.device("cuda", 0), bucket_bytes=1 << 20, timeout_s=10)
+    transport.connect([_StreamEndpoint("a", both), _StreamEndpoint("b", both)], "s")  # type: ignore[list-item]
+    assert transport.load_format == PPO_IPC_STREAM
+    paths = [s.path for s in transport._signals.values()]
+    assert len(paths) == 2  # one signal file per engine
+    assert all(os.path.exists(p) for p in paths)
+    assert transport.release(5.0) == []
+    assert not any(os.path.exists(p) for p in paths)  # removed at close
+    mixed = IpcTransport(device=torch.device("cuda", 0), bucket_bytes=1 << 20, timeout_s=10)
+    mixed.connect([_StreamEndpoint("a", both), _StreamEndpoint("b", (PPO_IPC_FORMAT,))], "s")  # type: ignore[list-item]
+    assert mixed.load_format == PPO_IPC_FORMAT  # one engine without it: a request per bucket for both
+    assert mixed._signals == {}
+    off = IpcTransport(device=torch.device("cuda", 0), bucket_bytes=1 << 20, timeout_s=10, stream=False)
+    off.connect([_StreamEndpoint("a", both)], "s")  # type: ignore[list-item]
+    assert off.load_format == PPO_IPC_FORMAT

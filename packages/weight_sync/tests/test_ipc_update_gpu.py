@@ -40,9 +40,10 @@ def near() -> Iterator[tuple[subprocess.Popen[str], HttpEngineEndpoint]]:
     proc.wait()
 
 
-def _near(bucket_bytes: int) -> ColocatedIpc:
-    """The engine named "near" is on this process's GPU: CUDA IPC; any other joins the group."""
-    return ColocatedIpc(["near"], bucket_bytes=bucket_bytes)
+def _near(bucket_bytes: int, stream: bool = True) -> ColocatedIpc:
+    """The engine named "near" is on this process's GPU: CUDA IPC; any other joins the group.
+    ``stream``: one request per update (ppo_ipc_stream), else one per bucket (ppo_ipc_bucket)."""
+    return ColocatedIpc(["near"], bucket_bytes=bucket_bytes, stream=stream)
 
 
 def _used_mib() -> float:
@@ -51,17 +52,21 @@ def _used_mib() -> float:
     return (total - free) / MiB
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["one-request", "request-per-bucket"])
 def test_update_over_ipc_alone_is_bit_identical_and_frees_its_buffers(
-    near: tuple[subprocess.Popen[str], HttpEngineEndpoint],
+    near: tuple[subprocess.Popen[str], HttpEngineEndpoint], stream: bool
 ) -> None:
     _, ep = near
-    sender = WeightSender(backend="nccl", bucket_bytes=256 << 10, timeout_s=30, transports=[_near(256 << 10)])
+    sender = WeightSender(
+        backend="nccl", bucket_bytes=256 << 10, timeout_s=30, transports=[_near(256 << 10, stream)]
+    )
     before = torch.cuda.memory_allocated(0)
     used_before = _used_mib()
     sender.connect([ep])
     for step in range(3):
         sent = {n: t.cuda() for n, t in make_weights(SPEC, seed=100 + step).items()}
         sender.update(sent.items(), f"v{step}")
+        assert sender.engines[0].name == "near"
         state = ep.request("GET", "/state")
         assert state["checksum"] == checksum(sent.items())
         assert state["weight_version"] == f"v{step}"
@@ -115,11 +120,14 @@ def test_one_update_serves_a_colocated_and_a_remote_engine(
         proc_far.wait()
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["one-request", "request-per-bucket"])
 def test_a_colocated_engine_killed_mid_update_is_named_within_the_timeout(
-    near: tuple[subprocess.Popen[str], HttpEngineEndpoint],
+    near: tuple[subprocess.Popen[str], HttpEngineEndpoint], stream: bool
 ) -> None:
     proc, ep = near
-    sender = WeightSender(backend="nccl", bucket_bytes=64 << 10, timeout_s=20, transports=[_near(64 << 10)])
+    sender = WeightSender(
+        backend="nccl", bucket_bytes=64 << 10, timeout_s=20, transports=[_near(64 << 10, stream)]
+    )
     sender.connect([ep])
     ep.request("POST", "/set_load_delay", {"seconds": 0.2})
     killer = threading.Timer(1.0, proc.kill)

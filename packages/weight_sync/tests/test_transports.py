@@ -11,6 +11,7 @@ import torch
 from ppo_weight_sync import (
     RECEIVER_LOAD_FORMATS,
     EngineReply,
+    EngineUnavailableError,
     HttpEngineEndpoint,
     Pending,
     Sent,
@@ -80,6 +81,8 @@ class CopyTransport:
         self.sends = 0
         self.closed = 0
         self.seen_paused: list[bool] = []
+        self.prepared: Sequence[tuple[str, torch.Tensor]] | None = None
+        self.sent_prepared: list[bool] = []  # send got the very items prepare was given
 
     @property
     def engines(self) -> tuple[EngineEndpoint, ...]:
@@ -89,7 +92,11 @@ class CopyTransport:
     def load_format(self) -> str | None:
         return "copy"
 
+    def prepare(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.prepared = items
+
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
+        self.sent_prepared.append(items is self.prepared)
         for endpoint in self._engines:
             self.seen_paused.append(endpoint.engine.paused)
             for name, tensor in items:
@@ -137,12 +144,43 @@ def test_one_update_serves_a_claimed_engine_and_a_group_engine() -> None:
             assert held["flushes"] >= 1
         (transport,) = factory.opened
         assert transport.seen_paused == [True]  # sent inside the pause
+        assert transport.sent_prepared == [True]  # prepared (before the pause) with what it sent
         metrics = sender.pop_metrics()
         assert metrics["weight_sync/bytes"] == sum(t.numel() * t.element_size() for t in sent.values())
         sender.disconnect()
         assert transport.closed == 1
         assert not sender.is_connected
         assert sender.last_disconnect_errors == []
+    finally:
+        sender.disconnect()
+        proc.kill()
+        proc.wait(30)
+
+
+def test_a_failed_update_keeps_no_tensor_alive_for_the_cyclic_collector() -> None:
+    """The update's tensors (on a trainer, a whole gathered model) are freed as soon as the caller drops
+    them after a failure, not when Python's cyclic collector next runs: no exception-frame cycle."""
+    import gc
+    import weakref
+
+    proc, url = start_process(SPEC, seed=2, timeout_s=90)
+    sender = WeightSender(timeout_s=30, bucket_bytes=256)
+    try:
+        http = HttpEngineEndpoint(url, name="doomed", load_formats=RECEIVER_LOAD_FORMATS)
+        sender.connect([http])
+        proc.kill()
+        proc.wait(30)
+        sent = make_weights(SPEC, seed=9)
+        watch = weakref.ref(next(iter(sent.values())))
+        gc.disable()
+        try:
+            with pytest.raises(EngineUnavailableError, match="doomed"):
+                sender.update(sent.items(), "never")
+            del sent
+            assert watch() is None, "a failed update left its tensors to the cyclic collector"
+        finally:
+            gc.enable()
+        assert not sender.is_connected
     finally:
         sender.disconnect()
         proc.kill()

@@ -19,6 +19,7 @@ from ppo_lifecycle import OffloadPlan
 from ppo_placement import PlacementSpec, plan_layout
 from ppo_rollout import RolloutConfig, RolloutSettings
 from ppo_trainer import TrainerConfig, TrainSettings
+from ppo_weight_sync import SenderPlan, plan_senders
 
 
 def placement_spec(config: RunConfig) -> PlacementSpec:
@@ -79,9 +80,9 @@ def offload_plan(config: RunConfig) -> OffloadPlan:
 def weight_sync_backend(config: RunConfig) -> Literal["nccl", "gloo"]:
     """NCCL between the actor's GPU and engines on other GPUs; gloo on CPU.
 
-    Engines on actor rank 0's own GPU get CUDA IPC (:func:`weight_sync_colocated`), not the group: NCCL
-    refuses two ranks of one communicator on one device ("Duplicate GPU detected"). The one case left on
-    gloo (through host memory) is a colocated engine of several GPUs, which IPC does not serve.
+    Engines on an actor rank's own GPU get CUDA IPC from that rank (:func:`weight_sync_plan`), not the
+    group: NCCL refuses two ranks of one communicator on one device ("Duplicate GPU detected"). The one
+    case left on gloo (through host memory) is a colocated engine of several GPUs, which IPC does not serve.
     """
     p = config.placement
     if p.device != "cuda" or (p.colocate and p.gpus_per_engine > 1):
@@ -89,21 +90,29 @@ def weight_sync_backend(config: RunConfig) -> Literal["nccl", "gloo"]:
     return "nccl"
 
 
-def weight_sync_colocated(config: RunConfig) -> tuple[int, ...]:
-    """The engines (by index) whose GPUs include actor rank 0's GPU: they load over CUDA IPC.
+def weight_sync_plan(config: RunConfig) -> SenderPlan:
+    """Which actor rank sends to which engine (:func:`ppo_weight_sync.plan_senders`), from the placement.
 
-    From the placement: engine ``i`` holds rollout bundles ``[offset + i*g, offset + (i+1)*g)``, rank 0
-    the actor's first bundle. Engines of several GPUs stay on the group path (IPC serves TP 1 only).
+    Actor rank ``r`` sits on bundle ``actor.offset + r``; engine ``i`` on bundles
+    ``[rollout.offset + i*g, rollout.offset + (i+1)*g)``. A bundle is one GPU, shared by every role placed
+    on it, so equal bundles mean the same GPU. An engine of one GPU on actor rank r's bundle gets CUDA IPC
+    from rank r (colocated: engine r on rank r's GPU); every other engine gets the group from rank 0.
     """
     p = config.placement
-    if p.device != "cuda" or p.gpus_per_engine > 1:
-        return ()
     layout = plan_layout(placement_spec(config))
     actor, rollout = layout.roles.get("actor"), layout.roles.get("rollout")
-    if actor is None or rollout is None:
-        return ()
-    first = actor.offset
-    return tuple(i for i in range(layout.engine_count) if rollout.offset + i == first)
+    ranks = list(actor.positions) if actor is not None else [0]
+    if rollout is None:
+        return SenderPlan.from_ipc((), layout.engine_count, len(ranks))
+    g = max(p.gpus_per_engine, 1) if p.device == "cuda" else 1
+    engines = [[rollout.offset + i * g + j for j in range(g)] for i in range(layout.engine_count)]
+    return plan_senders(ranks, engines, ipc=p.device == "cuda")
+
+
+def weight_sync_colocated(config: RunConfig) -> tuple[tuple[int, ...], ...]:
+    """Per actor rank, the engines (by index) on its own GPU: that rank sends to them over CUDA IPC
+    (:func:`weight_sync_plan`); rank 0 sends to the rest over the group."""
+    return weight_sync_plan(config).ipc_by_rank
 
 
 def _rollout_dtype(config: RunConfig) -> Literal["float32", "bfloat16"]:

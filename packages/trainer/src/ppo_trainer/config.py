@@ -165,9 +165,10 @@ class TrainerConfig(TrainSettings):
     device: Device = "cpu"
     memory_backend: MemoryBackendName = "auto"
     weight_sync_backend: WeightSyncBackend = "gloo"
-    weight_sync_colocated: tuple[Annotated[int, Field(ge=0)], ...] = Field(
+    weight_sync_colocated: tuple[tuple[Annotated[int, Field(ge=0)], ...], ...] = Field(
         default=(),
-        description="engines (by index in connect_engines' list) on actor rank 0's GPU: CUDA IPC",
+        description="per actor rank, the engines (by index in connect_engines' list) on that rank's GPU: "
+        "it sends to them over CUDA IPC; rank 0 sends to every other engine over the group",
     )
     bucket_bytes: int = Field(default=512 << 20, ge=1)
     weight_sync_group: str = Field(default="ppo_weights", min_length=1)
@@ -182,9 +183,12 @@ class TrainerConfig(TrainSettings):
                 f"memory_backend={self.memory_backend!r} needs device='cuda'; use 'host' or 'auto' on CPU"
             )
         colocated = self.weight_sync_colocated
-        if len(set(colocated)) != len(colocated):
-            raise ValueError(f"weight_sync_colocated={colocated!r} names an engine twice")
-        if colocated and self.device != "cuda":
+        named = [i for engines in colocated for i in engines]
+        if len(set(named)) != len(named):
+            raise ValueError(
+                f"weight_sync_colocated={colocated!r} names an engine twice (one sending rank each)"
+            )
+        if named and self.device != "cuda":
             raise ValueError("weight_sync_colocated needs device='cuda' (CUDA IPC); leave it empty on CPU")
         if self.device == "cpu" and self.weight_sync_backend == "nccl":
             raise ValueError("weight_sync_backend='nccl' needs device='cuda'; use 'gloo' on CPU")

@@ -194,7 +194,8 @@ class TrainGroup:
         self._all("connect_engines", list(engines))
 
     def update_weights(self, version: str) -> dict[str, float]:
-        return dict(self._all("update_weights", version)[0])
+        """Every rank sends to its own engines (rank 0 also to the group's); the ranks' metrics merged."""
+        return merge_sync_metrics(self._all("update_weights", version))
 
     def save(self, folder: Path) -> None:
         """Write ``folder`` (created; replaced if present) through a staging folder renamed into place."""
@@ -230,3 +231,19 @@ class TrainGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+def merge_sync_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One update's metrics over the sending ranks: bytes and buckets add up (each rank moved its own),
+    times and flags take the slowest rank (the ranks send at the same time), the rate is recomputed."""
+    out: dict[str, float] = {}
+    for metrics in per_rank:
+        for key, value in metrics.items():
+            if key.endswith(("bytes", "buckets")):
+                out[key] = out.get(key, 0.0) + value
+            else:
+                out[key] = max(out.get(key, value), value)
+    seconds = out.get("weight_sync/seconds", 0.0)
+    if "weight_sync/gb_per_s" in out:
+        out["weight_sync/gb_per_s"] = out["weight_sync/bytes"] / seconds / 1e9 if seconds > 0 else 0.0
+    return out

@@ -5,9 +5,11 @@ and never sleeps or wakes on its own: the driver tells it. The two exceptions fo
 the weight update: ``update_weights`` and ``weights_checksum`` called while asleep wake the worker,
 do their work, and put it back to sleep, so the caller finds it in the state it left it in.
 
-Rank 0 of the actor owns the ``WeightSender``. A pre-sleep hook disconnects it from the engines (so
-no communicator outlives the process groups and memory it needs); the next update reconnects. While
-resident, the connection is kept across updates.
+Every actor rank that sends owns a ``WeightSender`` (``ppo_weight_sync.SenderPlan``, from
+``TrainerConfig.weight_sync_colocated``): rank r sends to the engines on its own GPU over CUDA IPC, and
+rank 0 also sends to every other engine over the weight group. A pre-sleep hook disconnects it from the
+engines (so no communicator or shared buffer outlives the process groups and memory it needs); the next
+update reconnects. While resident, the connection is kept across updates.
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.models import count_parameters
 from ppo_value_transport import Box, Pieces, pack, pack_fields, require_values, unpack_fields, unpack_pieces
-from ppo_weight_sync import ColocatedIpc, EngineEndpoint, WeightSender, checksum, free_port, node_address
+from ppo_weight_sync import (
+    ColocatedIpc,
+    EngineEndpoint,
+    RankSends,
+    SenderPlan,
+    WeightSender,
+    checksum,
+    free_port,
+    node_address,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +96,7 @@ class TrainWorker:
         self._dp: GroupHandle | None = None
         self._sender: WeightSender | None = None
         self._engines: list[EngineEndpoint] = []
+        self._targets: list[EngineEndpoint] = []  # the engines this rank sends to
         self._last_step: int | None = None
 
     # ------------------------------------------------------------------ setup
@@ -287,16 +299,18 @@ class TrainWorker:
         }
 
     # ------------------------------------------------------------------ weights to the engines
-    def _sync_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights as sent, on rank 0. Sharded, every rank must call it: each tensor is gathered
-        by a collective; the other ranks drop what they gathered and return an empty list."""
+    def _sync_weights(self, keep: bool) -> list[tuple[str, torch.Tensor]]:
+        """The weights as sent, on a rank that sends (``keep``). Sharded, every rank must call it: each
+        tensor is gathered by a collective; a rank that does not keep them drops what it gathered."""
         dtype = _SYNC_DTYPES[self.config.weight_sync_dtype]
         if self.trainer.sharded:
             gathered = self.trainer.named_weights(dtype)  # fresh tensors, not the parameters' storage
-            if self.rank == 0:
+            if keep:
                 return list(gathered)
             for _ in gathered:
                 pass
+            return []
+        if not keep:
             return []
         # On CPU, hand out copies: turning a tensor into numpy (checksum, gloo transfers) pins its storage
         # for good, and the memory backend could then no longer release the parameter behind it.
@@ -307,41 +321,51 @@ class TrainWorker:
         if self._sender is not None and self._sender.is_connected:
             self._sender.disconnect()
 
+    def sends(self) -> RankSends:
+        """What this rank sends (after ``connect_engines``): its CUDA IPC engines and, on rank 0, the
+        group's, by index in the engine list."""
+        return self._plan().for_rank(self.rank)
+
+    def _plan(self) -> SenderPlan:
+        return SenderPlan.from_ipc(self.config.weight_sync_colocated, len(self._engines), self.world_size)
+
     def connect_engines(self, engines: list[EngineEndpoint]) -> None:
-        """Remember the engines; rank 0 connects now if resident (else at the next update)."""
+        """Remember the engines; a rank that sends connects to its own now if resident (else at the next
+        update): the engines on its GPU over CUDA IPC, and on rank 0 every other engine over the group."""
         if self.role != "actor":
             raise RuntimeError("connect_engines() is the actor's: the critic sends no weights")
         if not engines:
             raise ValueError("connect_engines: engines is empty; pass the rollout engines' endpoints")
         self._engines = list(engines)
-        if self.rank != 0:
+        try:
+            plan = self._plan()
+        except ValueError as exc:
+            raise ValueError(f"weight_sync_colocated={self.config.weight_sync_colocated}: {exc}") from None
+        mine = plan.for_rank(self.rank)
+        if self.rank == 0:
+            names = ", ".join(f"{i}={e.name}" for i, e in enumerate(self._engines))
+            log.info(
+                "weight updates (engines %s): %s",
+                names,
+                "; ".join(plan.describe(self.config.weight_sync_backend)) or "none",
+            )
+        self._targets = [self._engines[i] for i in (*mine.ipc, *mine.group)]
+        if not self._targets:
             return
         if self._sender is None:
-            colocated = self._colocated()
+            colocated = [self._engines[i].name for i in mine.ipc]
             self._sender = WeightSender(
                 backend=self.config.weight_sync_backend,
                 bucket_bytes=self.config.bucket_bytes,
                 group_name=self.config.weight_sync_group,
                 master_address=node_address(),
                 timeout_s=self.timeout_s,
-                # Engines on this rank's GPU load over CUDA IPC; the others join the group.
-                transports=[ColocatedIpc(colocated, bucket_bytes=self.config.bucket_bytes)]
-                if colocated
-                else [],
+                # Engines on this rank's GPU load over CUDA IPC (buckets sized from the model:
+                # ColocatedIpc's auto_bucket_bytes); the others (rank 0's) join the group.
+                transports=[ColocatedIpc(colocated)] if colocated else [],
             )
         if not self.lifecycle.is_asleep:
-            self._sender.connect(self._engines)
-
-    def _colocated(self) -> list[str]:
-        """Names of the engines on this rank's GPU (the driver's placement says which): CUDA IPC."""
-        indices = self.config.weight_sync_colocated
-        wrong = [i for i in indices if i >= len(self._engines)]
-        if wrong:
-            raise ValueError(
-                f"weight_sync_colocated={indices}: engine(s) {wrong} do not exist "
-                f"({len(self._engines)} engines)"
-            )
-        return [self._engines[i].name for i in indices]
+            self._sender.connect(self._targets)
 
     def update_weights(self, version: str) -> dict[str, float]:
         """Send the weights to the engines. Asleep: wake, reconnect, send, sleep. Resident: keep the link.
@@ -357,17 +381,17 @@ class TrainWorker:
             self.wake_up()
         weights: list[tuple[str, torch.Tensor]] = []
         try:
-            # Sharded, every rank gathers before rank 0 talks to the engines: were rank 0 to fail to
+            # Sharded, every rank gathers before any rank talks to the engines: were a rank to fail to
             # connect while its peers waited in a gather, they would hang until the collective timeout.
-            if self.trainer.sharded or self.rank == 0:
-                weights = self._sync_weights()
-            if self.rank != 0:
+            # After the gather no collective is left: each sending rank updates its own engines.
+            sender = self._sender
+            weights = self._sync_weights(keep=sender is not None)
+            if sender is None:
                 return {}
-            assert self._sender is not None  # made by connect_engines on rank 0
-            if not self._sender.is_connected:
-                self._sender.connect(self._engines)
-            self._sender.update(weights, version)
-            return self._sender.pop_metrics() | {"reconnected": float(was_asleep)}
+            if not sender.is_connected:
+                sender.connect(self._targets)
+            sender.update(weights, version)
+            return sender.pop_metrics() | {"reconnected": float(was_asleep)}
         finally:
             weights = []  # the gathered copy must not outlive the cache release of the sleep below
             if was_asleep:
@@ -385,8 +409,7 @@ class TrainWorker:
             self.wake_up()
         weights: list[tuple[str, torch.Tensor]] = []
         try:
-            if self.rank == 0 or self.trainer.sharded:
-                weights = self._sync_weights()
+            weights = self._sync_weights(keep=self.rank == 0)
             return checksum(weights) if self.rank == 0 else ""
         finally:
             weights = []  # the gathered copy must not outlive the cache release of the sleep below

@@ -22,6 +22,7 @@ from ppo_weight_sync.ipc.transport import ColocatedIpc
 from ppo_weight_sync.lock import PROCESS_LOCK, RayUpdateLock, ThreadUpdateLock, UpdateLock
 from ppo_weight_sync.net import free_port, node_address
 from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps, WeightOps
+from ppo_weight_sync.plan import RankSends, SenderPlan, plan_senders
 from ppo_weight_sync.receiver import WeightReceiver
 from ppo_weight_sync.sender import WeightSender
 from ppo_weight_sync.transports import Sent, Transport, TransportFactory
@@ -42,8 +43,10 @@ __all__ = [
     "EngineUnavailableError",
     "HttpEngineEndpoint",
     "Pending",
+    "RankSends",
     "RayEngineEndpoint",
     "RayUpdateLock",
+    "SenderPlan",
     "Sent",
     "TensorOps",
     "ThreadUpdateLock",
@@ -59,5 +62,6 @@ __all__ = [
     "free_port",
     "node_address",
     "plan_buckets",
+    "plan_senders",
     "reply_from_http",
 ]

@@ -10,6 +10,7 @@ None for ``get_weight_version``) or raises :class:`~ppo_weight_sync.errors.Engin
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import http.client
 import threading
 import time
@@ -34,8 +35,14 @@ __all__ = [
 ]
 
 # load formats an engine may accept besides per-tensor broadcast (load_format None, every SGLang); the last
-# is the colocated (CUDA IPC) format of update_weights_from_tensor (ppo_weight_sync.ipc).
-RECEIVER_LOAD_FORMATS: tuple[str, ...] = (STREAM_FORMAT_PREFIX, FLATTENED_BUCKET, "ppo_ipc_bucket")
+# two are the colocated (CUDA IPC) formats of update_weights_from_tensor (ppo_weight_sync.ipc): one
+# request per bucket, one request per update.
+RECEIVER_LOAD_FORMATS: tuple[str, ...] = (
+    STREAM_FORMAT_PREFIX,
+    FLATTENED_BUCKET,
+    "ppo_ipc_bucket",
+    "ppo_ipc_stream",
+)
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -324,9 +331,22 @@ class _FuturePending(Generic[T]):
 
     def result(self, timeout_s: float) -> T:
         try:
-            return self._future.result(timeout=timeout_s)
+            error = self._future.exception(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             raise EngineTimeoutError(self._engine, self._op, timeout_s) from None
+        if error is not None:
+            # Raise a copy, never the future's own exception: raised here, that one would collect this
+            # thread's frames (and every local they hold, such as an update's tensors) in a traceback
+            # kept alive by the future, which those frames reference: a cycle only the collector frees.
+            raise _fresh(error) from error
+        return self._future.result(timeout=0)
+
+
+def _fresh(error: BaseException) -> BaseException:
+    try:
+        return copy.copy(error)
+    except Exception:  # an exception that does not copy: raise it as it is
+        return error
 
 
 class HttpEngineEndpoint:

@@ -10,6 +10,7 @@ A sender is not thread-safe; updates of several senders that share engines are s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -210,8 +211,21 @@ class WeightSender:
         in_session: list[EngineEndpoint] = []
         try:
             t0 = time.perf_counter()
-            self._all(engines, "pause_generation", lambda e: e.pause_generation())
+            pausing = self._issue(engines, lambda e: e.pause_generation())
             paused = True
+            # While the engines pause and flush, the first bucket is packed (queued on the GPU): work
+            # that involves no engine, so it needs no pause; the transports send it once they are told.
+            try:
+                with on_device(self.device):
+                    for transport in self._conn.transports:
+                        transport.prepare(items)
+            except BaseException:
+                # Every pause answered before the continue that follows the failure is sent: a late
+                # pause must not land after it (HTTP calls run on several threads).
+                with contextlib.suppress(Exception):
+                    self._replies(pausing, "pause_generation")
+                raise
+            self._replies(pausing, "pause_generation")
             self._all(engines, "flush_cache", lambda e: e.flush_cache())
             in_session = engines
             self._all(engines, "begin_weight_update", lambda e: e.begin_weight_update())
@@ -245,10 +259,16 @@ class WeightSender:
             self._conn.reset()
             raise
         finally:
-            if in_session:
-                self._end_after_failure(in_session)
-            if paused:
-                self._continue(engines, failure)
+            try:
+                if in_session:
+                    self._end_after_failure(in_session)
+                if paused:
+                    self._continue(engines, failure)
+            finally:
+                # The exception's traceback holds this frame, whose local would hold the exception: a
+                # cycle that keeps every tensor of the update (a whole gathered model on the GPU) until
+                # the cyclic collector runs. Break it.
+                failure = None
 
     def _end_after_failure(self, engines: list[EngineEndpoint]) -> None:
         """Close the weight-update sessions a failed update left open (an open session refuses the next
@@ -259,7 +279,8 @@ class WeightSender:
                     engine.name, "end_weight_update", engine.end_weight_update().result(self.timeout_s)
                 )
             except WeightSyncError as exc:
-                log.warning("end_weight_update after a failed update: %s", exc)
+                # The text, not the exception: a kept log record must not keep the update's frames.
+                log.warning("end_weight_update after a failed update: %s", str(exc))
 
     def _continue(self, engines: list[EngineEndpoint], failure: BaseException | None) -> None:
         t0 = time.perf_counter()
@@ -271,8 +292,18 @@ class WeightSender:
                 if isinstance(exc, EngineUnavailableError):
                     self._conn.reset()
                 raise
-            log.warning("continue_generation after a failed update: %s", exc)
+            log.warning("continue_generation after a failed update: %s", str(exc))
 
     def _all(self, engines: Sequence[EngineEndpoint], op: str, call: Any) -> list[EngineReply]:
-        pending: list[tuple[EngineEndpoint, Pending[EngineReply]]] = [(e, call(e)) for e in engines]
+        return self._replies(self._issue(engines, call), op)
+
+    @staticmethod
+    def _issue(
+        engines: Sequence[EngineEndpoint], call: Any
+    ) -> list[tuple[EngineEndpoint, Pending[EngineReply]]]:
+        return [(e, call(e)) for e in engines]
+
+    def _replies(
+        self, pending: list[tuple[EngineEndpoint, Pending[EngineReply]]], op: str
+    ) -> list[EngineReply]:
         return [check_reply(e.name, op, p.result(self.timeout_s)) for e, p in pending]

@@ -1,6 +1,7 @@
 """Sender side of a colocated update: two reusable GPU bucket buffers, packed in turn, shared once.
 
-The pipeline (:func:`send_buckets`): bucket *k* is packed into buffer ``k % 2``; once its copies are
+The pipelines (:func:`send_buckets`, one message per bucket; :func:`send_stream`, one per update with the
+buckets announced through shared counters): bucket *k* is packed into buffer ``k % 2``; once its copies are
 done the engine is told (one message per bucket) and bucket *k+1* is packed into the other buffer while
 the engine copies *k* out. A buffer is packed again only after the engine answered for the bucket it
 held, and the engine answers only once its copies finished, so no byte is overwritten while read.
@@ -12,6 +13,7 @@ copy) and are freed by :meth:`BucketPacker.free`, which the trainer calls before
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,10 +22,36 @@ import torch
 
 from ppo_weight_sync.ipc.handles import IpcHandle, export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout, plan_layouts
+from ppo_weight_sync.ipc.signals import BucketSignals
 
-__all__ = ["BucketPacker", "PipelineStats", "send_buckets"]
+__all__ = [
+    "BucketPacker",
+    "PipelineStats",
+    "auto_bucket_bytes",
+    "pack_first",
+    "send_buckets",
+    "split_tensors",
+]
 
 _POLL_S = 0.00002
+
+MIN_AUTO_BUCKET = 64 << 20
+MAX_AUTO_BUCKET = 1 << 30
+
+
+def auto_bucket_bytes(total_bytes: int) -> int:
+    """The colocated bucket size for an update of ``total_bytes``: an eighth of it, rounded to the nearest
+    power of two, within [64 MiB, 1 GiB].
+
+    Each bucket costs one message round trip (about 0.5 ms over HTTP), more than copying 512 MiB on an
+    H200, so fewer buckets are faster; the two buffers cost memory, so they stay near a quarter of the
+    model (at most about a third, after rounding): 1 GB -> 128 MiB, 4 GB -> 512 MiB, 16 GB -> 1 GiB.
+    """
+    if total_bytes <= 0:
+        return MIN_AUTO_BUCKET
+    eighth = max(total_bytes / 8, 1.0)
+    nearest = 1 << round(math.log2(eighth))
+    return int(min(max(nearest, MIN_AUTO_BUCKET), MAX_AUTO_BUCKET))
 
 
 class BucketPacker:
@@ -49,8 +77,12 @@ class BucketPacker:
     def allocated_bytes(self) -> int:
         return sum(b.numel() for b in self._buffers)
 
-    def plan(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[BucketLayout]:
-        return plan_layouts([(n, t.dtype, tuple(t.shape)) for n, t in items], self.bucket_bytes)
+    def plan(
+        self, items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int | None = None
+    ) -> list[BucketLayout]:
+        """``items`` in buckets of at most ``bucket_bytes`` (default: this packer's)."""
+        metas = [(n, t.dtype, tuple(t.shape)) for n, t in items]
+        return plan_layouts(metas, bucket_bytes or self.bucket_bytes)
 
     def reserve(self, layouts: Sequence[BucketLayout]) -> bool:
         """Make sure both buffers hold the biggest bucket; True when they were (re)allocated."""
@@ -145,18 +177,10 @@ class PipelineStats:
 PostBucket = Callable[[int, BucketLayout, bool], Sequence[Callable[[float], None]]]
 
 
-def send_buckets(
-    packer: BucketPacker,
-    items: Sequence[tuple[str, torch.Tensor]],
-    layouts: Sequence[BucketLayout],
-    post: PostBucket,
-    timeout_s: float,
-) -> PipelineStats:
-    """Pack and post every bucket, double-buffered. ``post(slot, layout, last)`` sends one bucket's
-    message to each engine on this GPU and returns one waiter per engine; a waiter blocks at most the
-    time given and raises when the engine failed or did not answer."""
-    start = time.perf_counter()
-    packer.reserve(layouts)
+def split_tensors(
+    items: Sequence[tuple[str, torch.Tensor]], layouts: Sequence[BucketLayout]
+) -> list[list[torch.Tensor]]:
+    """``items``' tensors, bucket by bucket as ``layouts`` hold them."""
     tensors = [t for _, t in items]
     index = 0
     per_bucket: list[list[torch.Tensor]] = []
@@ -165,10 +189,39 @@ def send_buckets(
         index += len(layout.names)
     if index != len(tensors):
         raise ValueError(f"layouts cover {index} tensors, items hold {len(tensors)}")
+    return per_bucket
+
+
+def pack_first(
+    packer: BucketPacker, items: Sequence[tuple[str, torch.Tensor]], layouts: Sequence[BucketLayout]
+) -> None:
+    """Reserve the buffers and queue bucket 0's copies (asynchronous on the GPU), ahead of
+    :func:`send_buckets` with ``first_packed=True``: the sender does it while the engines pause."""
+    packer.reserve(layouts)
+    if layouts:
+        packer.pack(0, layouts[0], split_tensors(items, layouts)[0])
+
+
+def send_buckets(
+    packer: BucketPacker,
+    items: Sequence[tuple[str, torch.Tensor]],
+    layouts: Sequence[BucketLayout],
+    post: PostBucket,
+    timeout_s: float,
+    *,
+    first_packed: bool = False,
+) -> PipelineStats:
+    """Pack and post every bucket, double-buffered. ``post(slot, layout, last)`` sends one bucket's
+    message to each engine on this GPU and returns one waiter per engine; a waiter blocks at most the
+    time given and raises when the engine failed or did not answer. ``first_packed``: bucket 0 is
+    already queued into buffer 0 (:func:`pack_first`)."""
+    start = time.perf_counter()
+    packer.reserve(layouts)
+    per_bucket = split_tensors(items, layouts)
     waiting: list[Sequence[Callable[[float], None]] | None] = [None, None]
     wait_pack = wait_reply = 0.0
     try:
-        if layouts:
+        if layouts and not first_packed:
             packer.pack(0, layouts[0], per_bucket[0])
         for k, layout in enumerate(layouts):
             slot = k % 2
@@ -201,6 +254,69 @@ def send_buckets(
     return PipelineStats(
         nbytes=sum(sum(layout.sizes()) for layout in layouts),
         buckets=len(layouts),
+        seconds=time.perf_counter() - start,
+        wait_pack_s=wait_pack,
+        wait_reply_s=wait_reply,
+    )
+
+
+def send_stream(
+    packer: BucketPacker,
+    items: Sequence[tuple[str, torch.Tensor]],
+    layouts: Sequence[BucketLayout],
+    signals: Sequence[BucketSignals],
+    post: Callable[[], Sequence[Callable[[float], None]]],
+    check: Callable[[], None],
+    timeout_s: float,
+    *,
+    first_packed: bool = False,
+) -> PipelineStats:
+    """One request per update (``ppo_ipc_stream``): ``post()`` sends it and returns a waiter per engine;
+    then bucket *k* is packed into buffer ``k % 2``, announced through every engine's ``signals``
+    (``packed``), and buffer ``k % 2`` is packed again only once each engine's ``loaded`` says it copied
+    bucket *k-2* out.
+    ``check()`` raises when an engine's request already answered (a failure, or a refusal that stops
+    the update); it runs between polls. On any failure the engine is told to stop (``abort``) and its
+    answer awaited (bounded) before this returns, so the buffers are no longer read."""
+    start = time.perf_counter()
+    packer.reserve(layouts)
+    per_bucket = split_tensors(items, layouts)
+    n = len(layouts)
+    wait_pack = wait_reply = 0.0
+    for signal in signals:
+        signal.start()
+    waiters = list(post())
+    try:
+        if n and not first_packed:
+            packer.pack(0, layouts[0], per_bucket[0])
+        for k in range(n):
+            slot = k % 2
+            t0 = time.perf_counter()
+            packer.wait_packed(slot, check)
+            wait_pack += time.perf_counter() - t0
+            for signal in signals:
+                signal.set("packed", k + 1)
+            if k + 1 < n:
+                t0 = time.perf_counter()
+                # Buffer 1 - slot held bucket k - 1: it must be copied out before it is packed again.
+                for signal in signals:
+                    signal.wait_at_least("loaded", k, timeout_s, f"copying weight bucket {k - 1} out", check)
+                wait_reply += time.perf_counter() - t0
+                packer.pack(1 - slot, layouts[k + 1], per_bucket[k + 1])
+        t0 = time.perf_counter()
+        for waiter in waiters:
+            waiter(timeout_s)
+        wait_reply += time.perf_counter() - t0
+    except BaseException:
+        for signal in signals:
+            signal.set("abort", 1)
+        for waiter in waiters:
+            with contextlib.suppress(Exception):
+                waiter(timeout_s)
+        raise
+    return PipelineStats(
+        nbytes=sum(sum(layout.sizes()) for layout in layouts),
+        buckets=n,
         seconds=time.perf_counter() - start,
         wait_pack_s=wait_pack,
         wait_reply_s=wait_reply,

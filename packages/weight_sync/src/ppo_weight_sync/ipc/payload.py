@@ -26,6 +26,11 @@ mapping after every call, so each SGLang payload carries a fresh export of the b
 Ours (``load_format`` :data:`PPO_IPC_FORMAT`, for :class:`~ppo_weight_sync.WeightReceiver` engines): the
 same request, each entry a JSON object ``{"session", "handle", "layout"}`` naming a buffer exported once
 per connection; the engine keeps the mapping for the session, so a bucket costs one small message.
+
+Ours, one request per update (``load_format`` :data:`PPO_IPC_STREAM`): one entry
+``{"session", "handles": [two], "layouts": [every bucket], "signals": path}``; bucket *k* is in buffer
+``k % 2``, and the two sides say which buckets are packed and copied out through the shared counters of
+:mod:`.signals` instead of a message and a reply per bucket.
 """
 
 from __future__ import annotations
@@ -47,17 +52,22 @@ from ppo_weight_sync.ipc.layout import BucketLayout
 
 __all__ = [
     "PPO_IPC_FORMAT",
+    "PPO_IPC_STREAM",
     "FlattenedBucket",
     "IpcBucket",
+    "IpcStream",
     "decode_flattened_bucket",
     "decode_ipc_bucket",
+    "decode_ipc_stream",
     "encode_flattened_bucket",
     "encode_ipc_bucket",
+    "encode_ipc_stream",
     "export_flattened_bucket",
     "tensor_request",
 ]
 
 PPO_IPC_FORMAT = "ppo_ipc_bucket"
+PPO_IPC_STREAM = "ppo_ipc_stream"
 
 # rebuild_cuda_tensor's positional arguments (torch/multiprocessing/reductions.py, unchanged since torch
 # 1.x); index 6 is the device, which SGLang's patch (and we) send as the GPU's UUID.
@@ -109,6 +119,51 @@ def decode_ipc_bucket(entry: str) -> IpcBucket:
         session=str(wire["session"]),
         handle=IpcHandle.from_wire(wire["handle"]),
         layout=BucketLayout.from_wire(wire["layout"]),
+    )
+
+
+@dataclass(frozen=True)
+class IpcStream:
+    session: str
+    handles: tuple[IpcHandle, IpcHandle]
+    layouts: tuple[BucketLayout, ...]
+    signals: str
+
+
+def encode_ipc_stream(
+    session: str, handles: Sequence[IpcHandle], layouts: Sequence[BucketLayout], signals: str
+) -> str:
+    if len(handles) != 2:
+        raise ValueError(f"{PPO_IPC_STREAM}: two buffers' handles, got {len(handles)}")
+    return json.dumps(
+        {
+            "session": session,
+            "handles": [h.to_wire() for h in handles],
+            "layouts": [layout.to_wire() for layout in layouts],
+            "signals": signals,
+        }
+    )
+
+
+def decode_ipc_stream(entry: str) -> IpcStream:
+    try:
+        wire = json.loads(entry)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{PPO_IPC_STREAM} entry: not JSON ({exc})") from exc
+    if not isinstance(wire, dict) or not {"session", "handles", "layouts", "signals"} <= wire.keys():
+        raise ValueError(
+            f"{PPO_IPC_STREAM} entry: expected an object with session, handles, layouts and signals"
+        )
+    handles, layouts = wire["handles"], wire["layouts"]
+    if not isinstance(handles, list) or len(handles) != 2:
+        raise ValueError(f"{PPO_IPC_STREAM} entry: handles must list the two buffers")
+    if not isinstance(layouts, list) or not layouts:
+        raise ValueError(f"{PPO_IPC_STREAM} entry: layouts must list at least one bucket")
+    return IpcStream(
+        session=str(wire["session"]),
+        handles=(IpcHandle.from_wire(handles[0]), IpcHandle.from_wire(handles[1])),
+        layouts=tuple(BucketLayout.from_wire(w) for w in layouts),
+        signals=str(wire["signals"]),
     )
 
 

@@ -31,8 +31,23 @@ from ppo_weight_sync.endpoints import EngineEndpoint, Pending
 from ppo_weight_sync.errors import EngineTimeoutError, EngineUnavailableError, WeightSyncError, check_reply
 from ppo_weight_sync.ipc.handles import export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout
-from ppo_weight_sync.ipc.packer import BucketPacker, PipelineStats, send_buckets
-from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, encode_flattened_bucket, encode_ipc_bucket
+from ppo_weight_sync.ipc.packer import (
+    MAX_AUTO_BUCKET,
+    BucketPacker,
+    PipelineStats,
+    auto_bucket_bytes,
+    pack_first,
+    send_buckets,
+    send_stream,
+)
+from ppo_weight_sync.ipc.payload import (
+    PPO_IPC_FORMAT,
+    PPO_IPC_STREAM,
+    encode_flattened_bucket,
+    encode_ipc_bucket,
+    encode_ipc_stream,
+)
+from ppo_weight_sync.ipc.signals import BucketSignals
 from ppo_weight_sync.ops import EngineReply
 from ppo_weight_sync.transports.base import Sent
 
@@ -47,23 +62,29 @@ class ColocatedIpc:
     """Claims the engines named in ``engines`` (on this process's GPU) for CUDA IPC updates.
 
     ``bucket_bytes``: the size of each of the two GPU buffers (a tensor bigger than that gets a buffer of
-    its size); ``device``: this process's GPU (default: the current CUDA device when the transport opens).
+    its size); None (default): :func:`~ppo_weight_sync.ipc.auto_bucket_bytes` of each update's total
+    (an eighth of it, rounded to a power of two, 64 MiB to 1 GiB); ``device``: this process's GPU
+    (default: the current CUDA device when the transport opens); ``stream``: one request per update
+    (``ppo_ipc_stream``, buckets announced through shared counters) to engines that accept it, rather
+    than one request per bucket (``ppo_ipc_bucket``).
     """
 
     def __init__(
         self,
         engines: Collection[str],
         *,
-        bucket_bytes: int = 512 << 20,
+        bucket_bytes: int | None = None,
         device: torch.device | None = None,
+        stream: bool = True,
     ) -> None:
         if isinstance(engines, str):
             raise ValueError(f"engines must be a collection of engine names, got the string {engines!r}")
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+            raise ValueError(f"bucket_bytes must be a positive int or None (auto), got {bucket_bytes!r}")
         self.names = frozenset(engines)
         self.bucket_bytes = bucket_bytes
         self.device = device
+        self.stream = stream
 
     def serves(self, engine: EngineEndpoint) -> bool:
         return engine.name in self.names
@@ -72,7 +93,9 @@ class ColocatedIpc:
         if not torch.cuda.is_available():
             raise ValueError("colocated engines need CUDA (CUDA IPC); on CPU give no ColocatedIpc factory")
         device = self.device or torch.device("cuda", torch.cuda.current_device())
-        transport = IpcTransport(device=device, bucket_bytes=self.bucket_bytes, timeout_s=timeout_s)
+        transport = IpcTransport(
+            device=device, bucket_bytes=self.bucket_bytes, timeout_s=timeout_s, stream=self.stream
+        )
         transport.connect(engines, session=f"ppo_ipc-{uuid.uuid4().hex[:8]}")
         return transport
 
@@ -81,13 +104,26 @@ class IpcTransport:
     """A :class:`~ppo_weight_sync.transports.Transport` for colocated engines; ``session`` names the
     connection on the engines (their mappings); :attr:`last` holds the last send's pipeline figures."""
 
-    def __init__(self, *, device: torch.device, bucket_bytes: int, timeout_s: float) -> None:
-        self.packer = BucketPacker(device, bucket_bytes, timeout_s)
+    def __init__(
+        self, *, device: torch.device, bucket_bytes: int | None, timeout_s: float, stream: bool = True
+    ) -> None:
+        self.stream = stream
+        self._signals: dict[str, BucketSignals] = {}
+        # None: sized per update from its total (auto_bucket_bytes); the packer's own size is then unused.
+        self.bucket_bytes = bucket_bytes
+        self.packer = BucketPacker(device, bucket_bytes or MAX_AUTO_BUCKET, timeout_s)
         self.timeout_s = timeout_s
         self._engines: list[EngineEndpoint] = []
         self._formats: dict[str, str] = {}
         self.session = ""
         self.last: PipelineStats | None = None
+        # Kept between updates of the same tensors (names, dtypes, shapes): the layouts, and each
+        # engine's message per bucket (our format names the same buffer and layout every update).
+        self._plan_key: tuple[object, ...] = ()
+        self._layouts: list[BucketLayout] = []
+        self._entries: dict[tuple[str, int], str] = {}
+        self._entries_key: tuple[object, ...] = ()
+        self._prepared: Sequence[tuple[str, torch.Tensor]] | None = None
 
     @property
     def engines(self) -> tuple[EngineEndpoint, ...]:
@@ -109,14 +145,54 @@ class IpcTransport:
                 "trainer rank; give those engines the group transport (NCCL) or one GPU each"
             )
         self._engines = list(engines)
+        # One request per update when every engine here takes it (the buckets are announced to all of
+        # them at once); else one per bucket: ours, or SGLang's for an engine without ours.
+        streaming = self.stream and all(PPO_IPC_STREAM in e.load_formats for e in engines)
         self._formats = {
-            e.name: PPO_IPC_FORMAT if PPO_IPC_FORMAT in e.load_formats else FLATTENED_BUCKET for e in engines
+            e.name: PPO_IPC_STREAM
+            if streaming
+            else PPO_IPC_FORMAT
+            if PPO_IPC_FORMAT in e.load_formats
+            else FLATTENED_BUCKET
+            for e in engines
         }
         self.session = session
+        if streaming:
+            self._signals = {e.name: BucketSignals.create() for e in engines}
+
+    def layouts(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[BucketLayout]:
+        """The update's buckets (cached while the tensors' names, dtypes and shapes stay the same)."""
+        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in items)
+        if key != self._plan_key:
+            total = sum(t.numel() * t.element_size() for _, t in items)
+            bucket_bytes = self.bucket_bytes or auto_bucket_bytes(total)
+            self._layouts = self.packer.plan(items, bucket_bytes)
+            self._plan_key = key
+            self._entries = {}
+        return self._layouts
+
+    def prepare(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Queue bucket 0's copies now, while the engines pause and flush (no engine sees it before
+        :meth:`send`)."""
+        self._prepared = None
+        pack_first(self.packer, items, self.layouts(items))
+        self._prepared = items
+
+    def _entry(self, engine: EngineEndpoint, k: int, slot: int, layout: BucketLayout) -> str:
+        key = (self.session, self.packer.generation)
+        if key != self._entries_key:
+            self._entries, self._entries_key = {}, key
+        entry = self._entries.get((engine.name, k))
+        if entry is None:
+            entry = encode_ipc_bucket(self.session, self.packer.handle(engine.name, slot), layout)
+            self._entries[(engine.name, k)] = entry
+        return entry
 
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
         """Every bucket to every colocated engine; the version and the cache flush go with the last one."""
-        layouts = self.packer.plan(items)
+        first_packed, self._prepared = self._prepared is items, None
+        layouts = self.layouts(items)
+        index = {id(layout): k for k, layout in enumerate(layouts)}
         engines = list(self._engines)
 
         def post(slot: int, layout: BucketLayout, last: bool) -> list[Callable[[float], None]]:
@@ -124,7 +200,7 @@ class IpcTransport:
             for engine in engines:
                 fmt = self._formats[engine.name]
                 if fmt == PPO_IPC_FORMAT:
-                    entry = encode_ipc_bucket(self.session, self.packer.handle(engine.name, slot), layout)
+                    entry = self._entry(engine, index[id(layout)], slot, layout)
                 else:
                     entry = encode_flattened_bucket(export_buffer(self.packer.buffer(slot)), layout)
                 pending = engine.update_weights_from_tensor(
@@ -138,10 +214,66 @@ class IpcTransport:
             return waiters
 
         start = time.perf_counter()
-        stats = send_buckets(self.packer, items, layouts, post, self.timeout_s)
+        if self._signals:
+            stats = self._send_stream(items, layouts, version, first_packed)
+        else:
+            stats = send_buckets(self.packer, items, layouts, post, self.timeout_s, first_packed=first_packed)
         self.last = stats
         log.debug("colocated update: %s in %.1f ms", stats, (time.perf_counter() - start) * 1e3)
         return Sent(nbytes=stats.nbytes, buckets=stats.buckets)
+
+    def _send_stream(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        layouts: list[BucketLayout],
+        version: str,
+        first_packed: bool,
+    ) -> PipelineStats:
+        """One ``ppo_ipc_stream`` request per engine for the whole update (see :func:`send_stream`)."""
+        engines = list(self._engines)
+        self.packer.reserve(layouts)
+        calls: list[tuple[EngineEndpoint, Pending[EngineReply]]] = []
+
+        def post() -> list[Callable[[float], None]]:
+            for engine in engines:
+                calls.append(
+                    (
+                        engine,
+                        engine.update_weights_from_tensor(
+                            serialized_named_tensors=[self._stream_entry(engine, layouts)],
+                            load_format=PPO_IPC_STREAM,
+                            flush_cache=True,
+                            abort_all_requests=False,
+                            weight_version=version,
+                        ),
+                    )
+                )
+            return [_waiter(engine, pending) for engine, pending in calls]
+
+        def check() -> None:
+            # An engine answers only after its last bucket: an answer now is a failure or a refusal.
+            for engine, pending in calls:
+                if pending.done():
+                    reply = check_reply(engine.name, UPDATE_OP, pending.result(self.timeout_s))
+                    raise EngineUnavailableError(
+                        engine.name, UPDATE_OP, f"answered before the last bucket was sent: {reply.message}"
+                    )
+
+        signals = [self._signals[e.name] for e in engines]
+        return send_stream(
+            self.packer, items, layouts, signals, post, check, self.timeout_s, first_packed=first_packed
+        )
+
+    def _stream_entry(self, engine: EngineEndpoint, layouts: list[BucketLayout]) -> str:
+        key = (self.session, self.packer.generation)
+        if key != self._entries_key:
+            self._entries, self._entries_key = {}, key
+        entry = self._entries.get((engine.name, -1))
+        if entry is None:
+            handles = [self.packer.handle(engine.name, slot) for slot in (0, 1)]
+            entry = encode_ipc_stream(self.session, handles, layouts, self._signals[engine.name].path)
+            self._entries[(engine.name, -1)] = entry
+        return entry
 
     def close(self) -> None:
         """Engines unmap the buffers, then they are freed (before the actor sleeps). Never raises."""
@@ -156,7 +288,7 @@ class IpcTransport:
         engines, self._engines = self._engines, []
         calls: list[tuple[EngineEndpoint, Pending[EngineReply] | None, str]] = []
         for engine in engines:
-            if self._formats.get(engine.name) != PPO_IPC_FORMAT:
+            if self._formats.get(engine.name) not in (PPO_IPC_FORMAT, PPO_IPC_STREAM):
                 continue  # SGLang unmapped after each call
             try:
                 calls.append((engine, engine.destroy_weights_update_group(group_name=self.session), ""))
@@ -182,6 +314,10 @@ class IpcTransport:
             else:
                 log.warning("engine %s did not release its colocated buffers: %s", engine.name, error)
         self._formats = {}
+        self._entries, self._entries_key, self._prepared = {}, (), None
+        signals, self._signals = self._signals, {}
+        for signal in signals.values():
+            signal.close()
         try:
             self.packer.free()
         except Exception as exc:  # close() never raises

@@ -37,6 +37,9 @@ class Transport(Protocol):
     connection). ``version`` must be reported by an engine only once all of the update is loaded.
     ``close`` frees what the transport keeps between updates (staging buffers, mapped handles); it is
     idempotent and never raises, and a closed transport may be reused (it reallocates).
+    ``prepare(items)`` is called before the engines are paused, with the very ``items`` the next
+    ``send`` gets: it may start work that involves no engine (packing the first bucket on the GPU), so
+    that work overlaps the pause and flush round trips; ``send`` does it itself when not prepared.
     """
 
     @property
@@ -44,6 +47,8 @@ class Transport(Protocol):
 
     @property
     def load_format(self) -> str | None: ...
+
+    def prepare(self, items: Sequence[tuple[str, torch.Tensor]]) -> None: ...
 
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent: ...
 

@@ -100,7 +100,7 @@ class Pipeline:
         self.completed = 0  # broadcasts that finished without error on this side
 
     # -- flat buckets -------------------------------------------------------------------------------
-    def _pack(self, k: int) -> tuple[torch.Tensor, int | None]:
+    def pack(self, k: int) -> tuple[torch.Tensor, int | None]:
         a, b = self.plan[k]
         if b - a == 1:
             # A bucket of one tensor goes as it is (a byte view), no staging copy.
@@ -120,13 +120,13 @@ class Pipeline:
 
     def send_flat(self, k: int) -> None:
         """Broadcast bucket ``k`` as one flat buffer; pack bucket ``k+1`` while it is on the wire."""
-        buf, slot = self.packed.pop(k) if k in self.packed else self._pack(k)
+        buf, slot = self.packed.pop(k) if k in self.packed else self.pack(k)
         work = self.link.group.broadcast(buf)
         self.in_flight.append((work, slot, buf))
         if slot is not None:
             self.slot_work[slot] = work
         if k + 1 < len(self.plan):
-            self.packed[k + 1] = self._pack(k + 1)
+            self.packed[k + 1] = self.pack(k + 1)
 
     def drain(self) -> None:
         """Wait for every broadcast in flight, in order."""
@@ -256,6 +256,7 @@ class GroupTransport(abc.ABC):
         self.link = link
         self._load_format = load_format
         self.staging = Staging(link.device)
+        self._prepared: tuple[Sequence[tuple[str, torch.Tensor]], Pipeline] | None = None
 
     @property
     def engines(self) -> tuple[EngineEndpoint, ...]:
@@ -283,8 +284,31 @@ class GroupTransport(abc.ABC):
             for e in self.link.engines
         ]
 
+    def plan(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, int]] | None:
+        """The flat buckets ``[a, b)`` of this format, or None when it sends tensor by tensor."""
+        return None
+
+    def prepare(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Pack bucket 0 into its staging buffer now, while the engines pause and flush: queued on the
+        GPU (the host runs on), a host copy on CPU. Nothing reaches an engine before :meth:`send`."""
+        self._prepared = None
+        plan = self.plan(items)
+        if not plan:
+            return
+        pipe = Pipeline(self.link, self.staging, [t for _, t in items], plan)
+        pipe.packed[0] = pipe.pack(0)
+        self._prepared = (items, pipe)
+
+    def pipeline(self, items: Sequence[tuple[str, torch.Tensor]], plan: list[tuple[int, int]]) -> Pipeline:
+        """The pipeline of ``plan``, the one :meth:`prepare` started when it was given these ``items``."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] is items:
+            return prepared[1]
+        return Pipeline(self.link, self.staging, [t for _, t in items], plan)
+
     @abc.abstractmethod
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent: ...
 
     def close(self) -> None:
+        self._prepared = None
         self.staging.release()

@@ -10,7 +10,7 @@ import torch
 
 from ppo_weight_sync.buckets import FLATTENED_BUCKET, plan_aligned_buckets
 from ppo_weight_sync.transports.base import Sent
-from ppo_weight_sync.transports.broadcast import GroupLink, GroupTransport, Metadata, Pipeline
+from ppo_weight_sync.transports.broadcast import GroupLink, GroupTransport, Metadata
 
 __all__ = ["FlattenedBucketTransport"]
 
@@ -19,11 +19,14 @@ class FlattenedBucketTransport(GroupTransport):
     def __init__(self, link: GroupLink) -> None:
         super().__init__(link, FLATTENED_BUCKET)
 
+    def plan(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, int]]:
+        sizes = [t.numel() * t.element_size() for _, t in items]
+        return plan_aligned_buckets(sizes, [t.element_size() for _, t in items], self.link.bucket_bytes)
+
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
         meta = Metadata.of(items)
-        itemsizes = [t.element_size() for _, t in items]
-        plan = plan_aligned_buckets(meta.sizes, itemsizes, self.link.bucket_bytes)
-        pipe = Pipeline(self.link, self.staging, [t for _, t in items], plan)
+        plan = self.plan(items)
+        pipe = self.pipeline(items, plan)  # bucket 0 may be packed already (prepare)
         for k, (a, b) in enumerate(plan):
             last = k == len(plan) - 1
             pipe.calls = self.call_update(meta, a, b, version=version if last else None, flush_cache=last)

@@ -11,7 +11,7 @@ import torch
 
 from ppo_weight_sync.buckets import plan_buckets, stream_format
 from ppo_weight_sync.transports.base import Sent
-from ppo_weight_sync.transports.broadcast import GroupLink, GroupTransport, Metadata, Pipeline
+from ppo_weight_sync.transports.broadcast import GroupLink, GroupTransport, Metadata
 
 __all__ = ["StreamTransport"]
 
@@ -20,11 +20,14 @@ class StreamTransport(GroupTransport):
     def __init__(self, link: GroupLink) -> None:
         super().__init__(link, stream_format(link.bucket_bytes))
 
+    def plan(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, int]]:
+        return plan_buckets([t.numel() * t.element_size() for _, t in items], self.link.bucket_bytes)
+
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
         meta = Metadata.of(items)
-        plan = plan_buckets(meta.sizes, self.link.bucket_bytes)
+        plan = self.plan(items)
+        pipe = self.pipeline(items, plan)  # bucket 0 may be packed already (prepare)
         calls = self.call_update(meta, 0, len(items), version=version, flush_cache=True)
-        pipe = Pipeline(self.link, self.staging, [t for _, t in items], plan)
         pipe.calls = calls
         for k in range(len(plan)):
             pipe.send_flat(k)
