@@ -274,7 +274,7 @@ def test_round_trip_property(
 
 def test_conversion_does_not_import_megatron() -> None:
     code = (
-        "import sys, ppo_trainer.megatron_convert; "
+        "import sys, ppo_trainer.megatron_convert, ppo_trainer.backend_protocol, ppo_trainer.config; "
         "assert not [m for m in sys.modules if m.startswith('megatron')], 'megatron imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -64,7 +64,18 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | Any) -> ModelShape:
         """From a ``config.json`` mapping or a transformers ``PretrainedConfig`` (Llama or Qwen2)."""
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+
+        def get(key: str, default: Any = None) -> Any:
+            if isinstance(config, Mapping):
+                return config.get(key, default)
+            return getattr(config, key, default)
+
+        def number(key: str) -> int:
+            value = get(key)
+            if value is None:
+                raise ValueError(f"the model config lacks {key!r}; it is not a Llama or Qwen2 config")
+            return int(value)
+
         archs = get("architectures") or []
         model_type = get("model_type")
         if model_type not in ("llama", "qwen2") and not set(archs) & set(SUPPORTED_ARCHITECTURES):
@@ -72,18 +83,18 @@ class ModelShape:
                 f"the megatron backend converts Llama and Qwen2 models; this config has model_type="
                 f"{model_type!r}, architectures={archs!r}; use train.backend='torch'"
             )
-        heads = int(get("num_attention_heads"))
-        hidden = int(get("hidden_size"))
+        heads = number("num_attention_heads")
+        hidden = number("hidden_size")
         kv = get("num_key_value_heads")
         head_dim = get("head_dim")
         return cls(
-            num_layers=int(get("num_hidden_layers")),
+            num_layers=number("num_hidden_layers"),
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(kv) if kv is not None else heads,
             head_dim=int(head_dim) if head_dim is not None else hidden // heads,
-            intermediate_size=int(get("intermediate_size")),
-            vocab_size=int(get("vocab_size")),
+            intermediate_size=number("intermediate_size"),
+            vocab_size=number("vocab_size"),
             tied_embeddings=bool(get("tie_word_embeddings", False)),
             # Qwen2 has Q/K/V biases; Llama has them only with attention_bias=true.
             qkv_bias=model_type == "qwen2" or bool(get("attention_bias", False)),

@@ -1,0 +1,89 @@
+"""Checkpoints of the megatron backend, in the torch backend's layout and Hugging Face names.
+
+``<folder>/`` gets ``model.safetensors`` (whole float32 tensors in Hugging Face names, tied aliases
+dropped, as the torch backend writes them), ``rng_rank<r>.safetensors`` and ``trainer_state.json``;
+the actor also ``hf/`` (``config.json``, the weights, the tokenizer files of ``model_path``). So a run
+saved by either backend resumes on the other: the model loads by name (``load_hf_state_dict``).
+
+Not carried over: the optimizer state. megatron's ``DistributedOptimizer`` keeps its float32 main
+weights and Adam moments in flat data-parallel shards; this module writes no ``optimizer.pt``, and an
+``optimizer.pt`` from the torch backend is not read (Adam starts afresh after a resume, from the
+checkpoint's weights). The weights are the bf16 model weights (cast to float32).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from ppo_trainer.checkpoint import _TOKENIZER_FILES, FORMAT_VERSION, _rng_state, _set_rng_state
+from ppo_trainer.megatron_backend import MegatronTrainer
+
+log = logging.getLogger(__name__)
+
+
+def save_shard(trainer: MegatronTrainer, folder: Path, step: int | None) -> None:
+    """Every rank calls it (the TP gather is collective); global rank 0 writes the model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank()
+    tensors, meta = _rng_state()
+    save_file(tensors, str(folder / f"rng_rank{rank}.safetensors"), metadata=meta)
+    state = trainer.hf_state_dict() if trainer.sharded or rank == 0 else {}
+    if rank != 0:
+        return
+    if trainer.shape.tied_embeddings and trainer.config.role == "actor":
+        state.pop("lm_head.weight", None)  # an alias of the embeddings, as the torch backend drops it
+    save_file(state, str(folder / "model.safetensors"))
+    info: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "role": trainer.config.role,
+        "world_size": dist.get_world_size(),
+        "data_parallel": trainer.layout,
+        "backend": "megatron",
+        "step": step,
+    }
+    (folder / "trainer_state.json").write_text(json.dumps(info, indent=2))
+    if trainer.config.role == "actor":
+        hf = folder / "hf"
+        hf.mkdir(exist_ok=True)
+        source = Path(trainer.config.model_path)
+        shutil.copy2(source / "config.json", hf / "config.json")
+        save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+        for name in _TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, hf / name)
+
+
+def load_shard(trainer: MegatronTrainer, folder: Path) -> int | None:
+    """Load a ``<role>/`` folder written by either backend; returns the saved step."""
+    model_file = folder / "model.safetensors"
+    if not model_file.is_file():
+        raise FileNotFoundError(
+            f"{model_file} not found; is {folder} a {trainer.config.role} checkpoint folder?"
+        )
+    state_file = folder / "trainer_state.json"
+    saved = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    saved_role = saved.get("role", trainer.config.role)
+    if saved_role != trainer.config.role and trainer.config.role == "actor":
+        raise ValueError(f"{folder} holds a {saved_role} checkpoint; it cannot be loaded into the actor")
+    state = load_file(str(model_file))
+    trainer.load_hf_state_dict(state)
+    if saved_role != trainer.config.role:
+        return None  # a policy checkpoint into the critic: a fresh start, as in the torch backend
+    if (folder / "optimizer.pt").is_file():
+        log.warning(
+            "%s: %s/optimizer.pt is not loaded by the megatron backend; Adam starts afresh",
+            trainer.config.role,
+            folder,
+        )
+    rng_file = folder / f"rng_rank{dist.get_rank()}.safetensors"
+    if rng_file.is_file():
+        _set_rng_state(rng_file)
+    step = saved.get("step")
+    return int(step) if step is not None else None
