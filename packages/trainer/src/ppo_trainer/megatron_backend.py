@@ -76,7 +76,7 @@ def rope_base(hf: Any) -> float:
     return float(theta)
 
 
-def _transformer_config(hf: Any, shape: mc.ModelShape, tp: int) -> Any:
+def _transformer_config(hf: Any, shape: mc.ModelShape, tp: int, dtype: torch.dtype, on_cpu: bool) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -95,8 +95,9 @@ def _transformer_config(hf: Any, shape: mc.ModelShape, tp: int) -> Any:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
-        bf16=True,
-        params_dtype=torch.bfloat16,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_cpu_initialization=on_cpu,
         attention_softmax_in_fp32=True,
         # The fused kernels need apex or compiled extensions; the local spec runs without them.
         masked_softmax_fusion=False,
@@ -112,11 +113,22 @@ def _transformer_config(hf: Any, shape: mc.ModelShape, tp: int) -> Any:
     )
 
 
-def _build_gpt(hf: Any, shape: mc.ModelShape, tp: int, critic: bool) -> nn.Module:
+def build_gpt(
+    hf: Any,
+    shape: mc.ModelShape,
+    tp: int,
+    critic: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | None = None,
+) -> nn.Module:
+    """GPTModel for a Hugging Face config, weights uninitialised (load them with ``load_hf_into``).
+
+    ``device`` None: the current CUDA device; CPU builds (float32) serve the layout tests."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = _transformer_config(hf, shape, tp)
+    on_cpu = device is not None and device.type == "cpu"
+    config = _transformer_config(hf, shape, tp, dtype, on_cpu)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
@@ -131,9 +143,8 @@ def _build_gpt(hf: Any, shape: mc.ModelShape, tp: int, critic: bool) -> nn.Modul
         rotary_base=rope_base(hf),  # annotated int; used as a number
     )
     if critic:
-        model.output_layer = ValueHead(
-            shape.hidden_size, 1, dtype=torch.bfloat16, device=torch.cuda.current_device()
-        )
+        where = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        model.output_layer = ValueHead(shape.hidden_size, 1, dtype=dtype, device=where)
     return model
 
 
@@ -141,6 +152,38 @@ def _unwrap_name(name: str) -> str:
     while name.startswith("module."):
         name = name[len("module.") :]
     return name
+
+
+def load_hf_into(
+    module: nn.Module,
+    hf_state: Mapping[str, torch.Tensor],
+    shape: mc.ModelShape,
+    tp: int,
+    tp_rank: int,
+    critic: bool,
+    strict_value_head: bool = True,
+) -> None:
+    """Copy TP rank ``tp_rank``'s slice of the converted Hugging Face tensors into ``module``'s
+    parameters (a GPTModel, possibly wrapped). ``strict_value_head`` False: a policy state into a
+    critic keeps the critic's value head."""
+    mega = mc.hf_to_megatron(hf_state, shape, critic=critic)
+    params = {_unwrap_name(n): p for n, p in module.named_parameters()}
+    expected = set(mc.megatron_names(shape, critic))
+    if set(params) != expected:
+        raise RuntimeError(
+            f"megatron GPTModel parameters {sorted(set(params) ^ expected)[:6]} differ from the "
+            "converter's; this megatron-core version lays the model out differently"
+        )
+    missing = [
+        n for n in expected if n not in mega and (strict_value_head or not n.startswith("output_layer."))
+    ]
+    if missing:
+        raise ValueError(f"the Hugging Face state lacks {missing[:5]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if name in mega:
+                shard = mc.split_for_tp(name, mega[name], tp, shape, critic)[tp_rank]
+                param.copy_(shard.to(device=param.device, dtype=param.dtype))
 
 
 class MegatronTrainer(TorchTrainer):
@@ -203,7 +246,7 @@ class MegatronTrainer(TorchTrainer):
         hf_state = {k: v.detach() for k, v in source.state_dict().items()}
         del source
         with self.region(self.WEIGHTS_TAG):
-            gpt = _build_gpt(self.hf_config, self.shape, self.tp, self.critic)
+            gpt = build_gpt(self.hf_config, self.shape, self.tp, self.critic)
             module = Float16Module(gpt.config, gpt)
             self._load_into(module, hf_state, strict_value_head=True)
             ddp_config = DistributedDataParallelConfig(
@@ -220,7 +263,7 @@ class MegatronTrainer(TorchTrainer):
                     k: v.detach()
                     for k, v in load_causal_lm(config.model_path, config.seed).state_dict().items()
                 }
-                ref = Float16Module(gpt.config, _build_gpt(self.hf_config, self.shape, self.tp, critic=False))
+                ref = Float16Module(gpt.config, build_gpt(self.hf_config, self.shape, self.tp, critic=False))
                 self._load_into(ref, ref_state, strict_value_head=False, critic=False)
                 ref.eval()
                 ref.requires_grad_(False)
@@ -252,27 +295,8 @@ class MegatronTrainer(TorchTrainer):
         strict_value_head: bool,
         critic: bool | None = None,
     ) -> None:
-        """Copy this rank's TP slice of the converted Hugging Face tensors into ``module``'s parameters."""
         critic = self.critic if critic is None else critic
-        mega = mc.hf_to_megatron(hf_state, self.shape, critic=critic)
-        params = {_unwrap_name(n): p for n, p in module.named_parameters()}
-        expected = set(mc.megatron_names(self.shape, critic))
-        if set(params) != expected:
-            raise RuntimeError(
-                f"megatron GPTModel parameters {sorted(set(params) ^ expected)[:6]} differ from the "
-                "converter's; this megatron-core version lays the model out differently"
-            )
-        missing = [
-            n for n in expected if n not in mega and (strict_value_head or not n.startswith("output_layer."))
-        ]
-        if missing:
-            raise ValueError(f"the Hugging Face state lacks {missing[:5]}")
-        with torch.no_grad():
-            for name, param in params.items():
-                if name not in mega:
-                    continue
-                shard = mc.split_for_tp(name, mega[name], self.tp, self.shape, critic)[self.tp_rank]
-                param.copy_(shard.to(device=param.device, dtype=param.dtype))
+        load_hf_into(module, hf_state, self.shape, self.tp, self.tp_rank, critic, strict_value_head)
 
     def _megatron_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Whole megatron tensors (gathered over the TP group: collective when TP > 1)."""
