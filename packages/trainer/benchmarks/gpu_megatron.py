@@ -118,7 +118,7 @@ def config(model: Path, role: Any, backend: Any, **extra: Any) -> Any:
         model_path=str(model),
         device="cuda",
         backend=backend,
-        **fields,  # type: ignore[arg-type]
+        **fields,
     )
 
 
@@ -282,7 +282,7 @@ def sleep_wake(actor: Any, batch: Any, groups: Any) -> None:
     )
     life.sleep()
     life.wake_up()
-    check(torch.isfinite(actor.compute_log_probs(batch)).all().item(), "a second sleep/wake cycle")
+    check(bool(torch.isfinite(actor.compute_log_probs(batch)).all()), "a second sleep/wake cycle")
 
 
 def dist_alive() -> bool:
