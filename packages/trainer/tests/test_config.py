@@ -108,3 +108,39 @@ def test_reward_kl_puts_the_reference_on_the_critic() -> None:
 def test_data_parallel_choice(kwargs: dict, world_size: int, state_share: float, shards: bool) -> None:
     config = TrainerConfig(role="actor", model_path="/m", **kwargs)
     assert config.shards(world_size, state_share) is shards
+
+
+def test_backend_settings() -> None:
+    from ppo_trainer import TrainSettings
+
+    assert TrainSettings().backend == "torch"
+    assert TrainSettings().tensor_parallel == 1
+    with pytest.raises(ValueError, match=r"tensor_parallel=4 needs train.backend='megatron'"):
+        TrainSettings(tensor_parallel=4)
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        TrainSettings(backend="megatron", tensor_parallel=0)
+    with pytest.raises(ValueError, match="backend"):
+        TrainSettings(backend="jax")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"backend='megatron' needs device='cuda'; use backend='torch' on CPU"
+    ):
+        TrainerConfig(role="actor", model_path="m", backend="megatron")
+    settings = TrainSettings(backend="megatron", tensor_parallel=2)
+    problems = settings.backend_problems("cuda", {"placement.actor_gpus": 4, "placement.critic_gpus": 3})
+    assert (
+        "train.tensor_parallel=2 must divide placement.critic_gpus=3 (each model is split over"
+        in problems[-1]
+    )
+    assert not [p for p in problems if "actor_gpus" in p]
+    heads = settings.megatron_heads_problems(
+        {
+            "model_type": "qwen2",
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "intermediate_size": 4864,
+        }
+    )
+    assert heads == []
+    heads = settings.megatron_heads_problems({"model_type": "gpt2", "num_attention_heads": 12})
+    assert heads[0].startswith("train.backend='megatron' converts Llama and Qwen2 models; model_type='gpt2'")
+    assert TrainSettings().backend_problems("cpu", {"placement.actor_gpus": 3}) == []
