@@ -346,16 +346,21 @@ class MegatronTrainer(TorchTrainer):
         return [self.optimizer]
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        """The bf16 weights (views of DDP's contiguous buffers: the memory backend moves the buffers)."""
+        """The bf16 weights and DDP's gradient buffers (the memory backend moves whole buffers).
+
+        The gradient buffers go with the weights, not the optimizer state: DDP allocates both buffers
+        in its constructor, inside the weights region, and torch_memory_saver pauses a region whole.
+        """
         modules: list[nn.Module] = [self.ddp.module]  # megatron's DDP names its buffer list `buffers`
         if self.reference is not None:
             modules.append(self.reference)
         out = [t for m in modules for t in [*(p.data for p in m.parameters()), *m.buffers()]]
+        out += [b.grad_data for b in self._ddp_buffers() if b.grad_data is not None]
         return [t for t in out if t.device.type == "cuda"]
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
-        """Gradient buffers, float32 main weights and Adam moments (this rank's shards)."""
-        out: list[torch.Tensor] = [b.grad_data for b in self._ddp_buffers() if b.grad_data is not None]
+        """The float32 main weights and Adam moments (this rank's data-parallel shards)."""
+        out: list[torch.Tensor] = []
         for opt in self._optimizers():
             inner = opt.optimizer
             for group in inner.param_groups:
