@@ -31,9 +31,8 @@ from ppo_weight_sync import free_port
 @pytest.fixture(autouse=True)
 def _cpu_rope(monkeypatch: pytest.MonkeyPatch) -> None:
     """megatron's RoPE moves its frequencies to ``torch.cuda.current_device()`` on the first forward;
-    without CUDA, point that at the CPU (the only CUDA call on this path)."""
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    these models live on the CPU, so point that at the CPU (the only CUDA call on this path)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
 
 
 @pytest.fixture(scope="module")
