@@ -278,3 +278,35 @@ def test_conversion_does_not_import_megatron() -> None:
         "assert not [m for m in sys.modules if m.startswith('megatron')], 'megatron imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tensor_parallel_ranks_pool_their_samples() -> None:
+    """The ranks of a TP group train on the union of their shares (re-padded to the widest response)
+    and each takes back its own rows (megatron_backend's pooling; no megatron needed)."""
+    from ppo_trainer import Samples
+    from ppo_trainer.megatron_backend import concat_samples
+
+    def share(lengths: list[int], offset: int) -> Samples:
+        return Samples.from_fields(
+            {
+                "tokens": [torch.arange(3 + r) + offset for r in lengths],
+                "response_length": [torch.tensor([r]) for r in lengths],
+                "loss_mask": [torch.ones(r) for r in lengths],
+                "reward": [torch.tensor([float(offset + i)]) for i in range(len(lengths))],
+                "rollout_log_probs": [torch.full((r,), -float(offset + 1)) for r in lengths],
+                "prompt_index": [torch.tensor([offset + i]) for i in range(len(lengths))],
+            }
+        )
+
+    a, b = share([2, 3], 0), share([5], 10)
+    pooled = concat_samples([a, b])
+    assert len(pooled) == 3
+    assert pooled.max_response == 5
+    assert pooled.response_lengths.tolist() == [2, 3, 5]
+    assert pooled.reward.tolist() == [0.0, 1.0, 10.0]
+    assert pooled.response_mask.sum(1).tolist() == [2.0, 3.0, 5.0]
+    assert torch.equal(pooled.tokens[2], b.tokens[0])
+    # Rank 0 takes back rows 0..1 at its own width, rank 1 row 2.
+    assert torch.equal(pooled.rollout_log_probs[0:2, : a.max_response], a.rollout_log_probs)
+    assert torch.equal(pooled.rollout_log_probs[2:3, : b.max_response], b.rollout_log_probs)
+    assert torch.equal(pooled.loss_mask[0:2, : a.max_response], a.loss_mask)
