@@ -173,12 +173,14 @@ class TorchTrainer:
         Every rank passes the whole state (sharded, each keeps its shard)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        own = self.model.state_dict()
+        own = self.model.state_dict(keep_vars=True)
         if isinstance(self.model, CriticModel):
             mapped, _ = map_policy_state_to_critic(self.model, state)
         else:
             mapped = {k: v for k, v in state.items() if k in own}
-            missing = [k for k in own if k not in mapped]
+            # A tied alias (lm_head.weight) may be absent: its tensor arrives under the other name.
+            present = {id(own[k]) for k in mapped}
+            missing = [k for k in own if k not in mapped and id(own[k]) not in present]
             if missing:
                 raise ValueError(f"the state lacks {len(missing)} tensors of the actor (e.g. {missing[:5]})")
         with self.region(self.WEIGHTS_TAG), torch.no_grad():
@@ -187,7 +189,7 @@ class TorchTrainer:
                 set_model_state_dict(self.model, dict(mapped), options=options)
             else:
                 for name, tensor in mapped.items():
-                    own[name].copy_(tensor)
+                    own[name].data.copy_(tensor)
 
     def after_groups_rebuilt(self) -> None:
         """Point FSDP at the rebuilt process group (a lifecycle post-wake hook; no-op unsharded)."""

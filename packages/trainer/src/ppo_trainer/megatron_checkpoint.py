@@ -1,5 +1,10 @@
 """Checkpoints of the megatron backend, in the torch backend's layout and Hugging Face names.
 
+Written through the ``TrainerBackend`` interface alone (``hf_state_dict`` / ``load_hf_state_dict``), so
+any backend can use it; the megatron backend does (``TrainWorker.save``/``load`` with
+``backend='megatron'``), and the tests run it on the torch backend to check the files against
+``checkpoint.py``'s.
+
 ``<folder>/`` gets ``model.safetensors`` (whole float32 tensors in Hugging Face names, tied aliases
 dropped, as the torch backend writes them), ``rng_rank<r>.safetensors`` and ``trainer_state.json``;
 the actor also ``hf/`` (``config.json``, the weights, the tokenizer files of ``model_path``). So a run
@@ -22,30 +27,41 @@ from typing import Any
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from ppo_trainer.backend_protocol import TrainerBackend
 from ppo_trainer.checkpoint import _TOKENIZER_FILES, FORMAT_VERSION, _rng_state, _set_rng_state
-from ppo_trainer.megatron_backend import MegatronTrainer
 
 log = logging.getLogger(__name__)
 
 
-def save_shard(trainer: MegatronTrainer, folder: Path, step: int | None) -> None:
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _tied(model_path: str) -> bool:
+    """Whether the model ties its output layer to the embeddings (``lm_head.weight`` is an alias)."""
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
+
+
+def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
     """Every rank calls it (the TP gather is collective); global rank 0 writes the model."""
     folder.mkdir(parents=True, exist_ok=True)
-    rank = dist.get_rank()
+    rank = _rank()
     tensors, meta = _rng_state()
     save_file(tensors, str(folder / f"rng_rank{rank}.safetensors"), metadata=meta)
     state = trainer.hf_state_dict() if trainer.sharded or rank == 0 else {}
     if rank != 0:
         return
-    if trainer.shape.tied_embeddings and trainer.config.role == "actor":
+    if trainer.config.role == "actor" and _tied(trainer.config.model_path):
         state.pop("lm_head.weight", None)  # an alias of the embeddings, as the torch backend drops it
     save_file(state, str(folder / "model.safetensors"))
     info: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "role": trainer.config.role,
-        "world_size": dist.get_world_size(),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "data_parallel": trainer.layout,
-        "backend": "megatron",
+        "backend": trainer.config.backend,
         "step": step,
     }
     (folder / "trainer_state.json").write_text(json.dumps(info, indent=2))
@@ -60,7 +76,7 @@ def save_shard(trainer: MegatronTrainer, folder: Path, step: int | None) -> None
                 shutil.copy2(source / name, hf / name)
 
 
-def load_shard(trainer: MegatronTrainer, folder: Path) -> int | None:
+def load_shard(trainer: TrainerBackend, folder: Path) -> int | None:
     """Load a ``<role>/`` folder written by either backend; returns the saved step."""
     model_file = folder / "model.safetensors"
     if not model_file.is_file():
@@ -76,13 +92,13 @@ def load_shard(trainer: MegatronTrainer, folder: Path) -> int | None:
     trainer.load_hf_state_dict(state)
     if saved_role != trainer.config.role:
         return None  # a policy checkpoint into the critic: a fresh start, as in the torch backend
-    if (folder / "optimizer.pt").is_file():
+    if (folder / "optimizer.pt").is_file() and trainer.config.backend == "megatron":
         log.warning(
             "%s: %s/optimizer.pt is not loaded by the megatron backend; Adam starts afresh",
             trainer.config.role,
             folder,
         )
-    rng_file = folder / f"rng_rank{dist.get_rank()}.safetensors"
+    rng_file = folder / f"rng_rank{_rank()}.safetensors"
     if rng_file.is_file():
         _set_rng_state(rng_file)
     step = saved.get("step")
