@@ -110,3 +110,28 @@ def test_validate_imports_neither_torch_nor_transformers() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "heavy: []" in done.stdout
+
+
+def test_megatron_backend_rules(tmp_path: Path) -> None:
+    """train.backend='megatron': CUDA, Python >= 3.12 with megatron-core, tensor_parallel dividing each
+    role's GPUs and the model's heads; all reported at once, with the field to change."""
+    with pytest.raises(ConfigError) as info:
+        _check("train.backend=megatron", "train.tensor_parallel=2")
+    text = str(info.value)
+    assert "train.backend='megatron' needs placement.device='cuda' (got 'cpu')" in text
+    assert "train.tensor_parallel=2 must divide placement.actor_gpus=1" in text
+    if sys.version_info < (3, 12):
+        assert "needs Python >= 3.12 (megatron-core 0.19)" in text
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 64}'
+    )
+    with pytest.raises(ConfigError) as info:
+        _check("train.backend=megatron", "train.tensor_parallel=2", f"model.path={model}")
+    text = str(info.value)
+    assert "train.tensor_parallel=2 must divide the model's num_key_value_heads=3" in text
+    assert "num_attention_heads" not in text
+    # The torch backend has no tensor parallelism: the config itself refuses the combination.
+    with pytest.raises(ConfigError, match=r"train.tensor_parallel=2 needs train.backend='megatron'"):
+        _check("train.tensor_parallel=2")

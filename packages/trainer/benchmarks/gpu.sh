@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks of ppo-trainer in one go (needs CUDA; two GPUs for the weight update).
-# Bounded: each step runs under a timeout (about 23 minutes at worst, about 8 when healthy).
+# Bounded: each step runs under a timeout (about 30 minutes at worst, about 11 when healthy).
 # Expects every packages/*/src on PYTHONPATH (or the packages installed). Prints Markdown tables.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -22,3 +22,10 @@ timeout -k 5 120 "$PY" benchmarks/bench_train_step.py --device cuda --repeats 5 
 
 echo "== train-step throughput, CPU (same machine, 1 thread) =="
 timeout -k 5 300 "$PY" benchmarks/bench_train_step.py --device cpu --repeats 3 --warmup 1
+
+if "$PY" -c 'import megatron.core' 2>/dev/null; then
+    echo "== megatron backend against the torch backend: parity, round trip, sleep/wake, train step, worker groups =="
+    timeout -k 5 420 "$PY" benchmarks/gpu_megatron.py --workers
+else
+    echo "== megatron backend: megatron-core is not installed here, skipped =="
+fi

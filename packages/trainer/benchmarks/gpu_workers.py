@@ -94,11 +94,17 @@ def make_batch(n: int, prompt: int, response: int, vocab: int, seed: int) -> dic
 
 
 def run(
-    backend: str, model: Path, steps: int = 3, vocab: int = 32000, device: str = "cuda"
+    backend: str,
+    model: Path,
+    steps: int = 3,
+    vocab: int = 32000,
+    device: str = "cuda",
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` PPO steps with ``backend``; returns the measurements (GiB) and the value losses.
 
     ``device="cpu"`` (with ``backend="host"``) runs the same sequence on CPU as a dry run of this script.
+    ``settings``: more ``TrainerConfig`` fields for both roles (e.g. ``{"backend": "megatron"}``).
     """
     on_gpu = device == "cuda"
     from transformers import AutoConfig
@@ -121,6 +127,7 @@ def run(
         "actor_lr": 1e-5,
         "critic_lr": 1e-5,
         "weight_sync_backend": "nccl" if on_gpu else "gloo",
+        **(settings or {}),
     }
     stage(backend, "starting the critic group")
     critic = TrainGroup("critic", slots, TrainerConfig(role="critic", **common), timeout_s=300)

@@ -133,3 +133,39 @@ def test_the_ranks_weight_sync_metrics_merge_bytes_add_times_take_the_slowest() 
         "reconnected": 1.0,
     }
     assert merge_sync_metrics([{}, {}]) == {}
+
+
+def test_backend_settings() -> None:
+    from ppo_trainer import TrainSettings
+
+    assert TrainSettings().backend == "torch"
+    assert TrainSettings().tensor_parallel == 1
+    with pytest.raises(ValueError, match=r"tensor_parallel=4 needs train.backend='megatron'"):
+        TrainSettings(tensor_parallel=4)
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        TrainSettings(backend="megatron", tensor_parallel=0)
+    with pytest.raises(ValueError, match="backend"):
+        TrainSettings(backend="jax")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"backend='megatron' needs device='cuda'; use backend='torch' on CPU"
+    ):
+        TrainerConfig(role="actor", model_path="m", backend="megatron")
+    settings = TrainSettings(backend="megatron", tensor_parallel=2)
+    problems = settings.backend_problems("cuda", {"placement.actor_gpus": 4, "placement.critic_gpus": 3})
+    assert (
+        "train.tensor_parallel=2 must divide placement.critic_gpus=3 (each model is split over"
+        in problems[-1]
+    )
+    assert not [p for p in problems if "actor_gpus" in p]
+    heads = settings.megatron_heads_problems(
+        {
+            "model_type": "qwen2",
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "intermediate_size": 4864,
+        }
+    )
+    assert heads == []
+    heads = settings.megatron_heads_problems({"model_type": "gpt2", "num_attention_heads": 12})
+    assert heads[0].startswith("train.backend='megatron' converts Llama and Qwen2 models; model_type='gpt2'")
+    assert TrainSettings().backend_problems("cpu", {"placement.actor_gpus": 3}) == []

@@ -7,6 +7,8 @@ field named, instead of minutes later inside a Ray worker.
 - ``model.path``: a local model folder (or a Hugging Face id already in the local cache);
 - ``rollout.dataset``: exists, is not empty, and its first lines are JSON objects holding
   ``rollout.prompt_field``;
+- ``train.backend='megatron'``: CUDA, Python >= 3.12, megatron-core importable, and
+  ``train.tensor_parallel`` dividing each role's GPUs and the model's heads (ppo-trainer's rules);
 - the run folder and the checkpoint folder can be created and written.
 
 This module reads the config; it changes nothing and imports neither torch nor transformers.
@@ -65,7 +67,7 @@ def check_yaml_file(path: Path) -> None:
 
 def check(config: RunConfig, *, run_dir: Path | None = None) -> None:
     """Raise ``ConfigError`` listing every problem found; ``run_dir`` also checks the folders."""
-    problems = [*_reward(config), *_model(config), *_dataset(config)]
+    problems = [*_reward(config), *_model(config), *_dataset(config), *_backend(config)]
     if run_dir is not None:
         problems += _writable("--run-dir / logging.run_dir", run_dir)
         if config.checkpoint.dir:
@@ -136,6 +138,22 @@ def _model(config: RunConfig) -> list[str]:
         f"with `hf download {path if _HUB_ID.match(path) else 'ORG/NAME'} --local-dir DIR`), or to null "
         "for the built-in tiny model"
     ]
+
+
+def _backend(config: RunConfig) -> list[str]:
+    p = config.placement
+    role_gpus = {"placement.actor_gpus": p.actor_gpus}
+    if p.critic == "dedicated" and p.critic_gpus is not None:
+        role_gpus["placement.critic_gpus"] = p.critic_gpus
+    problems = config.train.backend_problems(p.device, role_gpus)
+    model_json = Path(config.model.path).expanduser() / "config.json" if config.model.path else None
+    if model_json is not None and model_json.is_file():
+        try:
+            model_config = json.loads(model_json.read_text())
+        except ValueError:
+            model_config = {}
+        problems += config.train.megatron_heads_problems(model_config)
+    return problems
 
 
 def _in_hub_cache(repo_id: str) -> bool:

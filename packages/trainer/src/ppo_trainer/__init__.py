@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ppo_trainer.backend import DataParallel, TorchTrainer
+    from ppo_trainer.backend_protocol import TrainerBackend, make_trainer
     from ppo_trainer.batch import Samples
     from ppo_trainer.config import AlgorithmConfig, TrainerConfig, TrainSettings
     from ppo_trainer.group import LocalSlots, Slots, TrainGroup, TrainResult
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "DataParallel": "ppo_trainer.backend",
     "TorchTrainer": "ppo_trainer.backend",
+    "TrainerBackend": "ppo_trainer.backend_protocol",
+    "make_trainer": "ppo_trainer.backend_protocol",
     "Samples": "ppo_trainer.batch",
     "AlgorithmConfig": "ppo_trainer.config",
     "TrainerConfig": "ppo_trainer.config",
@@ -57,9 +60,11 @@ __all__ = [
     "TrainResult",
     "TrainSettings",
     "TrainWorker",
+    "TrainerBackend",
     "TrainerConfig",
     "__version__",
     "load_causal_lm",
     "load_critic",
     "load_policy_state_into_critic",
+    "make_trainer",
 ]

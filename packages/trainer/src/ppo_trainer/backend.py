@@ -22,7 +22,7 @@ collective, so all ranks must hold the same number of samples (checked, ``ValueE
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 
@@ -34,7 +34,13 @@ from ppo_trainer import ppo_math as pm
 from ppo_trainer import sharding
 from ppo_trainer.batch import MicroBatch, Samples, chunks, collate, split_even
 from ppo_trainer.config import TrainerConfig
-from ppo_trainer.models import load_causal_lm, load_critic, load_reference
+from ppo_trainer.models import (
+    CriticModel,
+    load_causal_lm,
+    load_critic,
+    load_reference,
+    map_policy_state_to_critic,
+)
 
 Region = Callable[[str], ContextManager[None]]
 
@@ -151,6 +157,39 @@ class TorchTrainer:
             if key not in gathered:
                 gathered[key] = sharding.full_tensor(tensor.detach(), dtype)
             yield name, gathered[key]
+
+    @property
+    def layout(self) -> str:
+        """How the role is parallelised: ``fsdp2`` or ``replicate``."""
+        return "fsdp2" if self.sharded else "replicate"
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole float32 CPU tensors in Hugging Face names (collective when sharded)."""
+        return {name: t.float().cpu() for name, t in self.named_weights()}
+
+    def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Whole tensors in Hugging Face names (either backend's); a critic accepts a policy state.
+
+        Every rank passes the whole state (sharded, each keeps its shard)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        own = self.model.state_dict(keep_vars=True)
+        if isinstance(self.model, CriticModel):
+            mapped, _ = map_policy_state_to_critic(self.model, state)
+        else:
+            mapped = {k: v for k, v in state.items() if k in own}
+            # A tied alias (lm_head.weight) may be absent: its tensor arrives under the other name.
+            present = {id(own[k]) for k in mapped}
+            missing = [k for k in own if k not in mapped and id(own[k]) not in present]
+            if missing:
+                raise ValueError(f"the state lacks {len(missing)} tensors of the actor (e.g. {missing[:5]})")
+        with self.region(self.WEIGHTS_TAG), torch.no_grad():
+            if self.sharded:
+                options = StateDictOptions(full_state_dict=True, strict=False)
+                set_model_state_dict(self.model, dict(mapped), options=options)
+            else:
+                for name, tensor in mapped.items():
+                    own[name].data.copy_(tensor)
 
     def after_groups_rebuilt(self) -> None:
         """Point FSDP at the rebuilt process group (a lifecycle post-wake hook; no-op unsharded)."""

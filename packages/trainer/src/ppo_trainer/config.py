@@ -14,6 +14,8 @@ critic's config that way, with its role), which validates again.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
@@ -29,6 +31,7 @@ MemoryBackendName = Literal["auto", "host", "pinned", "torch_memory_saver"]
 DataParallelKind = Literal["auto", "replicate", "fsdp2"]
 WeightSyncBackend = Literal["gloo", "nccl"]
 WeightSyncDType = Literal["float32", "bfloat16", "float16"]
+Backend = Literal["torch", "megatron"]
 
 # Shared by every config of this package (and the ones that extend them): unknown keys are errors,
 # and defaults are validated like any input.
@@ -37,6 +40,13 @@ STRICT = ConfigDict(extra="forbid", validate_default=True)
 # ``data_parallel="auto"`` shards when the replicated training state takes more than this share of a
 # GPU: the other role and the engines share the device, and a model this large leaves them little.
 AUTO_SHARD_FRACTION = 0.25
+
+
+def megatron_installed() -> bool:
+    """Whether megatron-core can be imported (found without importing it, nor torch)."""
+    if importlib.util.find_spec("megatron") is None:
+        return False
+    return importlib.util.find_spec("megatron.core") is not None
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
@@ -130,6 +140,77 @@ class TrainSettings:
         "(torch fully_shard); auto: fsdp2 on CUDA with more than one rank when the replicated training "
         "state (16 bytes a parameter) would take over a quarter of a GPU, else replicate",
     )
+    backend: Backend = Field(
+        default="torch",
+        description="torch: transformers models (replicated or FSDP2); megatron: megatron-core GPTModel with "
+        "tensor and data parallelism (CUDA, Python >= 3.12, the ppo-trainer[megatron] extra; Llama and "
+        "Qwen2 models)",
+    )
+    tensor_parallel: int = Field(
+        default=1,
+        ge=1,
+        description="megatron backend: GPUs each model is split over (must divide each role's GPUs and the "
+        "model's attention and key-value heads); the other GPUs of the role are data parallel",
+    )
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel > 1 and self.backend != "megatron":
+            raise ValueError(
+                f"train.tensor_parallel={self.tensor_parallel} needs train.backend='megatron' "
+                "(the torch backend is data parallel only); set the backend or tensor_parallel=1"
+            )
+
+    def backend_problems(self, device: str, role_gpus: dict[str, int]) -> list[str]:
+        """What stops ``backend`` from running here, one sentence each; imports neither torch nor megatron.
+
+        ``role_gpus``: each training role's GPU count, by the field that sets it (tensor_parallel must
+        divide it). The model's heads are checked by ``megatron_heads_problems``.
+        """
+        if self.backend != "megatron":
+            return []
+        problems = []
+        if device != "cuda":
+            problems.append(f"train.backend='megatron' needs placement.device='cuda' (got {device!r})")
+        if sys.version_info < (3, 12):
+            problems.append(
+                "train.backend='megatron' needs Python >= 3.12 (megatron-core 0.19); this is "
+                f"{sys.version_info.major}.{sys.version_info.minor}: use train.backend='torch'"
+            )
+        elif not megatron_installed():
+            problems.append(
+                "train.backend='megatron' needs megatron-core: install the extra ppo-trainer[megatron]"
+            )
+        for field, gpus in role_gpus.items():
+            if gpus % self.tensor_parallel:
+                problems.append(
+                    f"train.tensor_parallel={self.tensor_parallel} must divide {field}={gpus} "
+                    "(each model is split over tensor_parallel GPUs of its role)"
+                )
+        return problems
+
+    def megatron_heads_problems(self, model_config: dict[str, object]) -> list[str]:
+        """``tensor_parallel`` against a Hugging Face ``config.json`` (heads, key-value heads, MLP width)."""
+        if self.backend != "megatron":
+            return []
+        problems = []
+        model_type = model_config.get("model_type")
+        if model_type not in ("llama", "qwen2"):
+            problems.append(
+                f"train.backend='megatron' converts Llama and Qwen2 models; model_type={model_type!r}: "
+                "use train.backend='torch'"
+            )
+        heads = model_config.get("num_attention_heads")
+        fields = {
+            "num_attention_heads": heads,
+            "num_key_value_heads": model_config.get("num_key_value_heads", heads),
+            "intermediate_size": model_config.get("intermediate_size"),
+        }
+        for name, value in fields.items():
+            if isinstance(value, int) and value % self.tensor_parallel:
+                problems.append(
+                    f"train.tensor_parallel={self.tensor_parallel} must divide the model's {name}={value}"
+                )
+        return problems
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
@@ -176,6 +257,9 @@ class TrainerConfig(TrainSettings):
     cpu_threads: int = Field(default=1, ge=1, description="torch intra-op threads per worker")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.backend == "megatron" and self.device != "cuda":
+            raise ValueError("backend='megatron' needs device='cuda'; use backend='torch' on CPU")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas={self.betas!r} must be two numbers in [0, 1)")
         if self.device == "cpu" and self.memory_backend in ("pinned", "torch_memory_saver"):

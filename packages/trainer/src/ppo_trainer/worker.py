@@ -36,7 +36,8 @@ from ppo_lifecycle import (
     default_backend,
 )
 from ppo_trainer import checkpoint
-from ppo_trainer.backend import DataParallel, TorchTrainer
+from ppo_trainer.backend import DataParallel
+from ppo_trainer.backend_protocol import TrainerBackend, make_trainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.models import count_parameters
@@ -90,7 +91,7 @@ class TrainWorker:
             self.device = torch.device("cuda", 0)
         else:
             self.device = torch.device("cpu")
-        self._trainer: TorchTrainer | None = None
+        self._trainer: TrainerBackend | None = None
         self._lifecycle: Lifecycle | None = None
         self._groups: ReloadableProcessGroups | None = None
         self._dp: GroupHandle | None = None
@@ -129,28 +130,30 @@ class TrainWorker:
         self._dp = groups.default
         memory = make_memory_backend(self.config, self.device)
         self._lifecycle = Lifecycle(memory, groups, name=f"{self.role}-{self.rank}")
+        shard = self.config.backend == "torch" and self._should_shard()
         dp = DataParallel(
             self.rank,
             self.world_size,
             self._all_reduce if self.world_size > 1 else None,
-            shard_group=self._live_dp_group if self._should_shard() else None,
+            shard_group=self._live_dp_group if shard else None,
         )
-        trainer = TorchTrainer(self.config, dp, region=memory.region)
+        # train.backend picks the trainer; megatron makes its model-parallel groups through `groups`.
+        trainer = make_trainer(self.config, dp, memory.region, groups)
         self._trainer = trainer
-        memory.track(TorchTrainer.WEIGHTS_TAG, trainer.weight_tensors)
-        memory.track(TorchTrainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
-        if trainer.sharded:
-            # Before the groups go: nothing FSDP gathered may stay outside the tracked shards. After
-            # they are rebuilt: FSDP must run on the new group, not the destroyed one it holds.
-            self._lifecycle.add_pre_sleep_hook("release_gathered_params", trainer.release_gathered)
-            self._lifecycle.add_post_wake_hook("rebind_fsdp_groups", trainer.after_groups_rebuilt)
+        memory.track(trainer.WEIGHTS_TAG, trainer.weight_tensors)
+        memory.track(trainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
+        # Before the groups go: nothing gathered (FSDP) may stay outside the tracked tensors. After
+        # they are rebuilt: FSDP and megatron must run on the new groups, not the destroyed ones
+        # they hold (both hooks are no-ops for a replicated torch trainer).
+        self._lifecycle.add_pre_sleep_hook("release_gathered_params", trainer.release_gathered)
+        self._lifecycle.add_post_wake_hook("rebind_process_groups", trainer.after_groups_rebuilt)
         if self.role == "actor":
             self._lifecycle.add_pre_sleep_hook("disconnect_engines", self._disconnect)
         return {
             "rank": self.rank,
             "device": str(self.device),
             "pid": os.getpid(),
-            "data_parallel": "fsdp2" if trainer.sharded else "replicate",
+            "data_parallel": trainer.layout,
         }
 
     def _should_shard(self) -> bool:
@@ -175,7 +178,7 @@ class TrainWorker:
         return on_device.to(tensor.device)
 
     @property
-    def trainer(self) -> TorchTrainer:
+    def trainer(self) -> TrainerBackend:
         if self._trainer is None:
             raise RuntimeError(f"{self.role} rank {self.rank}: setup() has not run")
         return self._trainer
@@ -419,16 +422,24 @@ class TrainWorker:
     # ------------------------------------------------------------------ checkpoints
     def save(self, staging: str) -> None:
         self._require_awake("save()")
-        checkpoint.save_shard(self.trainer, Path(staging), self._last_step)
+        self._checkpoint_module().save_shard(self.trainer, Path(staging), self._last_step)
 
     def commit(self, staging: str, final: str) -> None:
         checkpoint.commit(Path(staging), Path(final))
 
     def load(self, folder: str) -> int | None:
         self._require_awake("load()")
-        step = checkpoint.load_shard(self.trainer, Path(folder))
+        step = self._checkpoint_module().load_shard(self.trainer, Path(folder))
         self._last_step = step
         return step
+
+    def _checkpoint_module(self) -> Any:
+        """The torch backend's checkpoint code, or the megatron backend's (same files, HF names)."""
+        if self.config.backend == "megatron":
+            from ppo_trainer import megatron_checkpoint
+
+            return megatron_checkpoint
+        return checkpoint
 
     def shutdown(self) -> None:
         if self._sender is not None and self._sender.is_connected:

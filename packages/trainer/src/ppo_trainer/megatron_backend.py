@@ -1,0 +1,503 @@
+"""The megatron-core backend: GPTModel (local layer spec) with tensor and data parallelism, bf16.
+
+``MegatronTrainer`` runs the same PPO steps as ``TorchTrainer`` (it inherits them: every loss, the
+advantages, the whitening and the metrics come from ``ppo_math`` through the same code) and swaps
+what touches the model: the forward passes, the optimizer step, the weights in Hugging Face names.
+
+- Models: ``GPTModel`` built from the Hugging Face config (Llama, Qwen2), weights converted from the
+  transformers model the torch backend would load (``models.load_causal_lm`` / ``load_critic``: same
+  files, same seed for a config-only folder), so both backends start from the same numbers. The
+  critic is the same trunk with ``output_layer`` swapped for the torch critic's ``Linear(hidden, 1)``
+  value head (with its bias and its initial values).
+- Precision: megatron's ``Float16Module`` holds bf16 weights; ``DistributedOptimizer`` keeps float32
+  main weights, gradients (``grad_reduce_in_fp32``) and Adam moments, sharded over data parallelism.
+- Parallelism: ``parallel_state.initialize_model_parallel(tensor_parallel)``; the rest of the world is
+  data parallel. Its groups are made through the worker's ``ReloadableProcessGroups``
+  (``megatron_groups``), destroyed on sleep and rebuilt on wake; ``after_groups_rebuilt`` rebinds them.
+- Tensor-parallel ranks must see the same tokens, while the driver gives every worker rank its own
+  share: the ranks of one tensor-parallel group pool their shares (``all_gather_object``), train on
+  the union as one data-parallel replica, and each returns the rows of its own samples. The PPO
+  reductions (token counts, whitening, metrics) run over megatron's data-parallel group.
+- Losses are divided by the global token count already: ``calculate_per_token_loss`` makes megatron's
+  DDP sum gradients over data-parallel ranks instead of averaging them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ppo_lifecycle import ReloadableProcessGroups
+from ppo_trainer import megatron_convert as mc
+from ppo_trainer.backend import DataParallel, Region, TorchTrainer, _no_region
+from ppo_trainer.batch import MicroBatch, Samples
+from ppo_trainer.config import TrainerConfig
+from ppo_trainer.megatron_groups import MegatronGroups
+from ppo_trainer.models import load_causal_lm, load_critic
+
+# One MegatronGroups per process: megatron's parallel_state is process-global, so a second trainer
+# in the same process (a reference, a test) reuses the groups the first one made.
+_PROCESS_GROUPS: dict[int, MegatronGroups] = {}
+
+
+class ValueHead(nn.Linear):
+    """The critic's ``Linear(hidden, 1)``, called the way GPTModel calls its output layer."""
+
+    def forward(  # type: ignore[override]
+        self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        del weight, runtime_gather_output
+        return super().forward(hidden), None
+
+
+def _hf_config(model_path: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
+
+
+def rope_base(hf: Any) -> float:
+    """The RoPE base of a Hugging Face config (transformers 4: ``rope_theta``; 5: ``rope_parameters``);
+    ``ValueError`` for scaled RoPE (llama3, yarn, ...), which this backend does not convert."""
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ValueError(
+            f"the megatron backend converts plain RoPE only; this model uses rope_type={kind!r}: "
+            "use train.backend='torch'"
+        )
+    theta = params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0
+    return float(theta)
+
+
+def _transformer_config(hf: Any, shape: mc.ModelShape, tp: int, dtype: torch.dtype, on_cpu: bool) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_cpu_initialization=on_cpu,
+        attention_softmax_in_fp32=True,
+        # The fused kernels need apex or compiled extensions; the local spec runs without them.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # Every weight is loaded from the converted Hugging Face state right after construction.
+        perform_initialization=False,
+        # Losses arrive divided by the global token count: DDP must sum, not average.
+        calculate_per_token_loss=True,
+    )
+
+
+def build_gpt(
+    hf: Any,
+    shape: mc.ModelShape,
+    tp: int,
+    critic: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | None = None,
+) -> nn.Module:
+    """GPTModel for a Hugging Face config, weights uninitialised (load them with ``load_hf_into``).
+
+    ``device`` None: the current CUDA device; CPU builds (float32) serve the layout tests."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    on_cpu = device is not None and device.type == "cpu"
+    config = _transformer_config(hf, shape, tp, dtype, on_cpu)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.padded_vocab(tp),
+        max_sequence_length=int(hf.max_position_embeddings),
+        pre_process=True,
+        post_process=True,
+        # Whole logits on every TP rank: ppo_math's log-softmax and entropy run on them unchanged.
+        parallel_output=False,
+        share_embeddings_and_output_weights=shape.tied_embeddings and not critic,
+        position_embedding_type="rope",
+        rotary_base=rope_base(hf),  # annotated int; used as a number
+    )
+    if critic:
+        where = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        model.output_layer = ValueHead(shape.hidden_size, 1, dtype=dtype, device=where)
+    return model
+
+
+def _unwrap_name(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def load_hf_into(
+    module: nn.Module,
+    hf_state: Mapping[str, torch.Tensor],
+    shape: mc.ModelShape,
+    tp: int,
+    tp_rank: int,
+    critic: bool,
+    strict_value_head: bool = True,
+) -> None:
+    """Copy TP rank ``tp_rank``'s slice of the converted Hugging Face tensors into ``module``'s
+    parameters (a GPTModel, possibly wrapped). ``strict_value_head`` False: a policy state into a
+    critic keeps the critic's value head."""
+    mega = mc.hf_to_megatron(hf_state, shape, critic=critic)
+    params = {_unwrap_name(n): p for n, p in module.named_parameters()}
+    expected = set(mc.megatron_names(shape, critic))
+    if set(params) != expected:
+        raise RuntimeError(
+            f"megatron GPTModel parameters {sorted(set(params) ^ expected)[:6]} differ from the "
+            "converter's; this megatron-core version lays the model out differently"
+        )
+    missing = [
+        n for n in expected if n not in mega and (strict_value_head or not n.startswith("output_layer."))
+    ]
+    if missing:
+        raise ValueError(f"the Hugging Face state lacks {missing[:5]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if name in mega:
+                shard = mc.split_for_tp(name, mega[name], tp, shape, critic)[tp_rank]
+                param.copy_(shard.to(device=param.device, dtype=param.dtype))
+
+
+class MegatronTrainer(TorchTrainer):
+    """One rank of the actor or the critic on megatron-core (see the module docstring)."""
+
+    def __init__(
+        self, config: TrainerConfig, groups: ReloadableProcessGroups, region: Region | None = None
+    ) -> None:
+        from megatron.core import parallel_state as mpu
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        if config.device != "cuda":
+            raise ValueError("train.backend='megatron' needs placement.device='cuda'")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "MegatronTrainer needs torch.distributed initialised by ReloadableProcessGroups"
+            )
+        self.config = config
+        self.alg = config.algorithm
+        self.region = region or _no_region
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.autocast_dtype = None  # megatron's Float16Module casts; no autocast
+        self.tp = config.tensor_parallel
+        world = dist.get_world_size()
+        if world % self.tp:
+            raise ValueError(f"train.tensor_parallel={self.tp} must divide the role's {world} GPUs")
+        self._groups = _PROCESS_GROUPS.get(id(groups))
+        if self._groups is None:
+            self._groups = MegatronGroups(groups)
+            with self._groups.recording():
+                mpu.initialize_model_parallel(
+                    tensor_model_parallel_size=self.tp, create_gloo_process_groups=False
+                )
+            _PROCESS_GROUPS[id(groups)] = self._groups
+        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+        self.tp_rank = mpu.get_tensor_model_parallel_rank()
+        self.dp = DataParallel(
+            rank=mpu.get_data_parallel_rank(),
+            world_size=mpu.get_data_parallel_world_size(),
+            sum_fn=self._dp_sum,
+        )
+        self.hf_config = _hf_config(config.model_path)
+        self.shape = mc.ModelShape.from_hf_config(self.hf_config)
+        self.shape.check_tensor_parallel(self.tp)
+        self.critic = config.role == "critic"
+        # True with TP > 1: named_weights gathers each tensor over the TP group (every rank calls it).
+        self.sharded = self.tp > 1
+        self._loss_scale = 1.0
+        self.architecture = (self.hf_config.architectures or ["LlamaForCausalLM"])[0]
+
+        # The transformers model the torch backend would load: same files, same seeded init.
+        source = (
+            load_critic(config.model_path, config.seed)
+            if self.critic
+            else load_causal_lm(config.model_path, config.seed)
+        )
+        hf_state = {k: v.detach() for k, v in source.state_dict().items()}
+        del source
+        with self.region(self.WEIGHTS_TAG):
+            gpt = build_gpt(self.hf_config, self.shape, self.tp, self.critic)
+            module = Float16Module(gpt.config, gpt)
+            self._load_into(module, hf_state, strict_value_head=True)
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=True,
+            )
+            # megatron's DDP (typed Any: megatron-core ships no type information).
+            self.ddp: Any = DistributedDataParallel(gpt.config, ddp_config, module)
+            self.model = self.ddp
+            self.reference: nn.Module | None = None
+            if self.alg.reference_for(config.role):
+                ref_state = {
+                    k: v.detach()
+                    for k, v in load_causal_lm(config.model_path, config.seed).state_dict().items()
+                }
+                ref = Float16Module(gpt.config, build_gpt(self.hf_config, self.shape, self.tp, critic=False))
+                self._load_into(ref, ref_state, strict_value_head=False, critic=False)
+                ref.eval()
+                ref.requires_grad_(False)
+                self.reference = ref
+        del hf_state
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer_config = OptimizerConfig(
+            optimizer="adam",
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            adam_beta1=config.betas[0],
+            adam_beta2=config.betas[1],
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            use_distributed_optimizer=True,
+            # Clip at grad_clip; "no clipping" still measures the norm (reported as grad_norm).
+            clip_grad=config.grad_clip if config.grad_clip > 0 else math.inf,
+        )
+        with self.region(self.OPTIMIZER_TAG):
+            self.optimizer = get_megatron_optimizer(
+                optimizer_config, [self.model], use_gloo_process_groups=False
+            )
+
+    # ------------------------------------------------------------------ weights in and out
+    def _load_into(
+        self,
+        module: nn.Module,
+        hf_state: Mapping[str, torch.Tensor],
+        strict_value_head: bool,
+        critic: bool | None = None,
+    ) -> None:
+        critic = self.critic if critic is None else critic
+        load_hf_into(module, hf_state, self.shape, self.tp, self.tp_rank, critic, strict_value_head)
+
+    def _megatron_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Whole megatron tensors (gathered over the TP group: collective when TP > 1)."""
+        from megatron.core import parallel_state as mpu
+
+        out: dict[str, torch.Tensor] = {}
+        for name, param in module.named_parameters():
+            name = _unwrap_name(name)
+            tensor = param.detach()
+            if self.tp > 1 and mc.parallel_kind(name, self.critic) != "replicated":
+                parts = [torch.empty_like(tensor) for _ in range(self.tp)]
+                dist.all_gather(parts, tensor.contiguous(), group=mpu.get_tensor_model_parallel_group())
+                tensor = mc.gather_from_tp(name, parts, self.shape, self.critic)
+            elif mc.parallel_kind(name, self.critic) == "vocab":
+                tensor = tensor[: self.shape.vocab_size]
+            out[name] = tensor
+        return out
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Hugging Face names and layouts, whole tensors, in ``dtype`` (None: bf16 as held)."""
+        hf = mc.megatron_to_hf(self._megatron_state(self.model), self.shape, critic=self.critic)
+        cast: dict[int, torch.Tensor] = {}
+        for name, tensor in hf.items():
+            key = id(tensor)  # tied weights: one cast, the same tensor under both names
+            if key not in cast:
+                cast[key] = tensor.to(dtype) if dtype is not None else tensor
+            yield name, cast[key]
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: t.float().cpu() for name, t in self.named_weights()}
+
+    def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Whole Hugging Face tensors (either backend's checkpoint) into the bf16 weights and the
+        optimizer's float32 main weights; a critic accepts a policy state (its value head stays)."""
+        with self.region(self.WEIGHTS_TAG):
+            self._load_into(self.ddp.module, state, strict_value_head=False)
+        # The DistributedOptimizer's float32 main weights follow the model's (bf16) weights.
+        for opt in self._optimizers():
+            opt.reload_model_params()
+
+    # ------------------------------------------------------------------ tensors the lifecycle moves
+    def _optimizers(self) -> list[Any]:
+        from megatron.core.optimizer import ChainedOptimizer
+
+        if isinstance(self.optimizer, ChainedOptimizer):
+            return list(self.optimizer.chained_optimizers)
+        return [self.optimizer]
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The bf16 weights and DDP's gradient buffers (the memory backend moves whole buffers).
+
+        The gradient buffers go with the weights, not the optimizer state: DDP allocates both buffers
+        in its constructor, inside the weights region, and torch_memory_saver pauses a region whole.
+        """
+        modules: list[nn.Module] = [self.ddp.module]  # megatron's DDP names its buffer list `buffers`
+        if self.reference is not None:
+            modules.append(self.reference)
+        out = [t for m in modules for t in [*(p.data for p in m.parameters()), *m.buffers()]]
+        out += [b.grad_data for b in self._ddp_buffers() if b.grad_data is not None]
+        return [t for t in out if t.device.type == "cuda"]
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        """The float32 main weights and Adam moments (this rank's data-parallel shards)."""
+        out: list[torch.Tensor] = []
+        for opt in self._optimizers():
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                out += [p.data for p in group["params"]]
+            for state in inner.state.values():
+                out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return [t for t in out if t.device.type == "cuda"]
+
+    def _ddp_buffers(self) -> list[Any]:
+        """DDP's contiguous parameter-and-gradient buffers (``_ParamAndGradBuffer``)."""
+        return [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]
+
+    def after_groups_rebuilt(self) -> None:
+        """Swap the destroyed groups megatron holds for the rebuilt ones (lifecycle post-wake hook)."""
+        assert self._groups is not None
+        self._groups.rebind(self.model, self.optimizer, self.reference)
+
+    def release_gathered(self) -> None:
+        """Nothing is gathered outside the tracked buffers (no-op; kept for the interface)."""
+
+    @property
+    def layout(self) -> str:
+        return f"megatron tp={self.tp} dp={self.dp.world_size}"
+
+    # ------------------------------------------------------------------ collectives
+    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state as mpu
+
+        if mpu.get_data_parallel_world_size() == 1:
+            return tensor
+        on_device = tensor.to(self.device)
+        dist.all_reduce(on_device, group=mpu.get_data_parallel_group())
+        return on_device.to(tensor.device)
+
+    def _require_even_split(self, samples: Samples) -> None:
+        """Megatron's forward passes are collectives only within a TP group, which pools its samples."""
+
+    # ------------------------------------------------------------------ forward passes
+    def _forward(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+        length = mb.input_ids.shape[1]
+        position_ids = torch.arange(length, device=self.device).unsqueeze(0).expand_as(mb.input_ids)
+        # Right padding: the causal mask alone keeps padding out of every real position.
+        return model(mb.input_ids, position_ids, None)
+
+    def _policy(
+        self, model: nn.Module, mb: MicroBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from ppo_trainer import ppo_math as pm
+
+        logits = self._forward(model, mb)[..., : self.shape.vocab_size]  # drop the TP vocab padding
+        index = mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        picked = logits.gather(1, index)
+        log_probs = pm.log_probs_from_logits(picked, mb.targets)
+        entropy = pm.entropy_from_logits(picked) if with_entropy else None
+        return log_probs, entropy
+
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        values = self._forward(self.model, mb).squeeze(-1)  # [b, L]
+        return values.float().gather(1, mb.logit_positions)
+
+    # ------------------------------------------------------------------ optimisation
+    def _optimizer_step(self) -> float:
+        """Reduce gradients over data parallelism, clip, step (main weights -> bf16 weights), clear."""
+        self.ddp.finish_grad_sync()
+        with self.region(self.OPTIMIZER_TAG):
+            ok, grad_norm, _ = self.optimizer.step()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if not ok:
+            raise RuntimeError(
+                f"{self.config.role}: megatron's optimizer skipped the step (non-finite gradients)"
+            )
+        return float(grad_norm or 0.0)
+
+    # ------------------------------------------------------------------ tensor-parallel sample pooling
+    def _pool(
+        self, samples: Samples, *extra: torch.Tensor | None
+    ) -> tuple[Samples, list[torch.Tensor | None], slice, int]:
+        """The TP group's samples (and extra ``[N, R]`` tensors) in TP-rank order; this rank's rows."""
+        if self.tp == 1:
+            return samples, list(extra), slice(0, len(samples)), samples.max_response
+        from megatron.core import parallel_state as mpu
+
+        mine = (samples, [None if e is None else e.cpu() for e in extra])
+        gathered: list[Any] = [None] * self.tp
+        dist.all_gather_object(gathered, mine, group=mpu.get_tensor_model_parallel_group())
+        start = sum(len(s) for s, _ in gathered[: self.tp_rank])
+        pooled = concat_samples([s for s, _ in gathered])
+        width = pooled.max_response
+        extras: list[torch.Tensor | None] = []
+        for i in range(len(extra)):
+            parts = [e[i] for _, e in gathered]
+            extras.append(
+                None if any(p is None for p in parts) else torch.cat([_widen(p, width) for p in parts])
+            )
+        return pooled, extras, slice(start, start + len(samples)), samples.max_response
+
+    def compute_log_probs(self, samples: Samples) -> torch.Tensor:
+        pooled, _, rows, width = self._pool(samples)
+        return super().compute_log_probs(pooled)[rows, :width]
+
+    def compute_values(self, samples: Samples) -> torch.Tensor:
+        pooled, _, rows, width = self._pool(samples)
+        return super().compute_values(pooled)[rows, :width]
+
+    def train_critic(self, samples: Samples) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        pooled, _, rows, width = self._pool(samples)
+        metrics, values, rewards = super().train_critic(pooled)
+        return metrics, values[rows, :width], rewards[rows, :width]
+
+    def train_actor(
+        self, samples: Samples, values: torch.Tensor | None, rewards: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        pooled, (pv, pr), _, _ = self._pool(samples, values, rewards)
+        return super().train_actor(pooled, pv, pr)
+
+
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    return F.pad(x, (0, width - x.shape[1]))
+
+
+def concat_samples(parts: list[Samples]) -> Samples:
+    """Several ranks' samples as one batch, response-space tensors re-padded to the widest."""
+    width = max(p.max_response for p in parts)
+
+    def cat(field: str) -> torch.Tensor:
+        return torch.cat([_widen(getattr(p, field), width) for p in parts])
+
+    return Samples(
+        tokens=tuple(t for p in parts for t in p.tokens),
+        response_lengths=torch.cat([p.response_lengths for p in parts]),
+        response_mask=cat("response_mask"),
+        loss_mask=cat("loss_mask"),
+        reward=torch.cat([p.reward for p in parts]),
+        rollout_log_probs=cat("rollout_log_probs"),
+        prompt_index=torch.cat([p.prompt_index for p in parts]),
+    )
+
+
+__all__ = ["MegatronTrainer", "ValueHead", "concat_samples"]

@@ -1,0 +1,105 @@
+"""Checkpoints of the megatron backend, in the torch backend's layout and Hugging Face names.
+
+Written through the ``TrainerBackend`` interface alone (``hf_state_dict`` / ``load_hf_state_dict``), so
+any backend can use it; the megatron backend does (``TrainWorker.save``/``load`` with
+``backend='megatron'``), and the tests run it on the torch backend to check the files against
+``checkpoint.py``'s.
+
+``<folder>/`` gets ``model.safetensors`` (whole float32 tensors in Hugging Face names, tied aliases
+dropped, as the torch backend writes them), ``rng_rank<r>.safetensors`` and ``trainer_state.json``;
+the actor also ``hf/`` (``config.json``, the weights, the tokenizer files of ``model_path``). So a run
+saved by either backend resumes on the other: the model loads by name (``load_hf_state_dict``).
+
+Not carried over: the optimizer state. megatron's ``DistributedOptimizer`` keeps its float32 main
+weights and Adam moments in flat data-parallel shards; this module writes no ``optimizer.pt``, and an
+``optimizer.pt`` from the torch backend is not read (Adam starts afresh after a resume, from the
+checkpoint's weights). The weights are the bf16 model weights (cast to float32).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from ppo_trainer.backend_protocol import TrainerBackend
+from ppo_trainer.checkpoint import _TOKENIZER_FILES, FORMAT_VERSION, _rng_state, _set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _tied(model_path: str) -> bool:
+    """Whether the model ties its output layer to the embeddings (``lm_head.weight`` is an alias)."""
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
+
+
+def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
+    """Every rank calls it (the TP gather is collective); global rank 0 writes the model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rank = _rank()
+    tensors, meta = _rng_state()
+    save_file(tensors, str(folder / f"rng_rank{rank}.safetensors"), metadata=meta)
+    state = trainer.hf_state_dict() if trainer.sharded or rank == 0 else {}
+    if rank != 0:
+        return
+    if trainer.config.role == "actor" and _tied(trainer.config.model_path):
+        state.pop("lm_head.weight", None)  # an alias of the embeddings, as the torch backend drops it
+    save_file(state, str(folder / "model.safetensors"))
+    info: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "role": trainer.config.role,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "data_parallel": trainer.layout,
+        "backend": trainer.config.backend,
+        "step": step,
+    }
+    (folder / "trainer_state.json").write_text(json.dumps(info, indent=2))
+    if trainer.config.role == "actor":
+        hf = folder / "hf"
+        hf.mkdir(exist_ok=True)
+        source = Path(trainer.config.model_path)
+        shutil.copy2(source / "config.json", hf / "config.json")
+        save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+        for name in _TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, hf / name)
+
+
+def load_shard(trainer: TrainerBackend, folder: Path) -> int | None:
+    """Load a ``<role>/`` folder written by either backend; returns the saved step."""
+    model_file = folder / "model.safetensors"
+    if not model_file.is_file():
+        raise FileNotFoundError(
+            f"{model_file} not found; is {folder} a {trainer.config.role} checkpoint folder?"
+        )
+    state_file = folder / "trainer_state.json"
+    saved = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    saved_role = saved.get("role", trainer.config.role)
+    if saved_role != trainer.config.role and trainer.config.role == "actor":
+        raise ValueError(f"{folder} holds a {saved_role} checkpoint; it cannot be loaded into the actor")
+    state = load_file(str(model_file))
+    trainer.load_hf_state_dict(state)
+    if saved_role != trainer.config.role:
+        return None  # a policy checkpoint into the critic: a fresh start, as in the torch backend
+    if (folder / "optimizer.pt").is_file() and trainer.config.backend == "megatron":
+        log.warning(
+            "%s: %s/optimizer.pt is not loaded by the megatron backend; Adam starts afresh",
+            trainer.config.role,
+            folder,
+        )
+    rng_file = folder / f"rng_rank{_rank()}.safetensors"
+    if rng_file.is_file():
+        _set_rng_state(rng_file)
+    step = saved.get("step")
+    return int(step) if step is not None else None

@@ -1,0 +1,147 @@
+"""megatron-core's own GPTModel on CPU (float32, one gloo rank): the converted weights compute what
+the transformers model computes, and megatron's groups survive a destroy and rebuild.
+
+Skipped where megatron-core does not import (CI: Python 3.11 without the ``megatron`` extra). The
+groups are the lifecycle's (``ReloadableProcessGroups``), created in this process and destroyed at
+the end of the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed (the ppo-trainer[megatron] extra)"
+)
+
+import torch.distributed as dist
+
+from ppo_lifecycle import ReloadableProcessGroups
+from ppo_trainer import megatron_convert as mc
+from ppo_trainer.megatron_backend import build_gpt, load_hf_into
+from ppo_trainer.megatron_groups import MegatronGroups
+from ppo_weight_sync import free_port
+
+
+@pytest.fixture(autouse=True)
+def _cpu_rope(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron's RoPE moves its frequencies to ``torch.cuda.current_device()`` on the first forward;
+    these models live on the CPU, so point that at the CPU (the only CUDA call on this path)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+
+@pytest.fixture(scope="module")
+def megatron_groups() -> Iterator[tuple[ReloadableProcessGroups, MegatronGroups]]:
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    groups = ReloadableProcessGroups()
+    groups.init_default("gloo", f"tcp://127.0.0.1:{free_port()}", 1, 0, timedelta(seconds=60))
+    recorded = MegatronGroups(groups)
+    with recorded.recording():
+        mpu.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
+    # No dropout here: the tracker whose fork() is a no-op (the training one saves CUDA RNG states).
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    try:
+        yield groups, recorded
+    finally:
+        initialize_rng_tracker(force_reset=True)
+        mpu.destroy_model_parallel()
+        groups.destroy()
+
+
+def _causal(length: int) -> torch.Tensor:
+    """The mask megatron builds itself when given None (True: masked), but on the CPU: its default
+    is made on CUDA. The backend passes None on GPUs."""
+    return torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def _hf(arch: str, tied: bool) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kwargs: dict[str, Any] = {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 40,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": tied,
+    }
+    torch.manual_seed(0)
+    model = (
+        LlamaForCausalLM(LlamaConfig(**kwargs))
+        if arch == "llama"
+        else Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    )
+    with torch.no_grad():  # norms and biases away from their ones and zeros
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("qwen2", True)])
+def test_megatron_logits_match_transformers(megatron_groups: Any, arch: str, tied: bool) -> None:
+    hf = _hf(arch, tied)
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    gpt = build_gpt(hf.config, shape, tp=1, critic=False, dtype=torch.float32, device=torch.device("cpu"))
+    load_hf_into(gpt, hf.state_dict(), shape, tp=1, tp_rank=0, critic=False)
+    gpt.eval()
+    tokens = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(11).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        ours = gpt(tokens, positions, _causal(11))
+        theirs = hf(input_ids=tokens).logits
+    assert ours.shape == theirs.shape
+    diff = (ours - theirs).abs().max().item()
+    assert diff < 1e-4, f"max abs logit difference {diff}"
+
+
+def test_critic_value_head_matches_torch_critic(megatron_groups: Any) -> None:
+    from ppo_trainer.models import CriticModel
+
+    hf = _hf("llama", False)
+    critic = CriticModel(hf.model, seed=5).eval()
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    gpt = build_gpt(hf.config, shape, tp=1, critic=True, dtype=torch.float32, device=torch.device("cpu"))
+    load_hf_into(gpt, critic.state_dict(), shape, tp=1, tp_rank=0, critic=True)
+    gpt.eval()
+    tokens = torch.randint(0, 40, (3, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = gpt(tokens, torch.arange(7).unsqueeze(0).expand(3, -1), _causal(7)).squeeze(-1)
+        theirs = critic(tokens)
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_groups_rebuilt_and_rebound(megatron_groups: Any) -> None:
+    from megatron.core import parallel_state as mpu
+
+    groups, recorded = megatron_groups
+    hf = _hf("llama", False)
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    gpt = build_gpt(hf.config, shape, tp=1, critic=False, dtype=torch.float32, device=torch.device("cpu"))
+    before = mpu.get_tensor_model_parallel_group()
+    assert recorded.handles, "megatron made no groups through the lifecycle"
+    groups.destroy()
+    groups.reload()
+    swapped = recorded.rebind(gpt)
+    after = mpu.get_tensor_model_parallel_group()
+    assert after is not before
+    assert after is recorded.handles[recorded._bound.index(after)].group
+    assert swapped > len(recorded.handles) // 2  # parallel_state globals and the layers' tp_group
+    held = {
+        id(m.tp_group) for m in gpt.modules() if isinstance(getattr(m, "tp_group", None), dist.ProcessGroup)
+    }
+    assert held == {id(after)}
+    # And the live group works.
+    t = torch.ones(2)
+    dist.all_reduce(t, group=mpu.get_data_parallel_group())
+    assert t.tolist() == [1.0, 1.0]
