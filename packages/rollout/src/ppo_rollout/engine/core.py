@@ -156,7 +156,9 @@ class GenerationCore:
         generator = torch.Generator(device=dev)
         generator.manual_seed(int(sampling.seed if seed is None else seed) & 0x7FFF_FFFF_FFFF_FFFF)
         stop_ids = torch.tensor(
-            sorted({*self.eos_token_ids, *sampling.stop_token_ids}), dtype=torch.long, device=dev
+            sorted({*(() if sampling.ignore_eos else self.eos_token_ids), *sampling.stop_token_ids}),
+            dtype=torch.long,
+            device=dev,
         )
 
         # The cache object is filled in place by every forward pass.
