@@ -57,7 +57,7 @@ def check_step_budget(records: list[dict[str, Any]], roles: tuple[str, ...], eng
     """Every budget key in every step; the parts add up to the step with little ``other``; the bytes
     of what moved are there; each inclusive phase time is its own part plus the parts inside it."""
     transitions = [f"{role}/{action}" for role in roles for action in ("sleep", "wake")]
-    parts = [*BUDGET_WORK, *transitions, "weight_update", "handoff"]
+    parts = [*BUDGET_WORK, *transitions, "weight_update", "handoff", "check_weights"]
     time_keys = [f"time/{p}_s" for p in (*parts, "other", "step")]
     byte_keys = [f"bytes/{t}" for t in transitions] + ["bytes/handoff", "bytes/weight_update"]
     others, steps = [], []

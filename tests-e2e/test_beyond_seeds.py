@@ -101,6 +101,7 @@ def test_disaggregated_shared_critic_with_reward_kl(local_ray: None, tmp_path: P
             "placement.critic=shared",
             "algorithm.kl_coef=0.05",
             "train.steps=3",
+            "train.check_weights=true",
         ],
     )
     holder: dict[str, WatchedActor] = {}
@@ -133,6 +134,7 @@ def test_disaggregated_shared_critic_with_reward_kl(local_ray: None, tmp_path: P
     assert result.weights_match
     # The step budget of the disaggregated layout: every key, the parts add up, the engines never move.
     check_step_budget(result.history, ("actor", "critic", "engines"), engines_move=False)
+    assert all(r["time/check_weights_s"] > 0 for r in result.history)  # the engines checked every step
 
 
 @pytest.mark.timeout(600)

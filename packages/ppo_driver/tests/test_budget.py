@@ -120,3 +120,29 @@ def test_summary_table_and_plot_show_the_budget(tmp_path: Path) -> None:
     png = plot_run(tmp_path)
     with Image.open(png) as image:
         assert image.size == (1000, 1050)  # the four curves and the budget bars below them
+
+
+class _Weights:
+    def __init__(self, actor: str, engines: list[str]) -> None:
+        self.actor, self.engines = actor, engines
+
+    def weights_checksum(self) -> str:
+        return self.actor
+
+    def weights_checksums(self) -> list[str]:
+        return self.engines
+
+
+def test_check_weights_names_the_engine_that_missed_the_update() -> None:
+    from typing import Any, cast
+
+    from ppo_driver.loop import check_weights_match
+    from ppo_driver.roles import Roles
+
+    def roles(actor: str, engines: list[str]) -> Roles:
+        w = _Weights(actor, engines)
+        return Roles(rollout=cast(Any, w), actor=cast(Any, w), critic=None)
+
+    check_weights_match(3, roles("a" * 64, ["a" * 64, "a" * 64]))
+    with pytest.raises(RuntimeError, match=r"step 3: .*engine\(s\) \[1\] hold other weights"):
+        check_weights_match(3, roles("a" * 64, ["a" * 64, "b" * 64]))

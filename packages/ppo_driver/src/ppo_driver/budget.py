@@ -31,6 +31,8 @@ from typing import Any
 ROLES: tuple[str, ...] = ("actor", "critic", "engines")
 # Compute and I/O phases of the loop, in step order.
 WORK: tuple[str, ...] = ("generate", "critic_train", "actor_train", "save", "generate_wait", "eval")
+# Checks a run asked for (``train.check_weights``): neither work nor overhead of the method itself.
+CHECKS: tuple[str, ...] = ("check_weights",)
 # The overhead the issue budgets: moving models on and off the GPUs, the weight update, the handoff.
 TRANSFER: tuple[str, ...] = ("weight_update", "handoff")
 # The loop's phases that also keep their older inclusive key ``time/<phase>`` (transitions included).
@@ -43,7 +45,7 @@ def transition_parts(roles: Sequence[str]) -> tuple[str, ...]:
 
 def parts_for(roles: Sequence[str]) -> tuple[str, ...]:
     """Every named part of a step for a run with these roles, in table order."""
-    return (*WORK, *transition_parts(roles), *TRANSFER)
+    return (*WORK, *transition_parts(roles), *TRANSFER, *CHECKS)
 
 
 def budget_role(plan_role: str) -> str:

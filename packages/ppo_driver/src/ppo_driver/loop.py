@@ -186,6 +186,9 @@ def train(
                     update = actor.update_weights(version=str(step))
                 metrics.update(_prefixed("weight_sync", update))
                 published = step
+                if config.train.check_weights:
+                    with timer.span("check_weights"):
+                        check_weights_match(step, roles)
 
             phases.enter("generate")  # onload the engines
             if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
@@ -366,7 +369,14 @@ def save_checkpoint(root: Path, step: int, roles: Roles, config: RunConfig) -> P
 
 
 # Fields a resumed run may change without changing what it computes.
-RESUME_FREE = ("train.steps", "checkpoint.", "logging.", "ray.", "rollout.eval_interval")
+RESUME_FREE = (
+    "train.steps",
+    "train.check_weights",
+    "checkpoint.",
+    "logging.",
+    "ray.",
+    "rollout.eval_interval",
+)
 
 
 def changed_fields(saved: Mapping[str, Any], config: RunConfig) -> list[str]:
@@ -419,6 +429,18 @@ def _check_staleness(step: int, batch_metrics: Mapping[str, Any], published: int
             f"behind the published {published}; at most one is allowed"
         )
     return behind
+
+
+def check_weights_match(step: int, roles: Roles) -> None:
+    """Every engine holds the actor's weights (``train.check_weights``, after each update)."""
+    actor = roles.actor.weights_checksum()
+    engines = list(roles.rollout.weights_checksums())
+    wrong = [i for i, c in enumerate(engines) if c != actor]
+    if wrong or not engines:
+        raise RuntimeError(
+            f"step {step}: after the weight update, engine(s) {wrong} hold other weights than the actor "
+            f"(actor {actor[:12]}, engines {[c[:12] for c in engines]}); the update did not land"
+        )
 
 
 def _pop_role_metrics(roles: Roles) -> dict[str, dict[str, float]]:
