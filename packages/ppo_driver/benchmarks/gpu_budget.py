@@ -82,10 +82,10 @@ CPU_SMOKE = (
     "offload.backend=auto",
     "rollout.sampling.max_new_tokens=8",
     "rollout.sampling.ignore_eos=true",
-    "rollout.prompts_per_step=4",
+    "rollout.prompts_per_step=8",
     "rollout.sampling.n_samples_per_prompt=2",
     "rollout.eval_prompts=2",
-    "train.micro_batch_size=4",
+    "train.micro_batch_size=2",
 )
 
 
@@ -99,7 +99,7 @@ class Load:
 
 
 GPU_LOAD = Load(response_tokens=256, samples=256, steps=5)
-CPU_LOAD = Load(response_tokens=8, samples=8, steps=2)
+CPU_LOAD = Load(response_tokens=8, samples=16, steps=2)
 
 
 class CheckFailed(AssertionError):
@@ -174,7 +174,8 @@ def run_scenario(scenario: Scenario, root: Path, *, cpu_smoke: bool, steps: int)
         )
     check(result.weights_match, f"{scenario.name}: the engines end with the actor's weights")
     params = parameters(run_dir / "model")
-    check(cpu_smoke or 0.5e9 <= params <= 1e9, f"{scenario.name}: a 0.5-1B model ({params / 1e9:.2f}B)")
+    if not cpu_smoke:
+        check(0.5e9 <= params <= 1e9, f"{scenario.name}: a 0.5-1B model ({params / 1e9:.2f}B)")
     first, *rest = history
     mean_step = sum(r["time/step_s"] for r in rest) / len(rest) if rest else first["time/step_s"]
     lines = [

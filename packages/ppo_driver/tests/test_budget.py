@@ -59,6 +59,18 @@ def test_nested_parts_are_carved_out_and_everything_adds_up() -> None:
         assert m[key] == 0.0, key
 
 
+def test_a_weights_check_is_its_own_part_and_not_in_the_overhead_fraction() -> None:
+    clock = StepClock()
+    with clock.span("weight_update"):
+        time.sleep(0.01)
+    with clock.span("check_weights"):
+        time.sleep(0.02)
+    m = step_metrics(clock, ROLES, StepBytes({}))
+    assert m["time/check_weights_s"] >= 0.02
+    method_s = m["time/step_s"] - m["time/check_weights_s"]
+    assert m["time/overhead_fraction"] == pytest.approx(m["time/weight_update_s"] / method_s)
+
+
 def test_a_part_outside_the_budget_is_refused() -> None:
     clock = StepClock()
     with clock.span("reference/sleep"):

@@ -15,7 +15,8 @@ Per-step keys (every one present in every step, 0 where a part did not run):
   ``time/step_s``;
 * ``bytes/<role>/sleep`` and ``bytes/<role>/wake`` for each role (``actor``, ``critic``,
   ``engines``), ``bytes/handoff`` and ``bytes/weight_update``;
-* ``time/overhead_fraction`` = (every sleep and wake + weight update + handoff) / step.
+* ``time/overhead_fraction`` = (every sleep and wake + weight update + handoff) / step, where the
+  step leaves out ``check_weights`` (a check the run asked for, not part of the method).
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ def step_metrics(clock: StepClock, roles: Sequence[str], moved: StepBytes) -> di
     out["bytes/handoff"] = float(moved.handoff)
     out["bytes/weight_update"] = float(moved.weight_update)
     overhead = sum(own.get(p, 0.0) for p in (*transition_parts(roles), *TRANSFER))
-    out["time/overhead_fraction"] = overhead / step_s if step_s > 0 else 0.0
+    # The checks a run asked for are not part of the method's step: left out of the denominator.
+    method_s = step_s - sum(own.get(p, 0.0) for p in CHECKS)
+    out["time/overhead_fraction"] = overhead / method_s if method_s > 0 else 0.0
     return out
 
 

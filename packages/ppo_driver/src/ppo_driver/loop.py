@@ -18,6 +18,7 @@ workers only carry them out. A critic-only warm-up step (``train.num_critic_only
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -433,8 +434,11 @@ def _check_staleness(step: int, batch_metrics: Mapping[str, Any], published: int
 
 def check_weights_match(step: int, roles: Roles) -> None:
     """Every engine holds the actor's weights (``train.check_weights``, after each update)."""
-    actor = roles.actor.weights_checksum()
-    engines = list(roles.rollout.weights_checksums())
+    # The engines hash their weights while the actor hashes its own (each is seconds at 1B parameters).
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="check-weights") as pool:
+        on_engines = pool.submit(roles.rollout.weights_checksums)
+        actor = roles.actor.weights_checksum()
+        engines = list(on_engines.result())
     wrong = [i for i, c in enumerate(engines) if c != actor]
     if wrong or not engines:
         raise RuntimeError(
