@@ -8,7 +8,9 @@ step, 5 steps, no checkpoint saves (their cost is a separate budget). Training m
 finite every step, every engine's weights checksum equal to the actor's after every update
 (``train.check_weights``, the budget's ``check_weights`` part), and at the end. Prints, per scenario,
 the step budget (``ppo_driver.budget``) as a Markdown table for the root README's performance
-section, and writes all of them to ``$OUT/budget.md`` (or ``--out``).
+section, and writes them to ``$OUT/budget.md`` (or ``--out``), each also to ``budget-<scenario>.md`` as soon
+as it is done. Not yet timed on GPUs (an estimate from the sizes: a few minutes per scenario, start-up
+included); under a 10-minute limit per command, run one ``--scenario`` per call.
 
     python packages/ppo_driver/benchmarks/gpu_budget.py                 # both scenarios, 2 GPUs
     python packages/ppo_driver/benchmarks/gpu_budget.py --cpu-smoke     # the same path, tiny, on CPU
@@ -231,16 +233,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = args.scenario or list(SCENARIOS)
     sections, failed = [], []
-    for name in names:
-        try:
-            sections.append(run_scenario(SCENARIOS[name], out, cpu_smoke=args.cpu_smoke, steps=steps))
-        except Exception as exc:  # every scenario runs; the exit status reports the failures
-            traceback.print_exc()
-            failed.append(f"{name}: {type(exc).__name__}: {exc}")
     header = (
         f"Step budget measured {datetime.date.today().isoformat()} on {machine()}; "
         f"`{' '.join(['python', 'packages/ppo_driver/benchmarks/gpu_budget.py', *(argv or sys.argv[1:])])}`."
     )
+    for name in names:
+        try:
+            section = run_scenario(SCENARIOS[name], out, cpu_smoke=args.cpu_smoke, steps=steps)
+        except Exception as exc:  # every scenario runs; the exit status reports the failures
+            traceback.print_exc()
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        sections.append(section)
+        # Written at once: a later scenario that runs out of time does not take this table with it.
+        (out / f"budget-{name}.md").write_text(f"{header}\n\n{section}\n")
     report = "\n\n".join([header, *sections]) + "\n"
     (out / "budget.md").write_text(report)
     (out / "budget.json").write_text(json.dumps({"failed": failed, "scenarios": names}, indent=1) + "\n")

@@ -377,7 +377,9 @@ class RolloutManager:
 
     def weights_checksums(self) -> list[str]:
         """``ppo_weight_sync.checksum`` of each engine's weights (built-in engines only)."""
-        return [e.weights_checksum(self.config.timeout_s) for e in self.engines]
+        # Together: hashing a 1B-parameter model's weights takes seconds per engine.
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines))) as pool:
+            return list(pool.map(lambda e: e.weights_checksum(self.config.timeout_s), self.engines))
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
