@@ -156,12 +156,8 @@ def budget_rows(history: Sequence[Mapping[str, Any]]) -> list[BudgetRow]:
     if not records:
         return []
     first, rest = records[0], records[1:]
-    parts = [
-        key[len("time/") : -len("_s")]
-        for key in records[0]
-        if key.startswith("time/") and key.endswith("_s") and key not in ("time/other_s", "time/step_s")
-    ]
-    parts = [p for p in parts if any(r.get(f"time/{p}_s", 0.0) > 0 for r in records)]
+    # The budget's own parts only: another ``time/..._s`` key in a record is not a part of the sum.
+    parts = [p for p in parts_for(ROLES) if any(r.get(f"time/{p}_s", 0.0) > 0 for r in records)]
     rows = []
     first_step = float(first["time/step_s"])
     mean_step = statistics.fmean(float(r["time/step_s"]) for r in rest) if rest else None
