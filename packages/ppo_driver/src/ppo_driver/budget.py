@@ -34,7 +34,7 @@ ROLES: tuple[str, ...] = ("actor", "critic", "engines")
 WORK: tuple[str, ...] = ("generate", "critic_train", "actor_train", "save", "generate_wait", "eval")
 # Checks a run asked for (``train.check_weights``): neither work nor overhead of the method itself.
 CHECKS: tuple[str, ...] = ("check_weights",)
-# The overhead the issue budgets: moving models on and off the GPUs, the weight update, the handoff.
+# The cost of taking turns: moving models on and off the GPUs, the weight update, the value handoff.
 TRANSFER: tuple[str, ...] = ("weight_update", "handoff")
 # The loop's phases that also keep their older inclusive key ``time/<phase>`` (transitions included).
 PHASES: tuple[str, ...] = (*WORK, "weight_update")
