@@ -93,6 +93,7 @@ def _history() -> list[dict[str, float]]:
                 "time/step_s": 0.5 + sleep_s + other,
                 "time/overhead_fraction": sleep_s / (0.5 + sleep_s + other),
                 "time/unrelated_s": 9.0,  # not a budget part: never a row, never in the sum
+                "bytes/actor/sleep": 2e9,
             }
         )
     return out
@@ -113,12 +114,13 @@ def test_rows_first_step_apart_mean_after_it_and_unused_parts_left_out() -> None
 def test_markdown_table_is_ready_to_paste() -> None:
     text = markdown_table(_history())
     lines = text.splitlines()
-    assert lines[0] == "| part | first step s | share | mean s (steps 2+) | share |"
-    assert "| actor/sleep | 1.000 | 50.0% | 0.200 | 20.0% |" in lines
-    assert "| **step** | 2.000 | 100.0% | 1.000 | 100.0% |" in lines
-    assert lines[-1].endswith("| 50.0% | | 20.0% |")
+    assert lines[0] == "| part | first step s | share | MB | mean s (steps 2+) | share | MB | GB/s |"
+    assert "| actor/sleep | 1.000 | 50.0% | 2000.0 | 0.200 | 20.0% | 2000.0 | 10.00 |" in lines
+    assert "| **step** | 2.000 | 100.0% |  | 1.000 | 100.0% |  | - |" in lines
+    assert lines[-1].endswith("| 50.0% | | | 20.0% | | |")
     one_step = markdown_table(_history()[:1])
-    assert "| generate | 0.500 | 25.0% | - | - |" in one_step.splitlines()
+    assert "| generate | 0.500 | 25.0% |  | - | - |  | - |" in one_step.splitlines()
+    assert "| actor/sleep | 1.000 | 50.0% | 2000.0 | - | - |  | 2.00 |" in one_step.splitlines()
 
 
 def test_summary_table_and_plot_show_the_budget(tmp_path: Path) -> None:

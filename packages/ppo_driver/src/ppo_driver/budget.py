@@ -143,6 +143,21 @@ class BudgetRow:
     mean_s: float | None  # steps after the first; None for a one-step run
     first_share: float
     mean_share: float | None
+    first_bytes: float | None = None  # None: a part that moves no counted bytes
+    mean_bytes: float | None = None
+
+    @property
+    def gb_per_s(self) -> float | None:
+        """The mean step's bytes over its seconds (the first step's for a one-step run)."""
+        nbytes, seconds = (
+            (self.mean_bytes, self.mean_s) if self.mean_s is not None else (self.first_bytes, self.first_s)
+        )
+        return nbytes / seconds / 1e9 if nbytes and seconds else None
+
+
+def bytes_key(part: str) -> str | None:
+    """The ``bytes/...`` key of a part that moves data (transitions, weight update, handoff), else None."""
+    return f"bytes/{part}" if "/" in part or part in TRANSFER else None
 
 
 def budget_rows(history: Sequence[Mapping[str, Any]]) -> list[BudgetRow]:
@@ -164,6 +179,7 @@ def budget_rows(history: Sequence[Mapping[str, Any]]) -> list[BudgetRow]:
     for part in (*parts, "other", "step"):
         a = float(first.get(f"time/{part}_s", 0.0))
         b = statistics.fmean(float(r.get(f"time/{part}_s", 0.0)) for r in rest) if rest else None
+        key = bytes_key(part)
         rows.append(
             BudgetRow(
                 part=part,
@@ -171,6 +187,8 @@ def budget_rows(history: Sequence[Mapping[str, Any]]) -> list[BudgetRow]:
                 mean_s=b,
                 first_share=a / first_step if first_step > 0 else 0.0,
                 mean_share=(b / mean_step) if b is not None and mean_step else None,
+                first_bytes=float(first.get(key, 0.0)) if key else None,
+                mean_bytes=statistics.fmean(float(r.get(key, 0.0)) for r in rest) if key and rest else None,
             )
         )
     return rows
@@ -196,6 +214,8 @@ def summary(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 "first_step_share": r.first_share,
                 "mean_s": r.mean_s,
                 "mean_share": r.mean_share,
+                "first_step_bytes": r.first_bytes,
+                "mean_bytes": r.mean_bytes,
             }
             for r in rows
         ],
@@ -207,22 +227,27 @@ def markdown_table(history: Sequence[Mapping[str, Any]]) -> str:
     """The budget table in Markdown (the root README's performance section takes it as it is)."""
     rows = budget_rows(history)
     lines = [
-        "| part | first step s | share | mean s (steps 2+) | share |",
-        "|---|---:|---:|---:|---:|",
+        "| part | first step s | share | MB | mean s (steps 2+) | share | MB | GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         name = f"**{row.part}**" if row.part == "step" else row.part
         lines.append(
-            f"| {name} | {row.first_s:.3f} | {row.first_share:.1%} | "
-            f"{_num(row.mean_s, '.3f')} | {_num(row.mean_share, '.1%')} |"
+            f"| {name} | {row.first_s:.3f} | {row.first_share:.1%} | {_mb(row.first_bytes)} | "
+            f"{_num(row.mean_s, '.3f')} | {_num(row.mean_share, '.1%')} | {_mb(row.mean_bytes)} | "
+            f"{_num(row.gb_per_s, '.2f')} |"
         )
     first, mean = overhead_means(history)
     lines.append(
-        f"| overhead (sleeps + wakes + weight update + handoff) | | {_num(first, '.1%')} | | "
-        f"{_num(mean, '.1%')} |"
+        f"| overhead (sleeps + wakes + weight update + handoff) | | {_num(first, '.1%')} | | | "
+        f"{_num(mean, '.1%')} | | |"
     )
     return "\n".join(lines)
 
 
 def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _mb(nbytes: float | None) -> str:
+    return "" if nbytes is None else f"{nbytes / 1e6:.1f}"

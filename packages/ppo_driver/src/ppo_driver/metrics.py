@@ -205,20 +205,26 @@ def budget_table(history: list[dict[str, Any]]) -> Table:
     table.add_column("share", justify="right")
     table.add_column("mean s, steps 2+", justify="right")
     table.add_column("share", justify="right")
+    table.add_column("MB", justify="right")
+    table.add_column("GB/s", justify="right")
     for row in budget_rows(history):
+        nbytes = row.mean_bytes if row.mean_s is not None else row.first_bytes
         table.add_row(
             row.part,
             f"{row.first_s:.3f}",
             f"{row.first_share:.1%}",
             "-" if row.mean_s is None else f"{row.mean_s:.3f}",
             "-" if row.mean_share is None else f"{row.mean_share:.1%}",
+            "" if nbytes is None else f"{nbytes / 1e6:.1f}",
+            "" if row.gb_per_s is None else f"{row.gb_per_s:.2f}",
             end_section=row.part == "other",
         )
     first, mean = overhead_means(history)
     table.caption = (
         "overhead (sleeps + wakes + weight update + handoff): "
         f"{'-' if first is None else f'{first:.1%}'} of the first step, "
-        f"{'-' if mean is None else f'{mean:.1%}'} of the steps after it"
+        f"{'-' if mean is None else f'{mean:.1%}'} of the steps after it; MB and GB/s: the steps "
+        "after the first (actor and critic: rank 0's bytes)"
     )
     return table
 
