@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import ray
+from conftest import check_step_budget
 from rich.console import Console
 
 from ppo_driver.config import RunConfig, load_config
@@ -100,6 +101,7 @@ def test_disaggregated_shared_critic_with_reward_kl(local_ray: None, tmp_path: P
             "placement.critic=shared",
             "algorithm.kl_coef=0.05",
             "train.steps=3",
+            "train.check_weights=true",
         ],
     )
     holder: dict[str, WatchedActor] = {}
@@ -130,6 +132,9 @@ def test_disaggregated_shared_critic_with_reward_kl(local_ray: None, tmp_path: P
     # the penalty is in the rewards: their per-sample sum is below the outcome reward
     assert last["critic/token_reward_sum_mean"] < last["rollout/reward_mean"]
     assert result.weights_match
+    # The step budget of the disaggregated layout: every key, the parts add up, the engines never move.
+    check_step_budget(result.history, ("actor", "critic", "engines"), engines_move=False)
+    assert all(r["time/check_weights_s"] > 0 for r in result.history)  # the engines checked every step
 
 
 @pytest.mark.timeout(600)

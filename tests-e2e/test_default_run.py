@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli
+from conftest import check_step_budget, run_cli
 
 from ppo_driver.config import load_config
 
@@ -46,6 +46,22 @@ def test_default_run_learns(default_run: tuple[Path, str]) -> None:
     assert records[-1]["eval/reward_mean"] >= LEARNT, records[-1]
     assert "run summary" in stdout
     assert "engines hold the actor's final weights: match" in stdout
+
+
+@pytest.mark.timeout(480)
+def test_every_second_of_a_step_is_accounted_for(default_run: tuple[Path, str]) -> None:
+    run_dir, stdout = default_run
+    check_step_budget(_metrics(run_dir), ("actor", "critic", "engines"), engines_move=True)
+    # The summary prints the budget, "other" and the step among its rows; summary.json holds it too.
+    table = stdout[stdout.index("step budget") :]
+    for row in ("engines/sleep", "critic/wake", "weight_update", "handoff", "other", "step", "overhead"):
+        assert row in table, row
+    budget = json.loads((run_dir / "summary.json").read_text())["budget"]
+    parts = {p["part"]: p for p in budget["parts"]}
+    named = sum(p["mean_s"] for name, p in parts.items() if name != "step")
+    assert named == pytest.approx(parts["step"]["mean_s"], rel=1e-9)
+    assert parts["step"]["mean_share"] == pytest.approx(1.0)
+    assert 0 < budget["overhead_fraction"]["mean"] < 1
 
 
 @pytest.mark.timeout(480)

@@ -97,3 +97,24 @@ def test_other_plans(overrides: list[str], expected: list[str]) -> None:
             continue
         phases.enter(phase)
     assert phases.done == expected
+
+
+def test_transitions_are_timed_on_the_step_clock_under_budget_names() -> None:
+    from ppo_driver.budget import StepClock
+
+    phases, _ = _tracker([])
+    phases.enter("generate")
+    clock = StepClock()
+    phases.start_step(clock)
+    with clock.span("critic_train"):
+        phases.enter("critic_train")
+    phases.enter("actor_train")
+    # The plan's "rollout" is the budget's "engines"; each transition is its own part of the step.
+    assert set(clock.seconds()) == {
+        "critic_train",
+        "engines/sleep",
+        "critic/wake",
+        "critic/sleep",
+        "actor/wake",
+    }
+    assert clock.totals()["critic_train"] >= clock.seconds()["engines/sleep"] + clock.seconds()["critic/wake"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,17 @@ def test_stop_tokens_end_samples_and_are_kept(core: GenerationCore) -> None:
         if out.finish_reason == "length":
             assert len(out.token_ids) == 6
             assert stop not in out.token_ids
+
+
+def test_ignore_eos_samples_past_the_eos_token_until_max_new_tokens(core: GenerationCore) -> None:
+    eos = core.eos_token_ids[0]
+    # Without ignore_eos some of these samples stop at the eos token (checked, so the test can fail).
+    s = SamplingConfig(temperature=1.0, max_new_tokens=48, n_samples_per_prompt=4, seed=7)
+    stopped = [o for o in core.generate(PROMPTS, s) if o.finish_reason == "stop"]
+    assert stopped, "no sample hit the eos token within 48 tokens; pick another seed"
+    outs = core.generate(PROMPTS, dataclasses.replace(s, ignore_eos=True))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 48 for o in outs)
+    assert any(eos in o.token_ids for o in outs)  # it was sampled and did not stop the sample
 
 
 def test_top_k_one_is_greedy(core: GenerationCore) -> None:

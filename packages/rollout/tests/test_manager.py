@@ -128,11 +128,20 @@ def test_bad_reward_result_names_the_function(manager: RolloutManager) -> None:
 
 def test_offload_then_onload(manager: RolloutManager) -> None:
     sums = manager.weights_checksums()
+    manager.pop_metrics()  # start from here
     manager.offload()
-    manager.offload()  # idempotent
+    manager.offload()  # idempotent: moves nothing more
     with pytest.raises(RuntimeError, match="offloaded; call onload"):
         manager.generate(step=0)
+    out = manager.pop_metrics()
+    assert out["offload/bytes"] > 0
+    assert out["offload/seconds"] > 0
+    assert out["onload/bytes"] == 0
     manager.onload()
+    back = manager.pop_metrics()
+    assert back["onload/bytes"] == out["offload/bytes"]  # everything released came back
+    assert back["offload/bytes"] == 0
+    assert set(manager.pop_metrics().values()) == {0.0}  # nothing moved since
     assert manager.weights_checksums() == sums
     assert len(manager.generate(step=0).boxes) == 2
 

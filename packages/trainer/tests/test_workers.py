@@ -126,8 +126,10 @@ def test_actor_and_critic_learn_and_values_reach_the_actor(groups: tuple[TrainGr
         values = unpack_fields(result.values[0])["values"]
         assert [v.numel() for v in values] == [int(r) for r in samples["response_length"]]
         value_losses.append(result.metrics["value_loss"])
+        assert result.metrics["handoff_put_s"] > 0  # the handoff's halves, for the driver's step budget
         metrics = actor.train(n, [box], same_split(result.values, [8])).metrics
         assert metrics["optimizer_steps"] == 1.0
+        assert metrics["handoff_get_s"] > 0
     assert value_losses[-1] < value_losses[0], value_losses
     after = unpack(actor.compute_log_probs([box])[0])
     gains = torch.stack(

@@ -228,7 +228,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
     from ppo_driver.loop import train
-    from ppo_driver.metrics import summary_table
+    from ppo_driver.metrics import budget_table, summary_table
 
     console.print(
         f"ppo-driver {__version__}: {config.algorithm.estimator} on "
@@ -247,6 +247,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         result = train(config, run_dir, console=console)
     if result.history:
         console.print(summary_table(result.history, run_dir))
+        console.print(budget_table(result.history))
     status = "match" if result.weights_match else "DIFFER"
     console.print(
         f"engines hold the actor's final weights: {status} (actor {result.actor_checksum[:12]})",

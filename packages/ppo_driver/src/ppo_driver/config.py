@@ -149,6 +149,11 @@ class TrainSection(TrainSettings):
         description="samples per step; null: rollout.prompts_per_step x n_samples_per_prompt",
     )
     num_critic_only_steps: int = Field(default=0, ge=0, description="first steps train the critic only")
+    check_weights: bool = Field(
+        default=False,
+        description="after every weight update, compare each engine's weights checksum with the "
+        "actor's and stop on a mismatch (built-in engines; the step budget's check_weights part)",
+    )
 
 
 class OffloadSection(_Section):
@@ -286,6 +291,11 @@ class RunConfig(_Section):
                 "task) but rollout.task is null; set rollout.task, or model.path to a Hugging Face model"
             )
         if r.engine == "sglang":
+            if t.check_weights:
+                raise ValueError(
+                    "train.check_weights needs the engines' weights checksums, which SGLang servers do not "
+                    "give; set train.check_weights=false or rollout.engine='builtin'"
+                )
             if p.device != "cuda":
                 raise ValueError("rollout.engine='sglang' needs placement.device='cuda'")
             if self.model.path is None:

@@ -18,6 +18,7 @@ workers only carry them out. A critic-only warm-up step (``train.num_critic_only
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -35,11 +36,11 @@ import ray.exceptions
 import torch
 from rich.console import Console
 
-from ppo_driver import build, checkpoint, processes
+from ppo_driver import budget, build, checkpoint, processes
 from ppo_driver.config import RunConfig, dump_config
 from ppo_driver.faults import Interrupted, RunFailed, StopSignals, check_finite, resume_hint
 from ppo_driver.metrics import METRICS_FILE, MetricsLog, StepProgress
-from ppo_driver.phases import PhaseTimer, PhaseTracker
+from ppo_driver.phases import PhaseTracker
 from ppo_driver.roles import RoleFactory, Roles, create_roles, shutdown_roles
 from ppo_driver.runlock import RunLock
 from ppo_driver.schedule import BatchSchedule
@@ -107,6 +108,9 @@ def train(
         actor.connect_engines(rollout.endpoints())
         actor.update_weights(version=str(start))
         phases.enter("generate")
+        # What start-up moved (its sleeps, wakes and first weight update) is not any step's budget.
+        setup_metrics = _pop_role_metrics(roles)
+        budget_roles = tuple(budget.budget_role(r) for r in plan.roles)
 
         # train.async=one_step_off: step t + 1's batch is generated while step t trains (schedule.py).
         schedule = BatchSchedule(
@@ -129,12 +133,12 @@ def train(
         _stop_if_asked(signals, start, ckpt_root)
         for step in range(start + 1, config.train.steps + 1):
             at.step = step
-            phases.start_step()
-            timer = PhaseTimer()
+            timer = budget.StepClock()  # every second of the step, in disjoint parts (budget.py)
+            phases.start_step(timer)
             trains_actor = step > config.train.num_critic_only_steps
             saved = False
 
-            with timer("generate"):
+            with timer.span("generate"):
                 phases.enter("generate")
                 batch = schedule.batch(step)
             metrics: dict[str, Any] = dict(batch.metrics)
@@ -142,22 +146,27 @@ def train(
             metrics["rollout/prefetched_next"] = int(schedule.start_next(step))
 
             values = None
+            handoff_bytes = 0
             if critic is not None:
-                with timer("critic_train"):
+                with timer.span("critic_train"):
                     phases.enter("critic_train")  # offloads colocated engines, wakes the critic
                     result = critic.train(step, batch.critic_boxes)
+                    timer.carve("handoff", result.metrics.get("handoff_put_s", 0.0))
                 check_finite("critic", step, result.metrics)
                 if result.values is None or len(result.values) == 0:
                     raise RuntimeError(f"step {step}: the critic returned no values for the actor")
-                # The critic's ranks may hold the samples in another split: rows go by sample id.
-                values = pair_values(result.values, batch.critic_sample_ids, batch.sample_ids)
+                with timer.span("handoff"):
+                    # The critic's ranks may hold the samples in another split: rows go by sample id.
+                    values = pair_values(result.values, batch.critic_sample_ids, batch.sample_ids)
                 metrics.update(_prefixed("critic", result.metrics))
                 metrics["handoff/value_boxes"] = len(result.values)
+                handoff_bytes = sum(max(box.nbytes, 0) for box in result.values if box is not None)
 
             if trains_actor:
-                with timer("actor_train"):
+                with timer.span("actor_train"):
                     phases.enter("actor_train")  # the critic sleeps, the actor wakes
                     result = actor.train(step, batch.boxes, values)
+                    timer.carve("handoff", result.metrics.get("handoff_get_s", 0.0))
                 # Before the save and the weight update: non-finite weights reach neither.
                 check_finite("actor", step, result.metrics)
                 metrics.update(_prefixed("actor", result.metrics))
@@ -165,29 +174,46 @@ def train(
                     metrics["handoff/values_used"] = 1
 
             if _due(step, config.checkpoint.interval, config.train.steps, config.checkpoint.save_final):
-                with timer("save"):
+                with timer.span("save"):
                     phases.enter("save")
                     save_checkpoint(ckpt_root, step, roles, config)
                     saved = True
 
-            with timer("generate_wait"):
+            with timer.span("generate_wait"):
                 schedule.drain()  # the engines finish the next batch before their weights change
             if trains_actor:
-                with timer("weight_update"):
+                with timer.span("weight_update"):
                     phases.enter("weight_update")  # the actor reconnects to the engines if it slept
-                    metrics.update(_prefixed("weight_sync", actor.update_weights(version=str(step))))
+                    update = actor.update_weights(version=str(step))
+                metrics.update(_prefixed("weight_sync", update))
                 published = step
+                if config.train.check_weights:
+                    with timer.span("check_weights"):
+                        check_weights_match(step, roles)
 
             phases.enter("generate")  # onload the engines
             if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
-                with timer("eval"):
+                with timer.span("eval"):
                     metrics.update(_prefixed("eval", rollout.evaluate(step)))
 
-            metrics.update(_prefixed("actor", actor.pop_metrics()))
-            if critic is not None:
-                metrics.update(_prefixed("critic", critic.pop_metrics()))
+            popped = _pop_role_metrics(roles)
+            for role, role_metrics in popped.items():
+                metrics.update(_prefixed(role, role_metrics))
             metrics.update(phases.step_metrics())
-            metrics.update(timer.metrics())
+            # The older inclusive keys: each phase's wall time with the transitions it triggered.
+            metrics.update({f"time/{k}": v for k, v in timer.totals().items() if k in budget.PHASES})
+            metrics.update(
+                budget.step_metrics(
+                    timer,
+                    budget_roles,
+                    budget.StepBytes(
+                        transitions=_transition_bytes(popped),
+                        handoff=float(handoff_bytes),
+                        weight_update=float(metrics.get("weight_sync/bytes", 0.0)) if trains_actor else 0.0,
+                    ),
+                )
+            )
+            metrics["time/step"] = metrics["time/step_s"]
             metrics["actor_trained"] = int(trains_actor)
             log.log(step, metrics)
             progress.update(step, metrics)
@@ -215,6 +241,8 @@ def train(
                     "actor_checksum": actor_checksum,
                     "engine_checksums": engine_checksums,
                     "weights_match": result_.weights_match,
+                    "budget": budget.summary(log.history),
+                    "setup": setup_metrics,
                 },
                 indent=1,
             )
@@ -342,7 +370,14 @@ def save_checkpoint(root: Path, step: int, roles: Roles, config: RunConfig) -> P
 
 
 # Fields a resumed run may change without changing what it computes.
-RESUME_FREE = ("train.steps", "checkpoint.", "logging.", "ray.", "rollout.eval_interval")
+RESUME_FREE = (
+    "train.steps",
+    "train.check_weights",
+    "checkpoint.",
+    "logging.",
+    "ray.",
+    "rollout.eval_interval",
+)
 
 
 def changed_fields(saved: Mapping[str, Any], config: RunConfig) -> list[str]:
@@ -395,6 +430,43 @@ def _check_staleness(step: int, batch_metrics: Mapping[str, Any], published: int
             f"behind the published {published}; at most one is allowed"
         )
     return behind
+
+
+def check_weights_match(step: int, roles: Roles) -> None:
+    """Every engine holds the actor's weights (``train.check_weights``, after each update)."""
+    # The engines hash their weights while the actor hashes its own (each is seconds at 1B parameters).
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="check-weights") as pool:
+        on_engines = pool.submit(roles.rollout.weights_checksums)
+        actor = roles.actor.weights_checksum()
+        engines = list(on_engines.result())
+    wrong = [i for i, c in enumerate(engines) if c != actor]
+    if wrong or not engines:
+        raise RuntimeError(
+            f"step {step}: after the weight update, engine(s) {wrong} hold other weights than the actor "
+            f"(actor {actor[:12]}, engines {[c[:12] for c in engines]}); the update did not land"
+        )
+
+
+def _pop_role_metrics(roles: Roles) -> dict[str, dict[str, float]]:
+    """What each role measured since the last call (its sleeps' and wakes' bytes and seconds)."""
+    out = {"actor": roles.actor.pop_metrics(), "rollout": roles.rollout.pop_metrics()}
+    if roles.critic is not None:
+        out["critic"] = roles.critic.pop_metrics()
+    return out
+
+
+def _transition_bytes(popped: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Bytes per budget transition (``"actor/sleep"``) from the roles' popped metrics. Trainers
+    report rank 0's bytes (one GPU's share); the engines' are summed over the engines."""
+    out: dict[str, float] = {}
+    for role in ("actor", "critic"):
+        if role in popped:
+            out[f"{role}/sleep"] = float(popped[role].get("sleep/bytes", 0.0))
+            out[f"{role}/wake"] = float(popped[role].get("wake/bytes", 0.0))
+    engines = popped.get("rollout", {})
+    out["engines/sleep"] = float(engines.get("offload/bytes", 0.0))
+    out["engines/wake"] = float(engines.get("onload/bytes", 0.0))
+    return out
 
 
 def _prefixed(role: str, metrics: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ppo_driver.budget import budget_rows, overhead_means
+
 METRICS_FILE = "metrics.jsonl"
 
 # What the progress line shows, in order, when the step has it.
@@ -189,6 +191,40 @@ def summary_table(history: list[dict[str, Any]], run_dir: Path, window: int = 5)
         f"steps {steps[0]}-{steps[-1]}; metrics: {run_dir / METRICS_FILE}; plot: ppo-driver plot {run_dir}"
         if steps
         else "no steps ran"
+    )
+    return table
+
+
+def budget_table(history: list[dict[str, Any]]) -> Table:
+    """Where the step's seconds went (``budget.py``): each part's seconds and share of the step, the
+    first step on its own (it creates the optimizer state and warms caches) and the mean after it.
+    ``other`` is the step time no named part covers, so the column adds up to ``step``."""
+    table = Table(title="step budget", show_header=True)
+    table.add_column("part")
+    table.add_column("first step s", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("mean s, steps 2+", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("MB", justify="right")
+    table.add_column("GB/s", justify="right")
+    for row in budget_rows(history):
+        nbytes = row.mean_bytes if row.mean_s is not None else row.first_bytes
+        table.add_row(
+            row.part,
+            f"{row.first_s:.3f}",
+            f"{row.first_share:.1%}",
+            "-" if row.mean_s is None else f"{row.mean_s:.3f}",
+            "-" if row.mean_share is None else f"{row.mean_share:.1%}",
+            "" if nbytes is None else f"{nbytes / 1e6:.1f}",
+            "" if row.gb_per_s is None else f"{row.gb_per_s:.2f}",
+            end_section=row.part == "other",
+        )
+    first, mean = overhead_means(history)
+    table.caption = (
+        "overhead (sleeps + wakes + weight update + handoff): "
+        f"{'-' if first is None else f'{first:.1%}'} of the first step, "
+        f"{'-' if mean is None else f'{mean:.1%}'} of the steps after it; MB and GB/s: the steps "
+        "after the first (actor and critic: rank 0's bytes)"
     )
     return table
 

@@ -1,12 +1,11 @@
-"""Phases of a step: the plan's sleeps and wakes, applied and recorded; the time of each phase."""
+"""Phases of a step: the plan's sleeps and wakes, applied, timed and recorded."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
+from ppo_driver.budget import StepClock, budget_role
 from ppo_driver.roles import Roles
 from ppo_lifecycle import OffloadPlan, Phase
 
@@ -32,6 +31,7 @@ class PhaseTracker:
             self._do[("critic", "wake")] = roles.critic.wake_up
         self.present = {role for role, _ in self._do}
         self.done: list[str] = []
+        self._clock: StepClock | None = None
 
     def enter(self, phase: Phase) -> None:
         if self._on_enter is not None:
@@ -41,35 +41,22 @@ class PhaseTracker:
         else:
             todo = self.plan.transitions(self.phase, phase)
         for t in todo:
-            self._do[(t.role, t.action)]()
+            if self._clock is None:  # start-up and resume: not part of a step's budget
+                self._do[(t.role, t.action)]()
+            else:
+                with self._clock.span(f"{budget_role(t.role)}/{t.action}"):
+                    self._do[(t.role, t.action)]()
             self.done.append(f"{t.role}:{t.action}")
         self.phase = phase
 
-    def start_step(self) -> None:
+    def start_step(self, clock: StepClock | None = None) -> None:
+        """A new step: forget the last one's transitions; time the next ones on ``clock``."""
         self.done = []
+        self._clock = clock
 
     def step_metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {"offload/transitions": list(self.done)}
         for role in sorted(self.present):
             for action in ("sleep", "wake"):
                 out[f"offload/{role}_{action}s"] = self.done.count(f"{role}:{action}")
-        return out
-
-
-class PhaseTimer:
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-    def metrics(self) -> dict[str, float]:
-        out = {f"time/{k}": v for k, v in self.seconds.items()}
-        out["time/step"] = time.perf_counter() - self.start
         return out

@@ -45,6 +45,11 @@ class SamplingSettings:
     stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field(
         default=(), description="in addition to the model's eos token(s)"
     )
+    ignore_eos: bool = Field(
+        default=False,
+        description="keep sampling past the model's eos token(s) (stop_token_ids still stop): every "
+        "response is max_new_tokens long, for benchmarks of a fixed response length (SGLang's ignore_eos)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import statistics
 import time
@@ -120,6 +121,7 @@ class RolloutManager:
             self.shutdown()
             raise
         self._offloaded = False
+        self._memory_seen: dict[str, dict[str, float]] = {}  # each engine's totals at the last pop_metrics
 
     # -- engines -----------------------------------------------------------------------------------
     def _make_engine(self, i: int, slots: EngineSlots | None) -> EngineHandle:
@@ -354,9 +356,30 @@ class RolloutManager:
     def is_offloaded(self) -> bool:
         return self._offloaded
 
+    def pop_metrics(self) -> dict[str, float]:
+        """Bytes and seconds the engines' offloads and onloads moved since the last call, summed
+        over the engines: ``offload/bytes``, ``offload/seconds``, ``onload/bytes``, ``onload/seconds``
+        (the engines' own timing). Empty when an engine does not report them (SGLang)."""
+        totals = {"offload/bytes": 0.0, "offload/seconds": 0.0, "onload/bytes": 0.0, "onload/seconds": 0.0}
+        # The calls go out together: one engine's answer does not wait for another's.
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines))) as pool:
+            answers = list(pool.map(lambda e: e.memory_stats(self.config.timeout_s), self.engines))
+        for engine, stats in zip(self.engines, answers, strict=True):
+            if stats is None:
+                return {}
+            before = self._memory_seen.get(engine.name, {})
+            for key, ours in (("release", "offload"), ("restore", "onload")):
+                for what in ("bytes", "seconds"):
+                    name = f"{key}_{what}"
+                    totals[f"{ours}/{what}"] += stats.get(name, 0.0) - before.get(name, 0.0)
+            self._memory_seen[engine.name] = dict(stats)
+        return totals
+
     def weights_checksums(self) -> list[str]:
         """``ppo_weight_sync.checksum`` of each engine's weights (built-in engines only)."""
-        return [e.weights_checksum(self.config.timeout_s) for e in self.engines]
+        # Together: hashing a 1B-parameter model's weights takes seconds per engine.
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines))) as pool:
+            return list(pool.map(lambda e: e.weights_checksum(self.config.timeout_s), self.engines))
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -214,12 +215,15 @@ class TrainWorker:
             if external is not None:
                 raise ValueError(f"critic rank {self.rank} got values to train on; values go to the actor")
             metrics, values, rewards = trainer.train_critic(samples)
-            return metrics, pack_fields(
-                {"values": samples.unpad(values), "token_rewards": samples.unpad(rewards)}
-            )
+            # The handoff's first half (the driver's step budget): the values into the object store.
+            t0 = time.perf_counter()
+            box = pack_fields({"values": samples.unpad(values), "token_rewards": samples.unpad(rewards)})
+            return {**metrics, "handoff_put_s": time.perf_counter() - t0}, box
         if self.config.algorithm.estimator == "ppo":
+            t0 = time.perf_counter()  # the handoff's second half: the critic's values out of the store
             values, rewards = self._critic_outputs(samples, external)
-            return trainer.train_actor(samples, values, rewards), None
+            get_s = time.perf_counter() - t0
+            return {**trainer.train_actor(samples, values, rewards), "handoff_get_s": get_s}, None
         if external is not None:
             raise ValueError(
                 f"actor rank {self.rank} got critic values but estimator='grpo' does not use them; "

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 import torch
 
-from ppo_lifecycle import default_backend
+from ppo_lifecycle import TransferStats, default_backend
 from ppo_weight_sync import EngineOps, EngineReply, TensorOps, WeightReceiver, checksum
 
 from ..config import SamplingConfig
@@ -68,6 +68,8 @@ class BuiltinEngine:
         self._memory.track("weights", lambda: list(self._core.model.state_dict().values()))
         self._memory.track("kv_cache", list)
         self._released: set[str] = set()
+        # What release/restore moved since start-up (bytes, seconds): the driver's step budget.
+        self._moved: dict[str, TransferStats] = {"release": TransferStats(), "restore": TransferStats()}
         # _step_lock is held for each forward pass and each weight load: a load never lands mid-step.
         self._step_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -265,6 +267,7 @@ class BuiltinEngine:
                     # The generation core keeps its static KV cache and decode graphs between calls.
                     self._core.drop_decode_state()
                 stats = self._memory.release(chosen)
+                self._moved["release"] += stats
                 if self.device.type == "cuda":
                     # Hand the freed blocks (and the last call's KV cache) back to the driver, so
                     # that training on the same GPU can use them.
@@ -280,8 +283,18 @@ class BuiltinEngine:
             return EngineReply.refused(str(exc))
         with self._cond, self._step_lock:
             stats = self._memory.restore(chosen)
+            self._moved["restore"] += stats
             self._released.difference_update(chosen)
         return EngineReply.ok(f"Resumed {chosen}: {stats.bytes} bytes in {stats.seconds:.3f} s.")
+
+    def memory_stats(self) -> dict[str, float]:
+        """Bytes and seconds every release and restore moved since start-up (running totals)."""
+        with self._cond:
+            return {
+                f"{op}_{what}": float(getattr(stats, what))
+                for op, stats in self._moved.items()
+                for what in ("bytes", "seconds")
+            }
 
     def released_tags(self) -> list[str]:
         with self._cond:

@@ -263,7 +263,7 @@ class GenerationCore:
             mask=mask.to(dev),
             sampling=sampling,
             generator=torch.Generator(device=dev),
-            stop_ids=sorted({*self.eos_token_ids, *sampling.stop_token_ids}),
+            stop_ids=sorted({*(() if sampling.ignore_eos else self.eos_token_ids), *sampling.stop_token_ids}),
             guard=step_guard or contextlib.nullcontext,
         )
         call.generator.manual_seed(int(sampling.seed if seed is None else seed) & 0x7FFF_FFFF_FFFF_FFFF)

@@ -33,6 +33,7 @@ class EngineHandle(Protocol):
     def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply: ...
     def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply: ...
     def weights_checksum(self, timeout_s: float) -> str: ...
+    def memory_stats(self, timeout_s: float) -> dict[str, float] | None: ...
     def shutdown(self) -> None: ...
 
 
@@ -112,6 +113,13 @@ class BuiltinEngineHandle:
 
     def weights_checksum(self, timeout_s: float) -> str:
         return _ray_get(self.actor.weights_checksum.remote(), timeout_s, self.name, "weights checksum")
+
+    def memory_stats(self, timeout_s: float) -> dict[str, float] | None:
+        """Running totals of what release/resume moved: ``release_bytes``, ``release_seconds``, ..."""
+        stats: dict[str, float] = _ray_get(
+            self.actor.memory_stats.remote(), timeout_s, self.name, "memory stats"
+        )
+        return stats
 
     def shutdown(self) -> None:
         ray.kill(self.actor, no_restart=True)
@@ -210,6 +218,9 @@ class SGLangEngineHandle:
 
     def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply:
         return self.client.resume_memory_occupation(tags=tags)
+
+    def memory_stats(self, timeout_s: float) -> dict[str, float] | None:
+        return None  # an SGLang server does not report what its release/resume moved
 
     def weights_checksum(self, timeout_s: float) -> str:
         raise SGLangError(

@@ -276,6 +276,8 @@ class SGLangClient:
             }
             if sampling.stop_token_ids:
                 sp["stop_token_ids"] = list(sampling.stop_token_ids)
+            if sampling.ignore_eos:
+                sp["ignore_eos"] = True
             params.append(sp)
         results: list[Any] = [None] * len(input_ids)
         todo = list(range(len(input_ids)))

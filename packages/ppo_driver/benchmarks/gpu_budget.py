@@ -1,0 +1,262 @@
+"""The step budget at a realistic scale on 2 GPUs: both seed scenarios, every second of a step.
+
+Runs ``configs/2gpu-colocate.yaml`` (engines, actor and shared critic take turns on both GPUs) and
+``configs/2gpu-disaggregate.yaml`` (GPU 0 trains actor and shared critic, GPU 1 serves) with a
+0.82B-parameter model built from the config (hidden 2048, 16 layers, 16 heads, MLP 5632), responses
+of exactly 256 tokens (``rollout.sampling.ignore_eos``), 32 prompts x 8 samples = 256 samples per
+step, 5 steps, no checkpoint saves (their cost is a separate budget). Training must stay sane: losses
+finite every step, every engine's weights checksum equal to the actor's after every update
+(``train.check_weights``, the budget's ``check_weights`` part), and at the end. Prints, per scenario,
+the step budget (``ppo_driver.budget``) as a Markdown table for the root README's performance
+section, and writes them to ``$OUT/budget.md`` (or ``--out``), each also to ``budget-<scenario>.md`` as soon
+as it is done. Not yet timed on GPUs (an estimate from the sizes: a few minutes per scenario, start-up
+included); under a 10-minute limit per command, run one ``--scenario`` per call.
+
+    python packages/ppo_driver/benchmarks/gpu_budget.py                 # both scenarios, 2 GPUs
+    python packages/ppo_driver/benchmarks/gpu_budget.py --cpu-smoke     # the same path, tiny, on CPU
+    python packages/ppo_driver/benchmarks/gpu_budget.py --scenario colocate --steps 8
+
+Exits non-zero when any scenario fails or any check does not hold (the others still run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    config: str
+    title: str
+
+
+SCENARIOS = {
+    "colocate": Scenario(
+        "colocate", "configs/2gpu-colocate.yaml", "colocated, shared critic (configs/2gpu-colocate.yaml)"
+    ),
+    "disaggregate": Scenario(
+        "disaggregate",
+        "configs/2gpu-disaggregate.yaml",
+        "disaggregated, shared critic (configs/2gpu-disaggregate.yaml)",
+    ),
+}
+
+MODEL = (  # 0.82B parameters with the copy task's tokenizer
+    "model.tiny.hidden_size=2048",
+    "model.tiny.num_layers=16",
+    "model.tiny.num_heads=16",
+    "model.tiny.intermediate_size=5632",
+    "model.tiny.max_positions=320",  # prompt + 256 response tokens
+)
+WORKLOAD = (
+    "rollout.sampling.max_new_tokens=256",
+    "rollout.sampling.ignore_eos=true",  # every response is 256 tokens long
+    "rollout.prompts_per_step=32",
+    "rollout.sampling.n_samples_per_prompt=8",  # 256 samples per step
+    "rollout.eval_prompts=8",
+)
+COMMON = (
+    "train.check_weights=true",
+    "checkpoint.interval=0",
+    "checkpoint.save_final=false",
+    "checkpoint.resume=false",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+)
+# --cpu-smoke: the same scenarios, checks and tables with tiny sizes on CPU (a minute or two).
+CPU_SMOKE = (
+    "placement.device=cpu",
+    "offload.backend=auto",
+    "rollout.sampling.max_new_tokens=8",
+    "rollout.sampling.ignore_eos=true",
+    "rollout.prompts_per_step=8",
+    "rollout.sampling.n_samples_per_prompt=2",
+    "rollout.eval_prompts=2",
+    "train.micro_batch_size=2",
+)
+
+
+@dataclass(frozen=True)
+class Load:
+    """What a scenario must reach: the checks' thresholds."""
+
+    response_tokens: int
+    samples: int
+    steps: int
+
+
+GPU_LOAD = Load(response_tokens=256, samples=256, steps=5)
+CPU_LOAD = Load(response_tokens=8, samples=16, steps=2)
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise CheckFailed(what)
+    print(f"  ok: {what}", flush=True)
+
+
+def overrides(cpu_smoke: bool, steps: int) -> list[str]:
+    load = list(CPU_SMOKE) if cpu_smoke else [*MODEL, *WORKLOAD]
+    return [*load, *COMMON, f"train.steps={steps}"]
+
+
+def parameters(model_dir: Path) -> int:
+    """Parameters of the model the run built (counted on the meta device: nothing is allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_scenario(scenario: Scenario, root: Path, *, cpu_smoke: bool, steps: int) -> str:
+    """Train one scenario, check it, return its Markdown section (heading, load, budget table)."""
+    from rich.console import Console
+
+    from ppo_driver.budget import markdown_table
+    from ppo_driver.config import load_config
+    from ppo_driver.loop import train
+
+    load = CPU_LOAD if cpu_smoke else GPU_LOAD
+    load = Load(load.response_tokens, load.samples, steps)
+    config = load_config(REPO / scenario.config, overrides(cpu_smoke, steps))
+    check(config.placement.critic == "shared", f"{scenario.name}: the critic is shared")
+    run_dir = root / scenario.name
+    print(f"=== {scenario.title}: {run_dir}", flush=True)
+    t0 = time.monotonic()
+    result = train(config, run_dir, console=Console(stderr=True))
+    wall = time.monotonic() - t0
+    history = result.history
+    check(len(history) == load.steps, f"{scenario.name}: {load.steps} steps ran (got {len(history)})")
+    for r in history:
+        step = r["step"]
+        losses = {k: r.get(k) for k in ("actor/loss", "critic/loss")}
+        check(
+            all(isinstance(v, int | float) and math.isfinite(v) for v in losses.values()),
+            f"{scenario.name} step {step}: losses finite {losses}",
+        )
+        check(
+            r["rollout/samples"] >= load.samples,
+            f"{scenario.name} step {step}: {r['rollout/samples']:.0f} samples >= {load.samples}",
+        )
+        check(
+            r["rollout/response_length_mean"] >= load.response_tokens,
+            f"{scenario.name} step {step}: responses {r['rollout/response_length_mean']:.0f} tokens "
+            f">= {load.response_tokens}",
+        )
+        check(r["time/check_weights_s"] > 0, f"{scenario.name} step {step}: engines checked after the update")
+        parts = sum(
+            v for k, v in r.items() if k.startswith("time/") and k.endswith("_s") and k != "time/step_s"
+        )
+        check(
+            abs(parts - r["time/step_s"]) < 1e-6 and r["time/other_s"] > -1e-6,
+            f"{scenario.name} step {step}: the parts add up to the step ({r['time/step_s']:.3f} s, "
+            f"other {r['time/other_s']:.3f} s)",
+        )
+    check(result.weights_match, f"{scenario.name}: the engines end with the actor's weights")
+    params = parameters(run_dir / "model")
+    if not cpu_smoke:
+        check(0.5e9 <= params <= 1e9, f"{scenario.name}: a 0.5-1B model ({params / 1e9:.2f}B)")
+    first, *rest = history
+    mean_step = sum(r["time/step_s"] for r in rest) / len(rest) if rest else first["time/step_s"]
+    lines = [
+        f"### {scenario.title}",
+        "",
+        f"{params / 1e9:.2f}B parameters, {load.samples} samples x {load.response_tokens} response tokens "
+        f"per step, {load.steps} steps (mean step {mean_step:.2f} s after the first, "
+        f"{first['time/step_s']:.2f} s for the first; {wall:.0f} s for the whole run with start-up).",
+        "",
+        markdown_table(history),
+    ]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        gpus = f"{len(names)}x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+    else:
+        gpus = "no GPU (CPU smoke run)"
+    return f"{gpus}, {os.cpu_count()} CPU cores, {platform.system()}, torch {torch.__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="tiny sizes on CPU: the same path and checks"
+    )
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), action="append", help="default: both")
+    parser.add_argument("--steps", type=int, default=None, help="default: 5 (2 with --cpu-smoke)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="run folders and budget.md; default $OUT or a temp dir"
+    )
+    args = parser.parse_args(argv)
+    steps = args.steps if args.steps is not None else (CPU_LOAD.steps if args.cpu_smoke else GPU_LOAD.steps)
+    if steps < 2:
+        raise SystemExit("--steps must be at least 2: the table shows the first step and the mean after it")
+    if not args.cpu_smoke:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            print(
+                f"error: needs 2 GPUs, found {torch.cuda.device_count()}; use --cpu-smoke on CPU", flush=True
+            )
+            return 2
+        if steps < GPU_LOAD.steps:
+            raise SystemExit(f"--steps must be at least {GPU_LOAD.steps} on GPUs")
+    out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-budget-"))
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.scenario or list(SCENARIOS)
+    sections, failed = [], []
+    header = (
+        f"Step budget measured {datetime.date.today().isoformat()} on {machine()}; "
+        f"`{' '.join(['python', 'packages/ppo_driver/benchmarks/gpu_budget.py', *(argv or sys.argv[1:])])}`."
+    )
+    for name in names:
+        try:
+            section = run_scenario(SCENARIOS[name], out, cpu_smoke=args.cpu_smoke, steps=steps)
+        except Exception as exc:  # every scenario runs; the exit status reports the failures
+            traceback.print_exc()
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        sections.append(section)
+        # Written at once: a later scenario that runs out of time does not take this table with it.
+        (out / f"budget-{name}.md").write_text(f"{header}\n\n{section}\n")
+    report = "\n\n".join([header, *sections]) + "\n"
+    (out / "budget.md").write_text(report)
+    (out / "budget.json").write_text(json.dumps({"failed": failed, "scenarios": names}, indent=1) + "\n")
+    print("\n" + report, flush=True)
+    if failed:
+        print("FAILED:\n" + "\n".join(failed), flush=True)
+        return 1
+    print(f"all checks passed; tables in {out / 'budget.md'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
