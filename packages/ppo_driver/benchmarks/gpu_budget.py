@@ -43,6 +43,8 @@ class Scenario:
     name: str
     config: str
     title: str
+    gpus: int = 2
+    extra: tuple[str, ...] = ()  # overrides on top of the config (the 1-GPU variant's placement)
 
 
 SCENARIOS = {
@@ -54,7 +56,17 @@ SCENARIOS = {
         "configs/2gpu-disaggregate.yaml",
         "disaggregated, shared critic (configs/2gpu-disaggregate.yaml)",
     ),
+    # The colocated seed scenario where only one GPU is lent: engine, actor and shared critic all take
+    # turns on it (not in the default set; ask for it with --scenario colocate-1gpu).
+    "colocate-1gpu": Scenario(
+        "colocate-1gpu",
+        "configs/2gpu-colocate.yaml",
+        "colocated on 1 GPU, shared critic (configs/2gpu-colocate.yaml, placement.actor_gpus=1)",
+        gpus=1,
+        extra=("placement.actor_gpus=1",),
+    ),
 }
+DEFAULT_SCENARIOS = ("colocate", "disaggregate")
 
 MODEL = (  # 0.82B parameters with the copy task's tokenizer
     "model.tiny.hidden_size=2048",
@@ -140,7 +152,7 @@ def run_scenario(scenario: Scenario, root: Path, *, cpu_smoke: bool, steps: int)
 
     load = CPU_LOAD if cpu_smoke else GPU_LOAD
     load = Load(load.response_tokens, load.samples, steps)
-    config = load_config(REPO / scenario.config, overrides(cpu_smoke, steps))
+    config = load_config(REPO / scenario.config, [*overrides(cpu_smoke, steps), *scenario.extra])
     check(config.placement.critic == "shared", f"{scenario.name}: the critic is shared")
     run_dir = root / scenario.name
     print(f"=== {scenario.title}: {run_dir}", flush=True)
@@ -210,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="tiny sizes on CPU: the same path and checks"
     )
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), action="append", help="default: both")
+    parser.add_argument(
+        "--scenario", choices=sorted(SCENARIOS), action="append", help="default: colocate and disaggregate"
+    )
     parser.add_argument("--steps", type=int, default=None, help="default: 5 (2 with --cpu-smoke)")
     parser.add_argument(
         "--out", type=Path, default=None, help="run folders and budget.md; default $OUT or a temp dir"
@@ -219,19 +233,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else (CPU_LOAD.steps if args.cpu_smoke else GPU_LOAD.steps)
     if steps < 2:
         raise SystemExit("--steps must be at least 2: the table shows the first step and the mean after it")
+    names = args.scenario or list(DEFAULT_SCENARIOS)
     if not args.cpu_smoke:
         import torch
 
-        if torch.cuda.device_count() < 2:
+        needed = max(SCENARIOS[name].gpus for name in names)
+        if torch.cuda.device_count() < needed:
             print(
-                f"error: needs 2 GPUs, found {torch.cuda.device_count()}; use --cpu-smoke on CPU", flush=True
+                f"error: {', '.join(names)} need {needed} GPUs, found {torch.cuda.device_count()}; "
+                "use --scenario colocate-1gpu on one GPU, or --cpu-smoke on CPU",
+                flush=True,
             )
             return 2
         if steps < GPU_LOAD.steps:
             raise SystemExit(f"--steps must be at least {GPU_LOAD.steps} on GPUs")
     out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-budget-"))
     out.mkdir(parents=True, exist_ok=True)
-    names = args.scenario or list(SCENARIOS)
     sections, failed = [], []
     header = (
         f"Step budget measured {datetime.date.today().isoformat()} on {machine()}; "
