@@ -39,7 +39,8 @@ from ppo_weight_sync.routes import (
     validation_error,
     weight_reply,
 )
-from ppo_weight_sync.sglang import SGLANG_MEMORY_TAGS, SGLangProtocol, parse_version
+from ppo_weight_sync.sglang import SGLANG_MEMORY_TAGS, SGLangProtocol
+from ppo_weight_sync.testing.sglang_tp import TPRanks
 
 __all__ = ["SGLangReceiver", "SGLangServerState", "ServerHooks"]
 
@@ -62,7 +63,10 @@ class SGLangReceiver:
     ) -> None:
         self._load = load_weights
         self.device = torch.device(device)
-        self.legacy = parse_version(version) < (0, 5, 21, 0)
+        self.protocol = SGLangProtocol.for_version(version)
+        # < 0.5.21: the update's assert on the group is fatal and its failures read "Failed to update
+        # parameter online"; from 0.5.21 the scheduler catches both ("Failed to receive weights").
+        self.legacy = self.protocol.missing_group_is_fatal
         self.tp_rank = tp_rank
         self.timeout_s = timeout_s
         self._groups: dict[str, WeightGroup] = {}
@@ -205,25 +209,33 @@ class ServerHooks(Protocol):
 
     def pause(self, mode: str) -> None: ...  # abort: in-flight requests end with finish_reason abort
     def resume(self) -> None: ...
-    def pending_requests(self) -> int: ...  # requests running or queued in the scheduler
+    def running_requests(self) -> int: ...  # in the scheduler's running batch (in_place keeps them there)
+    def waiting_requests(self) -> int: ...  # in the scheduler's waiting queue (retract puts them there)
     def flush(self) -> None: ...
     def release(self, tags: Sequence[str]) -> None: ...
     def restore(self, tags: Sequence[str]) -> None: ...
 
 
 class SGLangServerState:
-    """The routes of one SGLang server of ``version`` around a receiver and an engine's hooks.
+    """The routes of one SGLang server of ``version`` around its TP ranks' receivers and an engine's hooks.
 
+    ``receiver``: TP rank 0's receiver alone (TP 1), or :class:`~.sglang_tp.TPRanks` (every rank).
     ``on_fatal(message)`` is called where SGLang's scheduler would raise and take the server down (the
-    stand-in exits); the route then answers 500.
+    stand-in exits before it answers: the client's connection drops, as SGLang's kill of its process tree
+    does).
     """
 
     def __init__(
-        self, version: str, receiver: SGLangReceiver, hooks: ServerHooks, on_fatal: Callable[[str], None]
+        self,
+        version: str,
+        receiver: SGLangReceiver | TPRanks,
+        hooks: ServerHooks,
+        on_fatal: Callable[[str], None],
     ) -> None:
         self.protocol = SGLangProtocol.for_version(version)
         self.version = version
-        self.receiver = receiver
+        self.ranks = receiver if isinstance(receiver, TPRanks) else TPRanks(receiver)
+        self.receiver = self.ranks.local
         self.hooks = hooks
         self.on_fatal = on_fatal
         self.session_open = False
@@ -240,13 +252,24 @@ class SGLangServerState:
         self.paused = None
         self.hooks.resume()
 
+    def is_fully_idle(self) -> bool:
+        """The scheduler's idle check of ``flush_cache`` and ``release_memory_occupation``: 0.5.15.post1 to
+        0.5.20 ``is_fully_idle()`` (running batch and waiting queue empty); from 0.5.21
+        ``is_fully_idle(ignore_waiting=self._engine_paused)``, where ``_engine_paused`` is set by the
+        ``retract`` and ``in_place`` pauses only (``abort`` ends requests in the tokenizer manager)."""
+        if self.hooks.running_requests():
+            return False
+        scheduler_paused = self.paused in ("retract", "in_place")
+        ignore_waiting = self.protocol.idle_ignores_waiting_when_paused and scheduler_paused
+        return ignore_waiting or not self.hooks.waiting_requests()
+
     def flush_cache(self) -> bool:
-        # 0.5.23 Scheduler.flush_cache: is_fully_idle(ignore_waiting=self._engine_paused); 0.5.15.post1:
-        # is_fully_idle(). Our hooks count retracted requests as pending; a paused >= 0.5.23 server ignores
-        # them (in_place keeps them running, so those still count).
-        pending = self.hooks.pending_requests()
-        if pending and not (self.protocol.pause_mode == "retract" and self.paused == "retract"):
-            log.warning("Cache not flushed because there are pending requests. #pending: %d", pending)
+        if not self.is_fully_idle():
+            log.warning(
+                "Cache not flushed because there are pending requests. #running: %d, #waiting: %d",
+                self.hooks.running_requests(),
+                self.hooks.waiting_requests(),
+            )
             return False
         self.hooks.flush()
         return True
@@ -260,11 +283,14 @@ class SGLangServerState:
 
     def _handle(self, method: str, path: str, data: Mapping[str, Any]) -> RouteResult | None:
         if method == "GET" and path in ("/server_info", "/get_server_info"):
-            return RouteResult(200, {"version": self.version, "tp_size": 1})
+            # server_args' fields (dataclasses.asdict / resolved_dict) and the version, every version
+            return RouteResult(
+                200, {"version": self.version, "tp_size": self.ranks.tp_size, "dp_size": 1, "pp_size": 1}
+            )
         if method == "GET" and path in ("/model_info", "/get_model_info"):
-            return RouteResult(200, {"weight_version": self.receiver.weight_version, "is_generation": True})
+            return RouteResult(200, {"weight_version": self.ranks.weight_version, "is_generation": True})
         if path in ("/get_weight_version", "/weight_version"):
-            if self.receiver.legacy:  # 0.5.15.post1: an HTTPException(404) with a message
+            if not self.protocol.weight_update_session:  # to 0.5.20: an HTTPException(404) with a message
                 return RouteResult(
                     404,
                     {
@@ -312,7 +338,7 @@ class SGLangServerState:
                     ).to_json(),
                 )
             answer = weight_reply(
-                self._fatal_on_assert(self.receiver.update_weights_from_distributed, update_request(data))
+                self._fatal_on_assert(self.ranks.update_weights_from_distributed, update_request(data))
             )
             if answer.status == 200:
                 if data.get("flush_cache", True) and not self.flush_cache():
@@ -336,10 +362,10 @@ class SGLangServerState:
             return answer
         if path == "/init_weights_update_group" and method == "POST":
             return weight_reply(
-                self._fatal_on_assert(self.receiver.init_weights_update_group, init_request(data))
+                self._fatal_on_assert(self.ranks.init_weights_update_group, init_request(data))
             )
         if path == "/destroy_weights_update_group" and method == "POST":
-            return weight_reply(self.receiver.destroy_weights_update_group(**destroy_request(data)))
+            return weight_reply(self.ranks.destroy_weights_update_group(**destroy_request(data)))
         return None
 
     def _fatal_on_assert(self, op: Callable[..., EngineReply], kwargs: dict[str, Any]) -> EngineReply:
@@ -371,7 +397,10 @@ class SGLangServerState:
         chosen = list(tags) if tags else list(SGLANG_MEMORY_TAGS)
         with self._lock:
             if release:
-                if self.hooks.pending_requests() and not self.paused:
+                # scheduler_components/weight_updater.py (0.5.15.post1 ~185, 0.5.23 ~339): an assert in the
+                # scheduler process; it sends SIGQUIT to the server, which kills its process tree before
+                # the tokenizer manager answers: the client sees its connection drop.
+                if not self.is_fully_idle():
                     self.on_fatal(
                         "AssertionError: release_memory_occupation should be called only when server is idle."
                     )
