@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from harness import GROUP_TIMEOUT_S, SPEC, HttpEngine, weights
 
-from ppo_weight_sync import HttpEngineEndpoint, WeightSender, checksum
+from ppo_weight_sync import EngineUnavailableError, HttpEngineEndpoint, WeightSender, checksum
 from ppo_weight_sync.testing.http_engine import start_process
 from ppo_weight_sync.testing.sglang_tp import shard_checksum, tp_shard
 
@@ -90,3 +90,36 @@ def test_tp_ranks_join_at_their_offsets_and_every_rank_loads(
     sender.update(sent.items(), f"tp-{load_format}-2")
     _assert_every_rank_holds(engines, sent, f"tp-{load_format}-2")
     sender.disconnect()
+
+
+def test_a_tp_rank_reads_only_its_own_tensor_entry_and_a_short_list_is_fatal() -> None:
+    import torch
+
+    from ppo_weight_sync.testing.sglang_like import SchedulerCrash, SGLangReceiver
+
+    receiver = SGLangReceiver(lambda named: None, torch.device("cpu"), version="0.5.23", tp_rank=1)
+    with pytest.raises(SchedulerCrash, match=r"TP rank 1 reads serialized_named_tensors\[1\] of 1 entries"):
+        receiver.update_weights_from_tensor(serialized_named_tensors=["AAAA"], load_format="flattened_bucket")
+    # entry 0 is rank 0's: rank 1 reads entry 1, here not a payload at all
+    with pytest.raises(SchedulerCrash, match=r"deserializing TP rank 1's entry failed"):
+        receiver.update_weights_from_tensor(
+            serialized_named_tensors=["rank 0's", "not base64!"], load_format="flattened_bucket"
+        )
+
+
+def test_a_tensor_update_with_one_entry_for_two_tp_ranks_takes_the_server_down() -> None:
+    proc, url = start_process(SPEC, seed=1, timeout_s=240, sglang_version="0.5.23", tp_size=2)
+    endpoint = HttpEngineEndpoint.for_sglang(url, name="tp2", timeout_s=30)
+    body = {"serialized_named_tensors": ["AAAA"], "load_format": "flattened_bucket", "flush_cache": False}
+    try:
+        refused = endpoint.call("POST", "/update_weights_from_tensor", body)  # no session open: a refusal
+        assert not refused.success
+        assert "between begin_weight_update() and end_weight_update()" in refused.message
+        assert endpoint.call("POST", "/begin_weight_update", {}).success
+        with pytest.raises(EngineUnavailableError, match=r"tp2.*unreachable"):
+            endpoint.call("POST", "/update_weights_from_tensor", body)  # TP rank 1 has no entry
+        assert proc.wait(30) == 1  # the scheduler's IndexError took the server down
+    finally:
+        endpoint.close()
+        proc.kill()
+        proc.wait(30)

@@ -40,9 +40,9 @@ from ppo_weight_sync.routes import (
     weight_reply,
 )
 from ppo_weight_sync.sglang import SGLANG_MEMORY_TAGS, SGLangProtocol
-from ppo_weight_sync.testing.sglang_tp import TPRanks
+from ppo_weight_sync.testing.sglang_tp import SchedulerCrash, TPRanks
 
-__all__ = ["SGLangReceiver", "SGLangServerState", "ServerHooks"]
+__all__ = ["SGLangReceiver", "SGLangServerState", "SchedulerCrash", "ServerHooks"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,38 @@ class SGLangReceiver:
 
     def get_weight_version(self) -> str | None:
         return self.weight_version
+
+    def update_weights_from_tensor(
+        self, *, serialized_named_tensors: Sequence[str], load_format: str | None
+    ) -> EngineReply:
+        """This TP rank's part of ``update_weights_from_tensor``: it reads entry ``tp_rank`` only (0.5.23
+        ``tp_worker.deserialize_own_rank``; 0.5.15.post1 ``tp_worker.update_weights_from_tensor``). The
+        read and the load run outside any ``try`` in SGLang: a list too short for this rank (IndexError),
+        an entry that does not unpickle, or a load that raises takes the server down."""
+        from ppo_weight_sync.ipc.payload import decode_flattened_bucket
+
+        if self.tp_rank >= len(serialized_named_tensors):
+            raise SchedulerCrash(
+                f"IndexError: list index out of range (TP rank {self.tp_rank} reads "
+                f"serialized_named_tensors[{self.tp_rank}] of {len(serialized_named_tensors)} entries: "
+                "the list needs one entry per TP rank)"
+            )
+        if load_format != "flattened_bucket":
+            raise SchedulerCrash(f"NotImplementedError: Unknown load_format={load_format}")
+        try:
+            decoded = decode_flattened_bucket(serialized_named_tensors[self.tp_rank])
+        except ValueError as exc:
+            raise SchedulerCrash(f"deserializing TP rank {self.tp_rank}'s entry failed: {exc}") from exc
+        if self.device.type != "cuda":
+            raise SchedulerCrash(f"a CUDA IPC tensor cannot be rebuilt on {self.device}")
+        try:
+            with on_device(self.device):
+                buffer = decoded.open()
+                self._load(decoded.layout.views(buffer))
+                wait_stream(self.device, self.timeout_s, "loading weights")
+        except Exception as exc:
+            raise SchedulerCrash(f"loading TP rank {self.tp_rank}'s tensors failed: {exc}") from exc
+        return EngineReply.ok("Success")
 
     def _receive(
         self,
@@ -360,6 +392,8 @@ class SGLangServerState:
                         },
                     )
             return answer
+        if path == "/update_weights_from_tensor" and method == "POST":
+            return self._update_from_tensor(data)
         if path == "/init_weights_update_group" and method == "POST":
             return weight_reply(
                 self._fatal_on_assert(self.ranks.init_weights_update_group, init_request(data))
@@ -371,9 +405,42 @@ class SGLangServerState:
     def _fatal_on_assert(self, op: Callable[..., EngineReply], kwargs: dict[str, Any]) -> EngineReply:
         try:
             return op(**kwargs)
-        except AssertionError as exc:  # an assert in SGLang's scheduler: the server goes down
-            self.on_fatal(f"AssertionError: {exc}")
+        except (AssertionError, SchedulerCrash) as exc:  # raised in SGLang's scheduler: the server goes down
+            self.on_fatal(f"{type(exc).__name__}: {exc}")
             raise
+
+    def _update_from_tensor(self, data: Mapping[str, Any]) -> RouteResult:
+        # http_server.update_weights_from_tensor -> tokenizer manager -> every TP rank's scheduler (0.5.23
+        # scheduler_components/weight_updater.py, 0.5.15.post1 scheduler -> tp_worker); 400 on failure.
+        if self.protocol.weight_update_session and not self.session_open:
+            return RouteResult(
+                400,
+                EngineReply.refused(
+                    "update_weights_from_tensor must run between "
+                    "begin_weight_update() and end_weight_update()"
+                ).to_json(),
+            )
+        entries = data.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise ValidationError("body.serialized_named_tensors: Input should be a valid list of strings")
+        kwargs = {"serialized_named_tensors": entries, "load_format": data.get("load_format")}
+        reply = self._fatal_on_assert(self.ranks.update_weights_from_tensor, kwargs)
+        if not reply.success:
+            return RouteResult(400, reply.to_json())
+        if data.get("flush_cache", True) and not self.flush_cache():
+            return RouteResult(
+                400,
+                EngineReply.refused(
+                    "Weights were updated, but the cache was not flushed because requests are still "
+                    "running or queued. Retract or finish them, then call /flush_cache."
+                ).to_json(),
+            )
+        version = data.get("weight_version")
+        message = reply.message
+        if version is not None:
+            self.ranks.weight_version = str(version)
+            message = f"{message} Weight version updated to {version}."
+        return RouteResult(200, EngineReply.ok(message).to_json())
 
     def _session(self, begin: bool) -> RouteResult:
         with self._lock:

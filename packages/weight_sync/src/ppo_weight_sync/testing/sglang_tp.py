@@ -33,9 +33,14 @@ from ppo_weight_sync.ops import EngineReply
 if TYPE_CHECKING:
     from ppo_weight_sync.testing.sglang_like import SGLangReceiver
 
-__all__ = ["RemoteRank", "TPRanks", "shard_checksum", "start_remote_ranks", "tp_shard"]
+__all__ = ["RemoteRank", "SchedulerCrash", "TPRanks", "shard_checksum", "start_remote_ranks", "tp_shard"]
 
 Spec = Mapping[str, tuple[str, Sequence[int]]]
+
+
+class SchedulerCrash(Exception):
+    """An exception SGLang raises in a scheduler process outside any ``try``: the scheduler sends SIGQUIT
+    to the server, which kills its process tree (``run_scheduler_process``); no HTTP answer is sent."""
 
 
 def tp_shard(tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -106,8 +111,8 @@ def _rank_main(
             continue
         try:
             reply = getattr(receiver, op)(**kwargs)
-        except AssertionError as exc:  # an assert in SGLang's scheduler: the server goes down
-            conn.send(("assert", str(exc)))
+        except (AssertionError, SchedulerCrash) as exc:  # raised in SGLang's scheduler: the server goes down
+            conn.send(("crash", f"{type(exc).__name__}: {exc}"))
             return
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -149,14 +154,15 @@ class RemoteRank:
         self._conn.recv()
 
     def call(self, op: str, kwargs: Mapping[str, Any], timeout_s: float) -> Any:
-        """Run ``op`` on this rank; its answer, or AssertionError where SGLang's scheduler asserts."""
+        """Run ``op`` on this rank; its answer, or :class:`~.sglang_like.SchedulerCrash` where SGLang's
+        scheduler raises (the rank's process has exited)."""
         with self._lock:
             self._conn.send((op, dict(kwargs)))
             if not self._conn.poll(timeout_s):
                 raise TimeoutError(f"TP rank {self.tp_rank} did not answer {op} within {timeout_s:g} s")
             kind, value = self._conn.recv()
-        if kind == "assert":
-            raise AssertionError(value)
+        if kind == "crash":
+            raise SchedulerCrash(f"TP rank {self.tp_rank}: {value}")
         if kind == "error":
             raise RuntimeError(f"TP rank {self.tp_rank}: {value}")
         return value
@@ -195,15 +201,15 @@ class TPRanks:
 
     def _fan_out(self, op: str, kwargs: dict[str, Any]) -> EngineReply:
         calls = [self._pool.submit(r.call, op, kwargs, self.timeout_s) for r in self.remotes]
-        fatal: AssertionError | None = None
+        fatal: Exception | None = None
         try:
             reply: EngineReply = getattr(self.local, op)(**kwargs)
-        except AssertionError as exc:
+        except (AssertionError, SchedulerCrash) as exc:
             fatal = exc
         for call in calls:
             try:
                 call.result()
-            except AssertionError as exc:
+            except SchedulerCrash as exc:
                 fatal = fatal or exc
         if fatal is not None:
             raise fatal
@@ -217,6 +223,9 @@ class TPRanks:
 
     def destroy_weights_update_group(self, **kwargs: Any) -> EngineReply:
         return self._fan_out("destroy_weights_update_group", kwargs)
+
+    def update_weights_from_tensor(self, **kwargs: Any) -> EngineReply:
+        return self._fan_out("update_weights_from_tensor", kwargs)
 
     def remote_checksums(self) -> list[str]:
         """The checksums of ranks 1..tp_size-1 (their shards), in rank order."""
