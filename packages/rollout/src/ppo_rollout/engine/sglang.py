@@ -5,8 +5,8 @@ Nothing here imports sglang. The routes and fields follow SGLang's ``http_server
 ``return_logprob``; each result's ``meta_info.output_token_logprobs`` holds
 ``[logprob, token_id, text]`` triples and ``meta_info.finish_reason.type`` is ``stop``, ``length``
 or ``abort``), the weight-update routes, ``/pause_generation``, ``/continue_generation``,
-``/flush_cache``, ``/get_weight_version``, ``/release_memory_occupation`` and
-``/resume_memory_occupation`` (``{"tags": [...]}``).
+``/flush_cache``, ``/model_info`` (the weight version), ``/server_info`` (version and ``tp_size``),
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (``{"tags": [...]}``).
 
 This adapter has been tested against a stand-in server that serves the same routes
 (:mod:`ppo_rollout.testing.sglang_standin`), not against a real SGLang server.
