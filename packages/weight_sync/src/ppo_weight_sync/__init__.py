@@ -23,6 +23,7 @@ from ppo_weight_sync.lock import PROCESS_LOCK, RayUpdateLock, ThreadUpdateLock, 
 from ppo_weight_sync.net import free_port, node_address
 from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps, WeightOps
 from ppo_weight_sync.receiver import WeightReceiver
+from ppo_weight_sync.receiving_engine import ReceivingEngine
 from ppo_weight_sync.sender import WeightSender
 from ppo_weight_sync.transports import Sent, Transport, TransportFactory
 
@@ -44,6 +45,7 @@ __all__ = [
     "Pending",
     "RayEngineEndpoint",
     "RayUpdateLock",
+    "ReceivingEngine",
     "Sent",
     "TensorOps",
     "ThreadUpdateLock",

@@ -31,11 +31,11 @@ from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.group import WeightGroup
 from ppo_weight_sync.ops import EngineReply, WeightOps
 from ppo_weight_sync.routes import (
+    DestroyRequest,
+    InitRequest,
     RouteResult,
+    UpdateRequest,
     ValidationError,
-    destroy_request,
-    init_request,
-    update_request,
     validation_error,
     weight_reply,
 )
@@ -369,9 +369,7 @@ class SGLangServerState:
                         "end_weight_update()"
                     ).to_json(),
                 )
-            answer = weight_reply(
-                self._fatal_on_assert(self.ranks.update_weights_from_distributed, update_request(data))
-            )
+            answer = weight_reply(self._fatal_on_crash(UpdateRequest.parse(data).send_to, self.ranks))
             if answer.status == 200:
                 if data.get("flush_cache", True) and not self.flush_cache():
                     # 0.5.23 flush_cache_after_weight_update: a refused flush fails the update call
@@ -395,16 +393,14 @@ class SGLangServerState:
         if path == "/update_weights_from_tensor" and method == "POST":
             return self._update_from_tensor(data)
         if path == "/init_weights_update_group" and method == "POST":
-            return weight_reply(
-                self._fatal_on_assert(self.ranks.init_weights_update_group, init_request(data))
-            )
+            return weight_reply(self._fatal_on_crash(InitRequest.parse(data).send_to, self.ranks))
         if path == "/destroy_weights_update_group" and method == "POST":
-            return weight_reply(self.ranks.destroy_weights_update_group(**destroy_request(data)))
+            return weight_reply(DestroyRequest.parse(data).send_to(self.ranks))
         return None
 
-    def _fatal_on_assert(self, op: Callable[..., EngineReply], kwargs: dict[str, Any]) -> EngineReply:
+    def _fatal_on_crash(self, op: Callable[[TPRanks], EngineReply], ranks: TPRanks) -> EngineReply:
         try:
-            return op(**kwargs)
+            return op(ranks)
         except (AssertionError, SchedulerCrash) as exc:  # raised in SGLang's scheduler: the server goes down
             self.on_fatal(f"{type(exc).__name__}: {exc}")
             raise
@@ -423,8 +419,13 @@ class SGLangServerState:
         entries = data.get("serialized_named_tensors")
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             raise ValidationError("body.serialized_named_tensors: Input should be a valid list of strings")
-        kwargs = {"serialized_named_tensors": entries, "load_format": data.get("load_format")}
-        reply = self._fatal_on_assert(self.ranks.update_weights_from_tensor, kwargs)
+        load_format = data.get("load_format")
+        load_format = None if load_format is None else str(load_format)
+
+        def update(ranks: TPRanks) -> EngineReply:
+            return ranks.update_weights_from_tensor(serialized_named_tensors=entries, load_format=load_format)
+
+        reply = self._fatal_on_crash(update, self.ranks)
         if not reply.success:
             return RouteResult(400, reply.to_json())
         if data.get("flush_cache", True) and not self.flush_cache():

@@ -31,6 +31,7 @@ from ppo_weight_sync.buckets import checksum, dtype_from_name
 from ppo_weight_sync.ops import EngineReply
 
 if TYPE_CHECKING:
+    from ppo_weight_sync.ops import WeightOps
     from ppo_weight_sync.testing.sglang_like import SGLangReceiver
 
 __all__ = ["RemoteRank", "SchedulerCrash", "TPRanks", "shard_checksum", "start_remote_ranks", "tp_shard"]
@@ -215,16 +216,59 @@ class TPRanks:
             raise fatal
         return reply
 
-    def init_weights_update_group(self, **kwargs: Any) -> EngineReply:
+    # The weight operations (WeightOps' signatures); each goes to every rank as (name, keyword arguments).
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> EngineReply:
+        kwargs = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
         return self._fan_out("init_weights_update_group", kwargs)
 
-    def update_weights_from_distributed(self, **kwargs: Any) -> EngineReply:
+    def update_weights_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool,
+        load_format: str | None,
+    ) -> EngineReply:
+        kwargs = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+            "load_format": load_format,
+        }
         return self._fan_out("update_weights_from_distributed", kwargs)
 
-    def destroy_weights_update_group(self, **kwargs: Any) -> EngineReply:
-        return self._fan_out("destroy_weights_update_group", kwargs)
+    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
+        return self._fan_out("destroy_weights_update_group", {"group_name": group_name})
 
-    def update_weights_from_tensor(self, **kwargs: Any) -> EngineReply:
+    def get_weight_version(self) -> str | None:
+        return self.weight_version
+
+    def update_weights_from_tensor(
+        self, *, serialized_named_tensors: list[str], load_format: str | None
+    ) -> EngineReply:
+        kwargs = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format}
         return self._fan_out("update_weights_from_tensor", kwargs)
 
     def remote_checksums(self) -> list[str]:
@@ -268,3 +312,9 @@ def _device_of(device: str, tp_rank: int) -> str:
     if dev.type != "cuda":
         return str(dev)
     return f"cuda:{(dev.index or 0) + tp_rank}"
+
+
+if TYPE_CHECKING:  # mypy checks that the fan-out has the weight operations' exact signatures
+
+    def _is_weight_ops(ranks: TPRanks) -> WeightOps:
+        return ranks
