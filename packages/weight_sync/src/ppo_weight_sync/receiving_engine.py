@@ -82,8 +82,7 @@ class ReceivingEngine:
             weight_version=weight_version,
         )
 
-    def destroy_weights_update_group(self, group_name: str) -> EngineReply:
-        # group_name may come positionally too: subclasses in other packages' tests pass it that way.
+    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
         return self.receiver.destroy_weights_update_group(group_name=group_name)
 
     def get_weight_version(self) -> str | None:
