@@ -52,7 +52,7 @@ def check(ok: bool, what: str) -> None:
 
 def _engine_groups(rollout: Any) -> list[list[str]]:
     def groups(engine: Any) -> list[str]:
-        return sorted(engine._receiver._groups)
+        return sorted(engine.receiver._groups)
 
     return [ray.get(e.actor.__ray_call__.remote(groups), timeout=60) for e in rollout.engines]
 

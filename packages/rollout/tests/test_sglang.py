@@ -216,9 +216,13 @@ def test_control_and_memory_routes(
     assert client.release_memory_occupation(tags=None).success
     assert len(_requests(record)) == count  # nothing sent
     assert client.resume_memory_occupation(tags=None).success
-    assert _requests(record)[-1]["body"] == {"tags": ["kv_cache", "weights", "cuda_graph"]}
+    # the release paused the server to make it idle; the resume of the last tag continues it
+    assert [(r["path"], r["body"]) for r in _requests(record)[-2:]] == [
+        ("/resume_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]}),
+        ("/continue_generation", {}),
+    ]
     assert client.resume_memory_occupation(tags=None).success
-    assert len(_requests(record)) == count + 1
+    assert len(_requests(record)) == count + 2
     manager.offload()  # the manager's path: every tag on every engine
     assert {k: _requests(record)[-1][k] for k in ("path", "body", "status")} == {
         "path": "/release_memory_occupation",

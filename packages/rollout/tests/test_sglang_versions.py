@@ -3,11 +3,12 @@ server rules, rebuilt from its source): real server processes, a real gloo group
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,115 @@ def test_a_resume_of_a_tag_not_released_takes_the_server_down(
     finally:
         client.close()
         srv.stop()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_release_while_generating_waits_until_idle_then_resume_continues(
+    tiny_model: Path, tmp_path: Path, version: str
+) -> None:
+    # SGLang's release asserts the scheduler is idle and goes down otherwise: the client pauses (the
+    # version's mode) and flushes until the scheduler is idle before it releases.
+    record = tmp_path / "requests.jsonl"
+    srv = _start(tiny_model, version, record, step_delay=0.05)
+    client = SGLangClient(srv.url, timeout_s=60, name=f"sleepy-{version}")
+    try:
+        prompt = _long_prompt(tiny_model)
+        out: list[list[GenerationOutput]] = []
+        worker = threading.Thread(target=lambda: out.append(client.generate([prompt], GREEDY)))
+        worker.start()
+        time.sleep(0.4)  # a few steps in
+        assert client.release_memory_occupation(tags=None).success
+        assert srv.is_running()
+        time.sleep(0.3)
+        assert worker.is_alive()  # held while the memory is released
+        assert client.resume_memory_occupation(tags=None).success
+        worker.join(60)
+        assert out[0] == GenerationCore(tiny_model).generate([prompt], GREEDY)
+        calls = [(r["path"], r["status"]) for r in _requests(record) if r["path"] != "/generate"]
+        release = calls.index(("/release_memory_occupation", 200))
+        before = [p for p, _ in calls[:release]]
+        assert "/pause_generation" in before
+        assert calls[release - 1] == ("/flush_cache", 200)  # idle: the same check as release's assert
+        after = [p for p, _ in calls[release:]]
+        assert after == ["/release_memory_occupation", "/resume_memory_occupation", "/continue_generation"]
+        pause = next(r["body"] for r in _requests(record) if r["path"] == "/pause_generation")
+        assert pause == {"mode": client.protocol.pause_mode}
+    finally:
+        client.close()
+        srv.stop()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_release_while_busy_takes_the_server_down_without_an_answer(
+    tiny_model: Path, tmp_path: Path, version: str
+) -> None:
+    # What the client's pause and idle wait prevent: the scheduler's assert fails, it sends SIGQUIT to the
+    # server, which kills its process tree; the request gets no HTTP answer at all.
+    srv = _start(tiny_model, version, tmp_path / "requests.jsonl", step_delay=0.05)
+    client = SGLangClient(srv.url, timeout_s=30, name="busy")
+    try:
+        prompt = _long_prompt(tiny_model)
+        worker = threading.Thread(target=lambda: _swallow(lambda: client.generate([prompt], GREEDY)))
+        worker.start()
+        time.sleep(0.4)
+        with pytest.raises(EngineUnavailableError, match=r"busy.*unreachable"):
+            client.endpoint.call("POST", "/release_memory_occupation", {"tags": ["kv_cache"]})
+        deadline = time.monotonic() + 30
+        while srv.is_running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not srv.is_running()
+        worker.join(60)
+    finally:
+        client.close()
+        srv.stop()
+
+
+def _swallow(call: Callable[[], object]) -> None:
+    # the server dies under the call; the test checks the server, not this call
+    with contextlib.suppress(Exception):
+        call()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_engines_with_tensor_parallelism_update_every_tp_rank(
+    tiny_model: Path, other_model: Path, tmp_path: Path, version: str
+) -> None:
+    from ppo_weight_sync import checksum
+    from ppo_weight_sync.testing.sglang_tp import shard_checksum
+
+    sizes = (2, 1)  # world size 4: engine 0's TP ranks at 1 and 2, engine 1 at 3
+    servers = []
+    for i, tp in enumerate(sizes):
+        extra = ("--standin-version", version, "--standin-record", str(tmp_path / f"r{i}.jsonl"))
+        spec = SGLangServerSpec(
+            model_path=str(tiny_model), port=free_port(), tp_size=tp, command=STANDIN, extra_args=extra
+        )
+        servers.append(SGLangServer(spec, startup_timeout_s=240, name=f"tp{tp}-{version}"))
+    for srv in servers:
+        srv.start()
+    clients = [
+        SGLangClient(s.url, timeout_s=60, name=f"tp{tp}", num_gpus=tp)
+        for s, tp in zip(servers, sizes, strict=True)
+    ]
+    try:
+        assert [c.endpoint.num_gpus for c in clients] == list(sizes)
+        prompts = [[1, 5, 6, 14]]
+        for load_format, model in (("per_tensor", other_model), ("flattened_bucket", tiny_model)):
+            sender = WeightSender(
+                backend="gloo", master_address="127.0.0.1", timeout_s=60, load_format=load_format
+            )
+            sender.connect([c.endpoint for c in clients])
+            named = _named(model)
+            sender.update(named, version=load_format)  # type: ignore[arg-type]
+            sender.disconnect()
+            for client, tp in zip(clients, sizes, strict=True):
+                got = client.endpoint.request("GET", "/standin_tp_checksums")["checksums"]
+                expected = [checksum(named)] + [shard_checksum(named, r, tp) for r in range(1, tp)]  # type: ignore[arg-type]
+                assert got == expected, f"{client.name} ({load_format})"
+                assert client.get_weight_version() == load_format
+                assert client.generate(prompts, GREEDY) == GenerationCore(model).generate(prompts, GREEDY)
+    finally:
+        for client in clients:
+            client.close()
+        for srv in servers:
+            srv.stop()

@@ -221,7 +221,7 @@ class CountingEngine(TensorEngine):
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
         self.destroys += 1
-        return super().destroy_weights_update_group(group_name)
+        return super().destroy_weights_update_group(group_name=group_name)
 
     def counts(self) -> tuple[int, int]:
         return self.inits, self.destroys

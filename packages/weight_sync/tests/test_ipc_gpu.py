@@ -143,3 +143,28 @@ def test_an_engine_killed_mid_update_is_named_within_the_timeout(peer: IpcPeer) 
     packer.free()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated() - base == sum(t.numel() * t.element_size() for _, t in sent)
+
+
+def test_an_sglang_engine_of_two_tp_ranks_gets_one_entry_per_rank() -> None:
+    """SGLang's TP rank i reads serialized_named_tensors[i] only (0.5.23 tp_worker.deserialize_own_rank):
+    the body carries one entry per rank, each its own export of the bucket's buffer."""
+    from dataclasses import dataclass
+
+    from ppo_weight_sync.ipc import IpcTransport, decode_flattened_bucket
+
+    @dataclass
+    class Wide:
+        name: str = "tp2"
+        num_gpus: int = 2
+        load_formats: tuple[str, ...] = ("flattened_bucket",)
+
+    device = torch.device("cuda", 0)
+    weights = make_weights(SPEC, seed=3, device=device)
+    transport = IpcTransport(device=device, bucket_bytes=BUCKET, timeout_s=30)
+    layouts = transport.packer.plan(list(weights.items()))
+    assert transport.packer.reserve(layouts)
+    entries = transport._serialized(Wide(), "flattened_bucket", 0, 0, layouts[0])  # type: ignore[arg-type]
+    assert len(entries) == 2
+    decoded = [decode_flattened_bucket(e) for e in entries]
+    assert decoded[0].layout == decoded[1].layout == layouts[0]
+    transport.packer.free()

@@ -17,12 +17,23 @@ from ppo_weight_sync import (
     plan_buckets,
 )
 from ppo_weight_sync.buckets import plan_aligned_buckets
-from ppo_weight_sync.sglang import SGLangProtocol
+from ppo_weight_sync.sglang import SGLangProtocol, group_ranks_of
 from ppo_weight_sync.testing.http_engine import start_process
 
 pytestmark = pytest.mark.timeout(240)
 
 VERSIONS = ["0.5.15.post1", "0.5.23"]
+# the last version of each side of the one protocol boundary (0.5.21), read from its released source
+BOUNDARY = {
+    "0.5.15.post1": False,
+    "0.5.16": False,
+    "0.5.19": False,
+    "0.5.20": False,
+    "0.5.21": True,
+    "0.5.22": True,
+    "0.5.23": True,
+    "0.5.23.post1": True,
+}
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
@@ -52,6 +63,7 @@ def test_the_protocol_is_read_from_the_server(sglang_engines: tuple[str, list[Ht
     assert protocol == SGLangProtocol.for_version(version)
     assert protocol.weight_update_session is (version == "0.5.23")
     assert protocol.pause_mode == ("retract" if version == "0.5.23" else "abort")
+    assert engines[0].endpoint.num_gpus == 1  # tp_size from /server_info
     # the version route SGLang does not serve is not used: /get_weight_version answers 404 there
     with pytest.raises(EngineUnavailableError, match="HTTP 404"):
         engines[0].endpoint.request("GET", "/get_weight_version")
@@ -123,6 +135,56 @@ def test_an_engine_killed_mid_update_is_named_and_a_fresh_one_connects(
     sender.update(sent.items(), "after-kill")
     assert_engines_hold(engines, sent, "after-kill")
     sender.disconnect()
+
+
+@pytest.mark.parametrize("version", sorted(BOUNDARY))
+def test_each_version_gets_the_protocol_its_source_has(version: str) -> None:
+    since_21 = BOUNDARY[version]
+    protocol = SGLangProtocol.for_version(version)
+    assert protocol.weight_update_session is since_21  # /begin_weight_update exists and is required
+    assert protocol.pause_mode == ("retract" if since_21 else "abort")  # flush ignores waiting if paused
+    assert protocol.idle_ignores_waiting_when_paused is since_21
+    assert protocol.missing_group_is_fatal is not since_21  # the assert moved inside the scheduler's try
+    assert protocol.weight_version_route == "/model_info"  # /get_weight_version: 404, then no route
+    assert protocol.server_info_route == "/server_info"
+
+
+@pytest.mark.parametrize("version", ["0.5.20", "0.5.21"])
+def test_the_boundary_versions_behave_as_their_source_over_http(version: str) -> None:
+    """The stand-in in 0.5.20's and 0.5.21's modes: session routes, the version route, a flush."""
+    proc, url = start_process(SPEC, seed=1, timeout_s=180, sglang_version=version)
+    endpoint = HttpEngineEndpoint.for_sglang(url, name=f"sglang-{version}", timeout_s=30)
+    try:
+        assert endpoint.sglang == SGLangProtocol.for_version(version)
+        since_21 = version == "0.5.21"
+        if since_21:
+            assert endpoint.call("POST", "/begin_weight_update", {}).success
+            assert endpoint.call("POST", "/end_weight_update", {}).success
+            with pytest.raises(EngineUnavailableError, match=r"HTTP 404: \{'detail': 'Not Found'\}"):
+                endpoint.request("GET", "/get_weight_version")
+        else:
+            with pytest.raises(EngineUnavailableError, match="HTTP 404"):
+                endpoint.call("POST", "/begin_weight_update", {})
+            with pytest.raises(EngineUnavailableError, match="deprecated"):
+                endpoint.request("GET", "/get_weight_version")
+        assert endpoint.pause_generation().result(30).success
+        assert endpoint.flush_cache().result(30).success
+        assert endpoint.continue_generation().result(30).success
+    finally:
+        endpoint.close()
+        proc.kill()
+        proc.wait(30)
+
+
+def test_group_ranks_come_from_tp_size_and_replicas_are_refused() -> None:
+    assert group_ranks_of({"tp_size": 4, "dp_size": 1, "pp_size": 1}, "e") == 4
+    assert group_ranks_of({"version": "0.5.23"}, "e") == 1
+    with pytest.raises(ValueError, match=r"dp_size=2.*one server per replica"):
+        group_ranks_of({"tp_size": 2, "dp_size": 2}, "e")
+    with pytest.raises(ValueError, match=r"pp_size=2"):
+        group_ranks_of({"tp_size": 1, "pp_size": 2}, "e")
+    with pytest.raises(ValueError, match=r"tp_size 0"):
+        group_ranks_of({"tp_size": 0}, "e")
 
 
 def test_unsupported_versions_are_refused_naming_them() -> None:

@@ -24,6 +24,7 @@ from ppo_weight_sync.net import free_port, node_address
 from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps, WeightOps
 from ppo_weight_sync.plan import RankSends, SenderPlan, plan_senders
 from ppo_weight_sync.receiver import WeightReceiver
+from ppo_weight_sync.receiving_engine import ReceivingEngine
 from ppo_weight_sync.sender import WeightSender
 from ppo_weight_sync.transports import Sent, Transport, TransportFactory
 
@@ -46,6 +47,7 @@ __all__ = [
     "RankSends",
     "RayEngineEndpoint",
     "RayUpdateLock",
+    "ReceivingEngine",
     "SenderPlan",
     "Sent",
     "TensorOps",

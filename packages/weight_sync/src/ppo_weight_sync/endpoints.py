@@ -22,7 +22,7 @@ from ppo_weight_sync.buckets import FLATTENED_BUCKET, STREAM_FORMAT_PREFIX
 from ppo_weight_sync.errors import EngineTimeoutError, EngineUnavailableError
 from ppo_weight_sync.http_client import JsonHttpClient
 from ppo_weight_sync.ops import EngineReply
-from ppo_weight_sync.sglang import SGLangProtocol
+from ppo_weight_sync.sglang import SGLangProtocol, group_ranks_of
 
 __all__ = [
     "RECEIVER_LOAD_FORMATS",
@@ -395,25 +395,33 @@ class HttpEngineEndpoint:
     def for_sglang(
         cls,
         base_url: str,
-        num_gpus: int = 1,
+        num_gpus: int | None = None,
         timeout_s: float = 600.0,
         name: str = "",
         load_formats: tuple[str, ...] = ("flattened_bucket",),
     ) -> HttpEngineEndpoint:
-        """An endpoint for the SGLang server at ``base_url``, its protocol read from ``GET /server_info``
-        (``version``); ValueError naming the version when we do not support it."""
-        probe = cls(base_url, num_gpus, timeout_s, name)
+        """An endpoint for the SGLang server at ``base_url``, its protocol and size read from
+        ``GET /server_info``: ``version`` (ValueError naming it when we do not support it) and ``tp_size``,
+        the ranks it adds to the weight group (:func:`~ppo_weight_sync.sglang.group_ranks_of`).
+        ``num_gpus``: what the config expects; a server of another TP size is a ValueError naming both."""
+        probe = cls(base_url, 1, timeout_s, name)
         try:
             info = probe.request("GET", "/server_info")
         finally:
             probe.close()
         version = info.get("version") if isinstance(info, Mapping) else None
-        if not isinstance(version, str):
+        if not isinstance(info, Mapping) or not isinstance(version, str):
             raise EngineUnavailableError(
                 probe.name, "server_info", f"no SGLang version in GET /server_info: {str(info)[:200]}"
             )
         protocol = SGLangProtocol.for_version(version)
-        return cls(base_url, num_gpus, timeout_s, name, load_formats, sglang=protocol)
+        ranks = group_ranks_of(info, probe.name)
+        if num_gpus is not None and num_gpus != ranks:
+            raise ValueError(
+                f"SGLang server {probe.name} runs with tp_size={ranks}, but num_gpus={num_gpus} was given: "
+                "set the engine's tp_size in the config to the server's (or relaunch the server)"
+            )
+        return cls(base_url, ranks, timeout_s, name, load_formats, sglang=protocol)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._pool_lock:

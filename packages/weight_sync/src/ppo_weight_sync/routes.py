@@ -24,17 +24,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps
+from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps, WeightOps
 
 __all__ = [
     "DEFAULT_GROUP_NAME",
+    "DestroyRequest",
+    "InitRequest",
     "RouteResult",
+    "TensorRequest",
+    "UpdateRequest",
     "ValidationError",
-    "destroy_request",
-    "init_request",
     "serve_engine_route",
-    "tensor_request",
-    "update_request",
     "validation_error",
     "weight_reply",
 ]
@@ -78,53 +78,127 @@ def _optional_str(body: Mapping[str, Any], name: str) -> str | None:
     return value
 
 
-def init_request(body: Mapping[str, Any]) -> dict[str, Any]:
-    """``init_weights_update_group``'s arguments from a request body (io_struct.py's fields and defaults)."""
-    return {
-        "master_address": _field(body, "master_address", str),
-        "master_port": _field(body, "master_port", int),
-        "rank_offset": _field(body, "rank_offset", int),
-        "world_size": _field(body, "world_size", int),
-        "group_name": _field(body, "group_name", str, DEFAULT_GROUP_NAME),
-        "backend": _field(body, "backend", str, "nccl"),
-    }
+@dataclass(frozen=True)
+class InitRequest:
+    """``POST /init_weights_update_group``'s body (``InitWeightsUpdateGroupReqInput``)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> InitRequest:
+        return cls(
+            master_address=_field(body, "master_address", str),
+            master_port=_field(body, "master_port", int),
+            rank_offset=_field(body, "rank_offset", int),
+            world_size=_field(body, "world_size", int),
+            group_name=_field(body, "group_name", str, DEFAULT_GROUP_NAME),
+            backend=_field(body, "backend", str, "nccl"),
+        )
+
+    def send_to(self, ops: WeightOps) -> EngineReply:
+        return ops.init_weights_update_group(
+            master_address=self.master_address,
+            master_port=self.master_port,
+            rank_offset=self.rank_offset,
+            world_size=self.world_size,
+            group_name=self.group_name,
+            backend=self.backend,
+        )
 
 
-def update_request(body: Mapping[str, Any]) -> dict[str, Any]:
-    """``update_weights_from_distributed``'s arguments from a request body (fields we do not use ignored)."""
-    return {
-        "names": _field(body, "names", list),
-        "dtypes": _field(body, "dtypes", list),
-        "shapes": _field(body, "shapes", list),
-        "group_name": _field(body, "group_name", str, DEFAULT_GROUP_NAME),
-        "weight_version": _optional_str(body, "weight_version"),
-        "flush_cache": _field(body, "flush_cache", bool, True),
-        "load_format": _optional_str(body, "load_format"),
-    }
+@dataclass(frozen=True)
+class UpdateRequest:
+    """``POST /update_weights_from_distributed``'s body (``UpdateWeightsFromDistributedReqInput``; fields we
+    do not use are accepted and ignored)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    weight_version: str | None
+    flush_cache: bool
+    load_format: str | None
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> UpdateRequest:
+        return cls(
+            names=_field(body, "names", list),
+            dtypes=_field(body, "dtypes", list),
+            shapes=_field(body, "shapes", list),
+            group_name=_field(body, "group_name", str, DEFAULT_GROUP_NAME),
+            weight_version=_optional_str(body, "weight_version"),
+            flush_cache=_field(body, "flush_cache", bool, True),
+            load_format=_optional_str(body, "load_format"),
+        )
+
+    def send_to(self, ops: WeightOps) -> EngineReply:
+        return ops.update_weights_from_distributed(
+            names=self.names,
+            dtypes=self.dtypes,
+            shapes=self.shapes,
+            group_name=self.group_name,
+            weight_version=self.weight_version,
+            flush_cache=self.flush_cache,
+            load_format=self.load_format,
+        )
 
 
-def destroy_request(body: Mapping[str, Any]) -> dict[str, Any]:
-    return {"group_name": _field(body, "group_name", str, DEFAULT_GROUP_NAME)}
+@dataclass(frozen=True)
+class DestroyRequest:
+    """``POST /destroy_weights_update_group``'s body."""
+
+    group_name: str
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> DestroyRequest:
+        return cls(group_name=_field(body, "group_name", str, DEFAULT_GROUP_NAME))
+
+    def send_to(self, ops: WeightOps) -> EngineReply:
+        return ops.destroy_weights_update_group(group_name=self.group_name)
+
+
+@dataclass(frozen=True)
+class TensorRequest:
+    """``POST /update_weights_from_tensor``'s body: ``UpdateWeightsFromTensorReqInput`` (io_struct.py,
+    0.5.15.post1 to 0.5.23), its fields and defaults."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None
+    flush_cache: bool
+    abort_all_requests: bool
+    weight_version: str | None
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> TensorRequest:
+        entries = _field(body, "serialized_named_tensors", list)
+        if not all(isinstance(e, str) for e in entries):
+            raise ValidationError("body.serialized_named_tensors: expected a list of base64 strings")
+        return cls(
+            serialized_named_tensors=entries,
+            load_format=_optional_str(body, "load_format"),
+            flush_cache=_field(body, "flush_cache", bool, True),
+            abort_all_requests=_field(body, "abort_all_requests", bool, False),
+            weight_version=_optional_str(body, "weight_version"),
+        )
+
+    def send_to(self, ops: TensorOps) -> EngineReply:
+        return ops.update_weights_from_tensor(
+            serialized_named_tensors=self.serialized_named_tensors,
+            load_format=self.load_format,
+            flush_cache=self.flush_cache,
+            abort_all_requests=self.abort_all_requests,
+            weight_version=self.weight_version,
+        )
 
 
 def weight_reply(reply: EngineReply) -> RouteResult:
     """A weight route's answer: the reply's body, 200 or 400."""
     return RouteResult(200 if reply.success else 400, reply.to_json())
-
-
-def tensor_request(body: Mapping[str, Any]) -> dict[str, Any]:
-    """``update_weights_from_tensor``'s arguments from a request body: UpdateWeightsFromTensorReqInput
-    (io_struct.py, 0.5.15.post1 and 0.5.23), its fields and defaults."""
-    entries = _field(body, "serialized_named_tensors", list)
-    if not all(isinstance(e, str) for e in entries):
-        raise ValidationError("body.serialized_named_tensors: expected a list of base64 strings")
-    return {
-        "serialized_named_tensors": entries,
-        "load_format": _optional_str(body, "load_format"),
-        "flush_cache": _field(body, "flush_cache", bool, True),
-        "abort_all_requests": _field(body, "abort_all_requests", bool, False),
-        "weight_version": _optional_str(body, "weight_version"),
-    }
 
 
 def _generation(op: Callable[[], EngineReply], done: str) -> RouteResult:
@@ -164,13 +238,13 @@ def serve_engine_route(
         if method != "POST":
             return None
         if path == "/init_weights_update_group":
-            return weight_reply(engine.init_weights_update_group(**init_request(data)))
+            return weight_reply(InitRequest.parse(data).send_to(engine))
         if path == "/update_weights_from_distributed":
-            return weight_reply(engine.update_weights_from_distributed(**update_request(data)))
+            return weight_reply(UpdateRequest.parse(data).send_to(engine))
         if path == "/update_weights_from_tensor" and isinstance(engine, TensorOps):
-            return weight_reply(engine.update_weights_from_tensor(**tensor_request(data)))
+            return weight_reply(TensorRequest.parse(data).send_to(engine))
         if path == "/destroy_weights_update_group":
-            return weight_reply(engine.destroy_weights_update_group(**destroy_request(data)))
+            return weight_reply(DestroyRequest.parse(data).send_to(engine))
         if path == "/pause_generation":
             return _generation(engine.pause_generation, "Generation paused successfully.")
         if path == "/continue_generation":

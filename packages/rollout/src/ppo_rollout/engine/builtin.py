@@ -26,7 +26,7 @@ import ray
 import torch
 
 from ppo_lifecycle import TransferStats, default_backend
-from ppo_weight_sync import EngineOps, EngineReply, TensorOps, WeightReceiver, checksum
+from ppo_weight_sync import EngineOps, EngineReply, ReceivingEngine, TensorOps, WeightReceiver, checksum
 
 from ..config import SamplingConfig
 from .core import GenerationCore, GenerationOutput
@@ -40,7 +40,7 @@ class GenerationAborted(RuntimeError):
     """A generate call ended early by :meth:`BuiltinEngine.abort_requests` (SGLang's abort)."""
 
 
-class BuiltinEngine:
+class BuiltinEngine(ReceivingEngine):
     """Generates with a Hugging Face causal LM and receives weight updates through ``WeightReceiver``."""
 
     def __init__(
@@ -76,7 +76,8 @@ class BuiltinEngine:
         self._paused = False
         self._active = 0
         self._abort_epoch = 0  # abort_requests() ends every generate call started before it
-        self._receiver = WeightReceiver(self._load_weights, self._expected, dev, timeout_s=timeout_s)
+        # the weight operations (SGLang's names) are ReceivingEngine's, answered by this receiver
+        self.receiver = WeightReceiver(self._load_weights, self._expected, dev, timeout_s=timeout_s)
 
     # -- generation --------------------------------------------------------------------------------
     def generate(
@@ -160,70 +161,6 @@ class BuiltinEngine:
             raise RuntimeError(f"engine {self.name}: weights are released; resume them before an update")
         with self._step_lock:
             self._core.load_weights(list(named))
-
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> EngineReply:
-        return self._receiver.init_weights_update_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
-
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str | None,
-        flush_cache: bool,
-        load_format: str | None,
-    ) -> EngineReply:
-        return self._receiver.update_weights_from_distributed(
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=group_name,
-            weight_version=weight_version,
-            flush_cache=flush_cache,
-            load_format=load_format,
-        )
-
-    def update_weights_from_tensor(
-        self,
-        *,
-        serialized_named_tensors: list[str],
-        load_format: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> EngineReply:
-        """A colocated update's bucket (CUDA IPC from the actor on this GPU; see ppo_weight_sync.ipc)."""
-        return self._receiver.update_weights_from_tensor(
-            serialized_named_tensors=serialized_named_tensors,
-            load_format=load_format,
-            flush_cache=flush_cache,
-            abort_all_requests=abort_all_requests,
-            weight_version=weight_version,
-        )
-
-    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
-        return self._receiver.destroy_weights_update_group(group_name=group_name)
-
-    def get_weight_version(self) -> str | None:
-        return self._receiver.get_weight_version()
 
     def weights_checksum(self) -> str:
         """``ppo_weight_sync.checksum`` of the weights held (the trainer computes it the same way)."""

@@ -5,8 +5,8 @@ Nothing here imports sglang. The routes and fields follow SGLang's ``http_server
 ``return_logprob``; each result's ``meta_info.output_token_logprobs`` holds
 ``[logprob, token_id, text]`` triples and ``meta_info.finish_reason.type`` is ``stop``, ``length``
 or ``abort``), the weight-update routes, ``/pause_generation``, ``/continue_generation``,
-``/flush_cache``, ``/get_weight_version``, ``/release_memory_occupation`` and
-``/resume_memory_occupation`` (``{"tags": [...]}``).
+``/flush_cache``, ``/model_info`` (the weight version), ``/server_info`` (version and ``tp_size``),
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (``{"tags": [...]}``).
 
 This adapter has been tested against a stand-in server that serves the same routes
 (:mod:`ppo_rollout.testing.sglang_standin`), not against a real SGLang server.
@@ -226,11 +226,12 @@ class SGLangClient:
         *,
         timeout_s: float = 600.0,
         name: str = "",
-        num_gpus: int = 1,
+        num_gpus: int | None = None,
         abort_retries: int = 3,
     ) -> None:
-        # The server's version decides the protocol (pause mode, update session, version route): read it
-        # once, here; an unsupported version fails now, naming itself.
+        # The server's version decides the protocol (pause mode, update session, version route), and its
+        # tp_size the ranks it adds to a weight group: read once, here, from /server_info; an unsupported
+        # version fails now, naming itself, and so does a tp_size other than num_gpus (the config's).
         self.endpoint = HttpEngineEndpoint.for_sglang(
             base_url, num_gpus=num_gpus, timeout_s=timeout_s, name=name
         )
@@ -238,6 +239,7 @@ class SGLangClient:
         self.timeout_s = timeout_s
         self.abort_retries = abort_retries
         self._released: set[str] = set()
+        self._paused_to_release = False  # we paused it to release memory: resume continues it
         self._memory_lock = threading.Lock()
         self.name = self.endpoint.name
         self.base_url = self.endpoint.base_url
@@ -423,8 +425,32 @@ class SGLangClient:
             raise ValueError(f"unknown memory tags {unknown}; SGLang knows {list(self.protocol.memory_tags)}")
         return list(tags)
 
+    def _make_idle(self) -> EngineReply:
+        """Pause generation and wait until the scheduler is idle, as ``release_memory_occupation`` needs.
+
+        SGLang asserts idleness in the scheduler (``scheduler_components/weight_updater.py``
+        ``release_memory_occupation``); a failed assert kills the server. ``flush_cache`` succeeds only
+        under the same idle check (``is_fully_idle``, ignoring the waiting queue while paused from 0.5.21),
+        so it is retried until it does, as slime flushes before it releases. The pause (the version's mode)
+        ends or retracts the requests in flight and holds new ones outside the scheduler until
+        ``continue_generation``; aborted ones are sent again by :meth:`generate` and wait there too.
+        """
+        paused = self.endpoint.pause_generation().result(self.timeout_s)
+        if not paused.success:
+            return EngineReply.refused(f"could not pause generation to release memory: {paused.message}")
+        flushed = self.endpoint.flush_cache().result(self.timeout_s)
+        if flushed.success:
+            return flushed
+        self.endpoint.continue_generation().result(self.timeout_s)
+        return EngineReply.refused(
+            f"SGLang server {self.name} did not become idle within {self.endpoint.flush_retry_s:g} s after "
+            f"a pause ({flushed.message}); memory not released (SGLang asserts the server is idle and "
+            "goes down otherwise); generation continued"
+        )
+
     def release_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply:
-        """Releases the tags not released yet (SGLang's release is not idempotent; call it when idle)."""
+        """Releases the tags not released yet (SGLang's release is not idempotent), after making the server
+        idle (:meth:`_make_idle`). Generation stays paused until every tag is resumed."""
         try:
             wanted = self._sglang_tags(tags)
         except ValueError as exc:
@@ -433,9 +459,17 @@ class SGLangClient:
             todo = [t for t in wanted if t not in self._released]
             if not todo:
                 return EngineReply.ok(f"already released: {wanted}")
+            if not self._paused_to_release:
+                idle = self._make_idle()
+                if not idle.success:
+                    return idle
+                self._paused_to_release = True
             reply = self.endpoint.call("POST", "/release_memory_occupation", {"tags": todo})
             if reply.success:
                 self._released.update(todo)
+            elif not self._released:
+                self._paused_to_release = False
+                self.endpoint.continue_generation().result(self.timeout_s)
         return reply
 
     def resume_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply:
@@ -452,6 +486,14 @@ class SGLangClient:
             reply = self.endpoint.call("POST", "/resume_memory_occupation", {"tags": todo})
             if reply.success:
                 self._released.difference_update(todo)
+            if reply.success and not self._released and self._paused_to_release:
+                # every tag is back: the pause that made the server idle for the release ends here
+                self._paused_to_release = False
+                resumed = self.endpoint.continue_generation().result(self.timeout_s)
+                if not resumed.success:
+                    return EngineReply.refused(
+                        f"memory resumed, but continue_generation failed: {resumed.message}"
+                    )
         return reply
 
     def close(self) -> None:

@@ -17,6 +17,11 @@ Test knobs: ``--standin-startup-delay S`` (no answer for S seconds), ``--standin
 once), ``--standin-ignore-sigterm`` (so that stopping needs SIGKILL), ``--standin-step-delay S`` (sleep
 per decode step, so tests can pause a generation midway).
 
+``--tp-size N`` runs TP ranks 1..N-1 as processes of their own (:mod:`ppo_weight_sync.testing.sglang_tp`):
+each joins the weight group at ``rank_offset + tp_rank`` and keeps its shard of every tensor it receives;
+rank 0 is the built-in engine (whole weights, it generates). ``GET /standin_tp_checksums`` gives every
+rank's checksum, for tests.
+
 Run: ``python -m ppo_rollout.testing.sglang_standin --model-path DIR --port 30000``.
 """
 
@@ -66,7 +71,8 @@ class _Generation:
         self.engine = engine
         self.cond = threading.Condition()
         self.paused_mode: str | None = None
-        self.running = 0
+        self.running = 0  # in the scheduler's running batch
+        self.waiting = 0  # retracted: back in the scheduler's waiting queue until continue_generation
 
     # -- ServerHooks -----------------------------------------------------------------------------------
     def pause(self, mode: str) -> None:
@@ -88,9 +94,13 @@ class _Generation:
             self.paused_mode = None
             self.cond.notify_all()
 
-    def pending_requests(self) -> int:
+    def running_requests(self) -> int:
         with self.cond:
             return self.running
+
+    def waiting_requests(self) -> int:
+        with self.cond:
+            return self.waiting
 
     def flush(self) -> None:
         self.engine.flush_cache()
@@ -114,18 +124,24 @@ class _Generation:
         """The engine's output, or None when the request was aborted."""
         from ..engine.builtin import GenerationAborted
 
+        retracted = False
         while True:
             with self.cond:
-                # New requests wait while paused (tokenizer_manager: is_pause_cond.wait_for(not is_pause)).
+                # New requests wait while paused (tokenizer_manager: is_pause_cond.wait_for(not is_pause)),
+                # outside the scheduler; a retracted one waits in the scheduler's waiting queue.
                 while self.paused_mode is not None and self.paused_mode != "in_place":
                     self.cond.wait()
+                if retracted:
+                    self.waiting -= 1
+                    retracted = False
                 self.running += 1
             try:
                 return self.engine.generate([prompt], cfg, seed=seed)[0]
             except GenerationAborted:
                 with self.cond:
-                    retract = self.paused_mode == "retract"
-                if not retract:
+                    retracted = self.paused_mode == "retract"
+                    self.waiting += int(retracted)
+                if not retracted:
                     return None
             finally:
                 with self.cond:
@@ -180,6 +196,13 @@ class _Handler(BaseHTTPRequestHandler):
                     self._generate(body or {}, path)
                 except ValueError as exc:  # http_server.generate_request: _create_error_response(e)
                     self._send(400, {"error": {"message": str(exc)}}, path)
+            elif path == "/standin_tp_checksums" and method == "GET":
+                # for tests: TP rank 0's weights (whole) and ranks 1..'s shards, in rank order
+                checksums = [
+                    self.server.engine.weights_checksum(),
+                    *self.server.state.ranks.remote_checksums(),
+                ]
+                self._send(200, {"checksums": checksums}, path)
             elif (answer := self.server.state.handle(method, path, body)) is not None:
                 self._send(answer.status, answer.body, path)
             else:
@@ -238,6 +261,7 @@ class _Server(ThreadingHTTPServer):
         record_path: str | None,
     ) -> None:
         super().__init__(addr, _Handler)
+        self.engine = generation.engine
         self.generation = generation
         self.state = state
         self._record_path = record_path
@@ -282,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if args.standin_startup_delay:
         time.sleep(args.standin_startup_delay)
+    from ppo_weight_sync.buckets import dtype_name
     from ppo_weight_sync.testing.sglang_like import SGLangReceiver, SGLangServerState
+    from ppo_weight_sync.testing.sglang_tp import TPRanks, start_remote_ranks
 
     from ..engine.builtin import BuiltinEngine
 
@@ -309,8 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         engine._load_weights(named)
 
     receiver = SGLangReceiver(load, engine.device, version=args.standin_version, tp_rank=0)
+    # --tp-size: TP ranks 1.. in processes of their own, each joining the weight group at rank_offset +
+    # tp_rank and keeping its shard of every tensor it receives (ppo_weight_sync.testing.sglang_tp)
+    spec = {n: (dtype_name(d), list(shape)) for n, (d, shape) in engine._expected().items()}
+    remotes = start_remote_ranks(
+        spec, version=args.standin_version, tp_size=args.tp_size, device=str(engine.device), timeout_s=1800.0
+    )
     generation = _Generation(engine)
-    state = SGLangServerState(args.standin_version, receiver, generation, _die)
+    state = SGLangServerState(args.standin_version, TPRanks(receiver, remotes), generation, _die)
     server = _Server((args.host, args.port), generation, state, args.standin_record)
     print(
         f"stand-in SGLang {args.standin_version} on http://{args.host}:{args.port} argv={sys.argv[1:]}",

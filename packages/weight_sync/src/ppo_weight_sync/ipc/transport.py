@@ -7,10 +7,14 @@ engines in the same pause / flush / continue sequence, under the same lock, vers
 
 Which rank sends what: every trainer rank that holds a sender packs the full weights (gathered, in
 Hugging Face names) into its own two buffers and sends each engine on its GPU one message per bucket.
-An engine of one GPU (TP 1) needs one entry; an engine of TP *T* over GPUs *g0..gT-1* needs entry *i* from
-the rank on *gi* (SGLang reads ``serialized_named_tensors[tp_rank]``), which slime gathers over the
-trainer ranks of those GPUs before rank *g0* posts. That gather is not built here: :meth:`ColocatedIpc.open`
-refuses colocated engines of more than one GPU with a ValueError that names the fix (the group).
+The body carries one entry per TP rank of the engine (SGLang's TP rank *i* reads
+``serialized_named_tensors[i]`` only; :meth:`IpcTransport._serialized` builds the list, one fresh export per
+SGLang entry). What is supported: colocated engines of one GPU (TP 1), each served by the trainer rank on
+its GPU. An engine of TP *T* over GPUs *g0..gT-1* would either map one trainer rank's buffer from every
+GPU (a peer mapping, never run on a GPU machine here) or take entry *i* from the rank on *gi*, which slime
+gathers over the trainer ranks of those GPUs before rank *g0* posts; neither is verified, so
+:meth:`IpcTransport.connect` refuses colocated engines of more than one GPU with a ValueError that names
+the fix (the group transport).
 
 Engines that list ``ppo_ipc_bucket`` in their ``load_formats`` get our format (buffers exported once per
 connection, mapped once, unmapped at close); any other engine (SGLang) gets ``flattened_bucket`` with a
@@ -188,6 +192,21 @@ class IpcTransport:
             self._entries[(engine.name, k)] = entry
         return entry
 
+    def _serialized(
+        self, engine: EngineEndpoint, fmt: str, k: int, slot: int, layout: BucketLayout
+    ) -> list[str]:
+        """``serialized_named_tensors``: one entry per TP rank of ``engine``, entry ``i`` for rank ``i``.
+
+        SGLang's rank ``i`` reads entry ``i`` only (0.5.23 ``tp_worker.deserialize_own_rank``: "deserializing
+        another rank's copy would break producer-side CUDA-IPC refcounting"), and a list shorter than its TP
+        size takes the server down (an IndexError in the scheduler). Each SGLang entry is a fresh export,
+        because torch counts the consumers of each export; ours names the connection's export, which each
+        rank maps once per session."""
+        if fmt == PPO_IPC_FORMAT:
+            return [self._entry(engine, k, slot, layout)] * engine.num_gpus
+        buffer = self.packer.buffer(slot)
+        return [encode_flattened_bucket(export_buffer(buffer), layout) for _ in range(engine.num_gpus)]
+
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
         """Every bucket to every colocated engine; the version and the cache flush go with the last one."""
         first_packed, self._prepared = self._prepared is items, None
@@ -199,12 +218,8 @@ class IpcTransport:
             waiters: list[Callable[[float], None]] = []
             for engine in engines:
                 fmt = self._formats[engine.name]
-                if fmt == PPO_IPC_FORMAT:
-                    entry = self._entry(engine, index[id(layout)], slot, layout)
-                else:
-                    entry = encode_flattened_bucket(export_buffer(self.packer.buffer(slot)), layout)
                 pending = engine.update_weights_from_tensor(
-                    serialized_named_tensors=[entry],
+                    serialized_named_tensors=self._serialized(engine, fmt, index[id(layout)], slot, layout),
                     load_format=fmt,
                     flush_cache=last,
                     abort_all_requests=False,

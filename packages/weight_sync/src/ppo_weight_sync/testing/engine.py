@@ -17,6 +17,7 @@ from ppo_weight_sync.buckets import checksum, dtype_from_name
 from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.ops import EngineOps, EngineReply
 from ppo_weight_sync.receiver import WeightReceiver
+from ppo_weight_sync.receiving_engine import ReceivingEngine
 
 __all__ = ["Spec", "TensorEngine", "llama_like_spec", "make_weights"]
 
@@ -62,7 +63,7 @@ def llama_like_spec(
     return spec
 
 
-class TensorEngine:
+class TensorEngine(ReceivingEngine):
     """Holds ``spec``'s weights (initialised from ``seed``) and receives updates through a WeightReceiver."""
 
     def __init__(
@@ -107,71 +108,7 @@ class TensorEngine:
     def _on_flush(self) -> None:
         self.flushes += 1
 
-    # The engine operations (EngineOps) -------------------------------------------------------
-
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> EngineReply:
-        return self.receiver.init_weights_update_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
-
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str | None,
-        flush_cache: bool,
-        load_format: str | None,
-    ) -> EngineReply:
-        return self.receiver.update_weights_from_distributed(
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=group_name,
-            weight_version=weight_version,
-            flush_cache=flush_cache,
-            load_format=load_format,
-        )
-
-    def update_weights_from_tensor(
-        self,
-        *,
-        serialized_named_tensors: list[str],
-        load_format: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> EngineReply:
-        return self.receiver.update_weights_from_tensor(
-            serialized_named_tensors=serialized_named_tensors,
-            load_format=load_format,
-            flush_cache=flush_cache,
-            abort_all_requests=abort_all_requests,
-            weight_version=weight_version,
-        )
-
-    def destroy_weights_update_group(self, group_name: str) -> EngineReply:
-        # group_name may come positionally too: subclasses in other packages' tests pass it that way.
-        return self.receiver.destroy_weights_update_group(group_name=group_name)
-
-    def get_weight_version(self) -> str | None:
-        return self.receiver.get_weight_version()
+    # The engine operations (EngineOps): the weight operations are ReceivingEngine's -----------
 
     def pause_generation(self) -> EngineReply:
         self.paused = True

@@ -5,7 +5,8 @@ Routes (SGLang's paths and JSON bodies): ``POST /init_weights_update_group``,
 (reply ``{"success", "message"}``, HTTP 400 on failure), ``POST /pause_generation``, ``/continue_generation``,
 ``GET|POST /flush_cache``, ``GET /get_weight_version`` (``{"weight_version": ...}``), ``GET /health``,
 ``POST /release_memory_occupation``, ``/resume_memory_occupation``; plus, for tests, ``GET /state``
-(paused, flushes, weight_version, checksum, ipc_mappings) and ``POST /set_load_delay`` (``{"seconds": s}``).
+(paused, flushes, weight_version, checksum, ipc_mappings, and in SGLang mode ``tp_checksums``: TP ranks
+1..tp_size-1's checksums of their shards) and ``POST /set_load_delay`` (``{"seconds": s}``).
 
 In a process: ``server = serve(engine)``; ``server.url``; ``server.shutdown()``.
 As its own process: ``proc, url = start_process(spec, seed=0)`` runs
@@ -28,9 +29,11 @@ from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO, Any
 
+from ppo_weight_sync.buckets import dtype_name
 from ppo_weight_sync.routes import RouteResult, serve_engine_route, validation_error
 from ppo_weight_sync.testing.engine import Spec, TensorEngine
 from ppo_weight_sync.testing.sglang_like import SGLangReceiver, SGLangServerState
+from ppo_weight_sync.testing.sglang_tp import TPRanks, start_remote_ranks
 
 __all__ = ["ClosingHTTPServer", "EngineHTTPServer", "serve", "start_process", "wait_until_ready"]
 
@@ -83,6 +86,7 @@ class EngineHTTPServer(ClosingHTTPServer):
         port: int,
         extra_routes: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None,
         sglang_version: str | None = None,
+        tp_size: int = 1,
     ) -> None:
         super().__init__((host, port), _Handler)
         self.engine = engine
@@ -94,7 +98,18 @@ class EngineHTTPServer(ClosingHTTPServer):
             receiver = SGLangReceiver(
                 engine.load, engine.device, version=sglang_version, timeout_s=engine.timeout_s
             )
-            self.sglang = SGLangServerState(sglang_version, receiver, _TensorHooks(engine), _die)
+            # TP ranks 1.. in processes of their own, holding their shards of the engine's tensors
+            remotes = start_remote_ranks(
+                {n: (dtype_name(t.dtype), list(t.shape)) for n, t in engine.weights.items()},
+                version=sglang_version,
+                tp_size=tp_size,
+                device=str(engine.device),
+                timeout_s=engine.timeout_s,
+            )
+            ranks = TPRanks(receiver, remotes, timeout_s=engine.timeout_s)
+            self.sglang = SGLangServerState(sglang_version, ranks, _TensorHooks(engine), _die)
+        elif tp_size != 1:
+            raise ValueError(f"tp_size {tp_size} needs sglang_version (TP ranks are an SGLang server's)")
 
     def answer(self, method: str, path: str, body: dict[str, Any] | None) -> RouteResult | None:
         if self.sglang is not None:
@@ -161,7 +176,10 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/health":
             self._send(200, "")
         elif self.path == "/state":
-            self._send(200, {**engine.state(), "weight_version": self.server.weight_version()})
+            tp = self.server.sglang.ranks.remote_checksums() if self.server.sglang is not None else []
+            self._send(
+                200, {**engine.state(), "weight_version": self.server.weight_version(), "tp_checksums": tp}
+            )
         else:
             self._send(404, {"detail": "Not Found"})
 
@@ -200,7 +218,10 @@ class _TensorHooks:
     def resume(self) -> None:
         self.engine.continue_generation()
 
-    def pending_requests(self) -> int:
+    def running_requests(self) -> int:
+        return 0
+
+    def waiting_requests(self) -> int:
         return 0
 
     def flush(self) -> None:
@@ -244,6 +265,7 @@ def start_process(
     load_delay_s: float = 0.0,
     env: dict[str, str] | None = None,
     sglang_version: str | None = None,
+    tp_size: int = 1,
 ) -> tuple[subprocess.Popen[str], str]:
     """Start a server process for a TensorEngine of ``spec``; returns ``(process, base_url)``.
 
@@ -265,6 +287,7 @@ def start_process(
         "--load-delay",
         str(load_delay_s),
         *(["--sglang-version", sglang_version] if sglang_version else []),
+        *(["--tp-size", str(tp_size)] if tp_size != 1 else []),
     ]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env)
@@ -327,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group-timeout", type=float, default=60.0)
     parser.add_argument("--load-delay", type=float, default=0.0)
     parser.add_argument("--sglang-version", default=None, help="serve as an SGLang server of this version")
+    parser.add_argument("--tp-size", type=int, default=1, help="SGLang mode: TP ranks (1.. in processes)")
     args = parser.parse_args(argv)
     engine = TensorEngine(
         json.loads(args.spec),
@@ -335,7 +359,9 @@ def main(argv: list[str] | None = None) -> None:
         timeout_s=args.group_timeout,
         load_delay_s=args.load_delay,
     )
-    server = EngineHTTPServer(engine, args.host, args.port, sglang_version=args.sglang_version)
+    server = EngineHTTPServer(
+        engine, args.host, args.port, sglang_version=args.sglang_version, tp_size=args.tp_size
+    )
     print(f"READY {server.url}", flush=True)
     server.serve_forever()
 

@@ -31,17 +31,18 @@ from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.group import WeightGroup
 from ppo_weight_sync.ops import EngineReply, WeightOps
 from ppo_weight_sync.routes import (
+    DestroyRequest,
+    InitRequest,
     RouteResult,
+    UpdateRequest,
     ValidationError,
-    destroy_request,
-    init_request,
-    update_request,
     validation_error,
     weight_reply,
 )
-from ppo_weight_sync.sglang import SGLANG_MEMORY_TAGS, SGLangProtocol, parse_version
+from ppo_weight_sync.sglang import SGLANG_MEMORY_TAGS, SGLangProtocol
+from ppo_weight_sync.testing.sglang_tp import SchedulerCrash, TPRanks
 
-__all__ = ["SGLangReceiver", "SGLangServerState", "ServerHooks"]
+__all__ = ["SGLangReceiver", "SGLangServerState", "SchedulerCrash", "ServerHooks"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,10 @@ class SGLangReceiver:
     ) -> None:
         self._load = load_weights
         self.device = torch.device(device)
-        self.legacy = parse_version(version) < (0, 5, 21, 0)
+        self.protocol = SGLangProtocol.for_version(version)
+        # < 0.5.21: the update's assert on the group is fatal and its failures read "Failed to update
+        # parameter online"; from 0.5.21 the scheduler catches both ("Failed to receive weights").
+        self.legacy = self.protocol.missing_group_is_fatal
         self.tp_rank = tp_rank
         self.timeout_s = timeout_s
         self._groups: dict[str, WeightGroup] = {}
@@ -112,6 +116,38 @@ class SGLangReceiver:
 
     def get_weight_version(self) -> str | None:
         return self.weight_version
+
+    def update_weights_from_tensor(
+        self, *, serialized_named_tensors: Sequence[str], load_format: str | None
+    ) -> EngineReply:
+        """This TP rank's part of ``update_weights_from_tensor``: it reads entry ``tp_rank`` only (0.5.23
+        ``tp_worker.deserialize_own_rank``; 0.5.15.post1 ``tp_worker.update_weights_from_tensor``). The
+        read and the load run outside any ``try`` in SGLang: a list too short for this rank (IndexError),
+        an entry that does not unpickle, or a load that raises takes the server down."""
+        from ppo_weight_sync.ipc.payload import decode_flattened_bucket
+
+        if self.tp_rank >= len(serialized_named_tensors):
+            raise SchedulerCrash(
+                f"IndexError: list index out of range (TP rank {self.tp_rank} reads "
+                f"serialized_named_tensors[{self.tp_rank}] of {len(serialized_named_tensors)} entries: "
+                "the list needs one entry per TP rank)"
+            )
+        if load_format != "flattened_bucket":
+            raise SchedulerCrash(f"NotImplementedError: Unknown load_format={load_format}")
+        try:
+            decoded = decode_flattened_bucket(serialized_named_tensors[self.tp_rank])
+        except ValueError as exc:
+            raise SchedulerCrash(f"deserializing TP rank {self.tp_rank}'s entry failed: {exc}") from exc
+        if self.device.type != "cuda":
+            raise SchedulerCrash(f"a CUDA IPC tensor cannot be rebuilt on {self.device}")
+        try:
+            with on_device(self.device):
+                buffer = decoded.open()
+                self._load(decoded.layout.views(buffer))
+                wait_stream(self.device, self.timeout_s, "loading weights")
+        except Exception as exc:
+            raise SchedulerCrash(f"loading TP rank {self.tp_rank}'s tensors failed: {exc}") from exc
+        return EngineReply.ok("Success")
 
     def _receive(
         self,
@@ -205,25 +241,33 @@ class ServerHooks(Protocol):
 
     def pause(self, mode: str) -> None: ...  # abort: in-flight requests end with finish_reason abort
     def resume(self) -> None: ...
-    def pending_requests(self) -> int: ...  # requests running or queued in the scheduler
+    def running_requests(self) -> int: ...  # in the scheduler's running batch (in_place keeps them there)
+    def waiting_requests(self) -> int: ...  # in the scheduler's waiting queue (retract puts them there)
     def flush(self) -> None: ...
     def release(self, tags: Sequence[str]) -> None: ...
     def restore(self, tags: Sequence[str]) -> None: ...
 
 
 class SGLangServerState:
-    """The routes of one SGLang server of ``version`` around a receiver and an engine's hooks.
+    """The routes of one SGLang server of ``version`` around its TP ranks' receivers and an engine's hooks.
 
+    ``receiver``: TP rank 0's receiver alone (TP 1), or :class:`~.sglang_tp.TPRanks` (every rank).
     ``on_fatal(message)`` is called where SGLang's scheduler would raise and take the server down (the
-    stand-in exits); the route then answers 500.
+    stand-in exits before it answers: the client's connection drops, as SGLang's kill of its process tree
+    does).
     """
 
     def __init__(
-        self, version: str, receiver: SGLangReceiver, hooks: ServerHooks, on_fatal: Callable[[str], None]
+        self,
+        version: str,
+        receiver: SGLangReceiver | TPRanks,
+        hooks: ServerHooks,
+        on_fatal: Callable[[str], None],
     ) -> None:
         self.protocol = SGLangProtocol.for_version(version)
         self.version = version
-        self.receiver = receiver
+        self.ranks = receiver if isinstance(receiver, TPRanks) else TPRanks(receiver)
+        self.receiver = self.ranks.local
         self.hooks = hooks
         self.on_fatal = on_fatal
         self.session_open = False
@@ -240,13 +284,24 @@ class SGLangServerState:
         self.paused = None
         self.hooks.resume()
 
+    def is_fully_idle(self) -> bool:
+        """The scheduler's idle check of ``flush_cache`` and ``release_memory_occupation``: 0.5.15.post1 to
+        0.5.20 ``is_fully_idle()`` (running batch and waiting queue empty); from 0.5.21
+        ``is_fully_idle(ignore_waiting=self._engine_paused)``, where ``_engine_paused`` is set by the
+        ``retract`` and ``in_place`` pauses only (``abort`` ends requests in the tokenizer manager)."""
+        if self.hooks.running_requests():
+            return False
+        scheduler_paused = self.paused in ("retract", "in_place")
+        ignore_waiting = self.protocol.idle_ignores_waiting_when_paused and scheduler_paused
+        return ignore_waiting or not self.hooks.waiting_requests()
+
     def flush_cache(self) -> bool:
-        # 0.5.23 Scheduler.flush_cache: is_fully_idle(ignore_waiting=self._engine_paused); 0.5.15.post1:
-        # is_fully_idle(). Our hooks count retracted requests as pending; a paused >= 0.5.23 server ignores
-        # them (in_place keeps them running, so those still count).
-        pending = self.hooks.pending_requests()
-        if pending and not (self.protocol.pause_mode == "retract" and self.paused == "retract"):
-            log.warning("Cache not flushed because there are pending requests. #pending: %d", pending)
+        if not self.is_fully_idle():
+            log.warning(
+                "Cache not flushed because there are pending requests. #running: %d, #waiting: %d",
+                self.hooks.running_requests(),
+                self.hooks.waiting_requests(),
+            )
             return False
         self.hooks.flush()
         return True
@@ -260,11 +315,14 @@ class SGLangServerState:
 
     def _handle(self, method: str, path: str, data: Mapping[str, Any]) -> RouteResult | None:
         if method == "GET" and path in ("/server_info", "/get_server_info"):
-            return RouteResult(200, {"version": self.version, "tp_size": 1})
+            # server_args' fields (dataclasses.asdict / resolved_dict) and the version, every version
+            return RouteResult(
+                200, {"version": self.version, "tp_size": self.ranks.tp_size, "dp_size": 1, "pp_size": 1}
+            )
         if method == "GET" and path in ("/model_info", "/get_model_info"):
-            return RouteResult(200, {"weight_version": self.receiver.weight_version, "is_generation": True})
+            return RouteResult(200, {"weight_version": self.ranks.weight_version, "is_generation": True})
         if path in ("/get_weight_version", "/weight_version"):
-            if self.receiver.legacy:  # 0.5.15.post1: an HTTPException(404) with a message
+            if not self.protocol.weight_update_session:  # to 0.5.20: an HTTPException(404) with a message
                 return RouteResult(
                     404,
                     {
@@ -311,9 +369,7 @@ class SGLangServerState:
                         "end_weight_update()"
                     ).to_json(),
                 )
-            answer = weight_reply(
-                self._fatal_on_assert(self.receiver.update_weights_from_distributed, update_request(data))
-            )
+            answer = weight_reply(self._fatal_on_crash(UpdateRequest.parse(data).send_to, self.ranks))
             if answer.status == 200:
                 if data.get("flush_cache", True) and not self.flush_cache():
                     # 0.5.23 flush_cache_after_weight_update: a refused flush fails the update call
@@ -334,20 +390,58 @@ class SGLangServerState:
                         },
                     )
             return answer
+        if path == "/update_weights_from_tensor" and method == "POST":
+            return self._update_from_tensor(data)
         if path == "/init_weights_update_group" and method == "POST":
-            return weight_reply(
-                self._fatal_on_assert(self.receiver.init_weights_update_group, init_request(data))
-            )
+            return weight_reply(self._fatal_on_crash(InitRequest.parse(data).send_to, self.ranks))
         if path == "/destroy_weights_update_group" and method == "POST":
-            return weight_reply(self.receiver.destroy_weights_update_group(**destroy_request(data)))
+            return weight_reply(DestroyRequest.parse(data).send_to(self.ranks))
         return None
 
-    def _fatal_on_assert(self, op: Callable[..., EngineReply], kwargs: dict[str, Any]) -> EngineReply:
+    def _fatal_on_crash(self, op: Callable[[TPRanks], EngineReply], ranks: TPRanks) -> EngineReply:
         try:
-            return op(**kwargs)
-        except AssertionError as exc:  # an assert in SGLang's scheduler: the server goes down
-            self.on_fatal(f"AssertionError: {exc}")
+            return op(ranks)
+        except (AssertionError, SchedulerCrash) as exc:  # raised in SGLang's scheduler: the server goes down
+            self.on_fatal(f"{type(exc).__name__}: {exc}")
             raise
+
+    def _update_from_tensor(self, data: Mapping[str, Any]) -> RouteResult:
+        # http_server.update_weights_from_tensor -> tokenizer manager -> every TP rank's scheduler (0.5.23
+        # scheduler_components/weight_updater.py, 0.5.15.post1 scheduler -> tp_worker); 400 on failure.
+        if self.protocol.weight_update_session and not self.session_open:
+            return RouteResult(
+                400,
+                EngineReply.refused(
+                    "update_weights_from_tensor must run between "
+                    "begin_weight_update() and end_weight_update()"
+                ).to_json(),
+            )
+        entries = data.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise ValidationError("body.serialized_named_tensors: Input should be a valid list of strings")
+        load_format = data.get("load_format")
+        load_format = None if load_format is None else str(load_format)
+
+        def update(ranks: TPRanks) -> EngineReply:
+            return ranks.update_weights_from_tensor(serialized_named_tensors=entries, load_format=load_format)
+
+        reply = self._fatal_on_crash(update, self.ranks)
+        if not reply.success:
+            return RouteResult(400, reply.to_json())
+        if data.get("flush_cache", True) and not self.flush_cache():
+            return RouteResult(
+                400,
+                EngineReply.refused(
+                    "Weights were updated, but the cache was not flushed because requests are still "
+                    "running or queued. Retract or finish them, then call /flush_cache."
+                ).to_json(),
+            )
+        version = data.get("weight_version")
+        message = reply.message
+        if version is not None:
+            self.ranks.weight_version = str(version)
+            message = f"{message} Weight version updated to {version}."
+        return RouteResult(200, EngineReply.ok(message).to_json())
 
     def _session(self, begin: bool) -> RouteResult:
         with self._lock:
@@ -371,7 +465,10 @@ class SGLangServerState:
         chosen = list(tags) if tags else list(SGLANG_MEMORY_TAGS)
         with self._lock:
             if release:
-                if self.hooks.pending_requests() and not self.paused:
+                # scheduler_components/weight_updater.py (0.5.15.post1 ~185, 0.5.23 ~339): an assert in the
+                # scheduler process; it sends SIGQUIT to the server, which kills its process tree before
+                # the tokenizer manager answers: the client sees its connection drop.
+                if not self.is_fully_idle():
                     self.on_fatal(
                         "AssertionError: release_memory_occupation should be called only when server is idle."
                     )
