@@ -20,12 +20,14 @@ from harness import (
     weights,
 )
 
+from ppo_testsupport import listening_addresses
 from ppo_weight_sync import (
     EngineRejectedError,
     EngineUnavailableError,
     WeightSender,
     WeightSyncError,
 )
+from ppo_weight_sync.net import node_address
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -77,6 +79,31 @@ def test_auto_picks_the_stream_format_our_engines_accept(cluster: Cluster) -> No
         assert sender.load_format == "ppo_flat_stream:4096"
     finally:
         sender.disconnect()
+
+
+@pytest.mark.parametrize("master_address", ["127.0.0.1", None])
+def test_the_groups_listeners_are_bound_to_the_peers_address(
+    cluster: Cluster, master_address: str | None
+) -> None:
+    """The store and gloo have no authentication: a connected group listens only on the address the
+    peers use (127.0.0.1 when given; else this node's address), never on every interface."""
+    pids = [int(e.state()["pid"]) for e in cluster.live]
+    before = {pid: set(listening_addresses(pid)) for pid in [*pids, None]}
+    sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, bucket_bytes=4096, master_address=master_address)
+    sender.connect([e.endpoint for e in cluster.live])
+    try:
+        sent = weights(7)
+        sender.update(sent.items(), "v7")
+        assert_engines_hold(cluster.live, sent, "v7")
+        opened = {pid: set(listening_addresses(pid)) - before[pid] for pid in before}
+    finally:
+        sender.disconnect()
+    # This process: the store and gloo's listener; each engine: its gloo listener.
+    assert len(opened[None]) == 2, opened
+    assert all(len(opened[pid]) == 1 for pid in pids), opened
+    hosts = {host for found in opened.values() for host, _ in found}
+    assert hosts == {master_address or node_address()}, opened
+    assert set(listening_addresses()) - before[None] == set(), "the group's listeners outlived it"
 
 
 @pytest.mark.parametrize(

@@ -34,12 +34,13 @@ from ppo_lifecycle import (
     default_backend,
 )
 from ppo_trainer import checkpoint
+from ppo_trainer.addresses import peer_address
 from ppo_trainer.backend import DataParallel, TorchTrainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.models import count_parameters
 from ppo_value_transport import Box, Pieces, pack, pack_fields, require_values, unpack_fields, unpack_pieces
-from ppo_weight_sync import ColocatedIpc, EngineEndpoint, WeightSender, checksum, free_port, node_address
+from ppo_weight_sync import ColocatedIpc, EngineEndpoint, WeightSender, checksum, free_port
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,10 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ setup
     def rendezvous_address(self) -> str:
-        """``tcp://host:port`` for the role's process group (called on rank 0)."""
-        return f"tcp://{node_address()}:{free_port()}"
+        """``tcp://host:port`` for the role's process group (called on rank 0); the store listens on
+        ``host`` only: 127.0.0.1 on a one-node cluster, else this node's address."""
+        host = peer_address()
+        return f"tcp://{host}:{free_port(host)}"
 
     def setup(self, init_method: str) -> dict[str, Any]:
         """Process group, lifecycle, model and optimizer. Collective over the role's ranks."""
@@ -322,7 +325,7 @@ class TrainWorker:
                 backend=self.config.weight_sync_backend,
                 bucket_bytes=self.config.bucket_bytes,
                 group_name=self.config.weight_sync_group,
-                master_address=node_address(),
+                master_address=peer_address(),  # its store and gloo listen there only
                 timeout_s=self.timeout_s,
                 # Engines on this rank's GPU load over CUDA IPC; the others join the group.
                 transports=[ColocatedIpc(colocated, bucket_bytes=self.config.bucket_bytes)]
