@@ -24,6 +24,7 @@ from ppo_testsupport import listening_addresses
 from ppo_weight_sync import (
     EngineRejectedError,
     EngineUnavailableError,
+    NonFiniteTensorsError,
     WeightSender,
     WeightSyncError,
 )
@@ -77,6 +78,26 @@ def test_auto_picks_the_stream_format_our_engines_accept(cluster: Cluster) -> No
     sender.connect([e.endpoint for e in cluster.live])
     try:
         assert sender.load_format == "ppo_flat_stream:4096"
+    finally:
+        sender.disconnect()
+
+
+def test_non_finite_weights_are_refused_before_any_engine_receives_them(cluster: Cluster) -> None:
+    sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, bucket_bytes=4096)
+    sender.connect([e.endpoint for e in cluster.live])
+    try:
+        good = weights(20)
+        sender.update(good.items(), "v20")
+        bad = weights(21)
+        name = "model.layers.1.mlp.up_proj.weight"
+        bad[name][3, 5] = float("nan")
+        with pytest.raises(NonFiniteTensorsError, match=r"up_proj\.weight") as caught:
+            sender.update(bad.items(), "v21")
+        assert caught.value.names == [name]
+        assert_engines_hold(cluster.live, good, "v20")  # untouched: still the last finite update
+        assert sender.is_connected  # nothing was sent, so the group is still usable
+        sender.update(weights(22).items(), "v22")
+        assert_engines_hold(cluster.live, weights(22), "v22")
     finally:
         sender.disconnect()
 
