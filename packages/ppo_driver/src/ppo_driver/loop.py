@@ -37,13 +37,21 @@ from rich.console import Console
 
 from ppo_driver import build, checkpoint, processes
 from ppo_driver.config import RunConfig, dump_config
-from ppo_driver.faults import Interrupted, RunFailed, StopSignals, check_finite, resume_hint
+from ppo_driver.faults import (
+    Interrupted,
+    NonFiniteError,
+    RunFailed,
+    StopSignals,
+    check_finite,
+    resume_hint,
+)
 from ppo_driver.metrics import METRICS_FILE, MetricsLog, StepProgress
 from ppo_driver.phases import PhaseTimer, PhaseTracker
 from ppo_driver.roles import RoleFactory, Roles, create_roles, shutdown_roles
 from ppo_driver.runlock import RunLock
 from ppo_driver.schedule import BatchSchedule
 from ppo_lifecycle import Phase
+from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_value_transport import pair_values
 
 
@@ -243,7 +251,24 @@ def _report_failures(at: _Where, ckpt_root: Path) -> Iterator[None]:
     except (Interrupted, RunFailed):
         raise
     except Exception as exc:
-        raise RunFailed(at.step, at.phase, exc, resume_hint(checkpoint.latest_complete(ckpt_root))) from exc
+        error = _non_finite_weights(exc, at.step) or exc
+        raise RunFailed(
+            at.step, at.phase, error, resume_hint(checkpoint.latest_complete(ckpt_root))
+        ) from error
+
+
+def _non_finite_weights(exc: BaseException, step: int) -> NonFiniteError | None:
+    """A worker's refusal to save or send non-finite weights (through Ray), as the run's report."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ray.exceptions.RayTaskError):
+            seen = seen.cause  # the worker's own exception, with its fields
+        if isinstance(seen, NonFiniteWeightsError):
+            error = NonFiniteError(seen.role, step, {}, weights=(seen.rank, seen.names))
+            error.__cause__ = exc
+            return error
+        seen = seen.__cause__ if seen is not None else None
+    return None
 
 
 def _stop_if_asked(signals: StopSignals, step: int, ckpt_root: Path) -> None:

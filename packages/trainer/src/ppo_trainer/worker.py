@@ -33,14 +33,22 @@ from ppo_lifecycle import (
     TorchMemorySaverBackend,
     default_backend,
 )
-from ppo_trainer import checkpoint
+from ppo_trainer import checkpoint, fault_injection
 from ppo_trainer.addresses import peer_address
 from ppo_trainer.backend import DataParallel, TorchTrainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
+from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_trainer.models import count_parameters
 from ppo_value_transport import Box, Pieces, pack, pack_fields, require_values, unpack_fields, unpack_pieces
-from ppo_weight_sync import ColocatedIpc, EngineEndpoint, WeightSender, checksum, free_port
+from ppo_weight_sync import (
+    ColocatedIpc,
+    EngineEndpoint,
+    NonFiniteTensorsError,
+    WeightSender,
+    checksum,
+    free_port,
+)
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +193,14 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ training
     def train(
+        self, step: int, batch_box: Box, external: Pieces | None = None
+    ) -> tuple[dict[str, float], Box | None]:
+        """One PPO update on this rank's batch (see ``_train``)."""
+        result = self._train(step, batch_box, external)
+        fault_injection.after_train(self.role, step, self.trainer.weight_tensors())
+        return result
+
+    def _train(
         self, step: int, batch_box: Box, external: Pieces | None = None
     ) -> tuple[dict[str, float], Box | None]:
         """One PPO update on this rank's batch.
@@ -369,7 +385,10 @@ class TrainWorker:
             assert self._sender is not None  # made by connect_engines on rank 0
             if not self._sender.is_connected:
                 self._sender.connect(self._engines)
-            self._sender.update(weights, version)
+            try:
+                self._sender.update(weights, version)  # refuses non-finite weights before sending any
+            except NonFiniteTensorsError as exc:
+                raise NonFiniteWeightsError(self.role, self.rank, exc.names, "send") from exc
             return self._sender.pop_metrics() | {"reconnected": float(was_asleep)}
         finally:
             weights = []  # the gathered copy must not outlive the cache release of the sleep below
