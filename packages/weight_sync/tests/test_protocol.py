@@ -202,10 +202,14 @@ def test_non_finite_names_finds_nan_and_inf_in_every_float_dtype() -> None:
         ("nan32", torch.tensor([1.0, float("nan")])),
         ("inf16", torch.tensor([float("-inf")], dtype=torch.bfloat16)),
         ("ints", torch.tensor([1, 2])),
-        ("huge_but_finite", torch.tensor([3e38])),
+        ("huge_but_finite", torch.tensor([3e38, 3e38])),  # its sum overflows: the exact check clears it
+        ("nan64", torch.tensor([float("nan")], dtype=torch.float64)),
+        ("complex_inf", torch.tensor([complex(1.0, float("inf"))])),
     ]
     if hasattr(torch, "float8_e5m2"):
         items.append(("inf8", torch.tensor([float("inf")]).to(torch.float8_e5m2)))
-    expected = ["nan32", "inf16"] + (["inf8"] if hasattr(torch, "float8_e5m2") else [])
+    expected = ["nan32", "inf16", "nan64", "complex_inf"] + (
+        ["inf8"] if hasattr(torch, "float8_e5m2") else []
+    )
     assert non_finite_names(items) == expected
     assert non_finite_names([("fine", ok), ("ints", torch.tensor([1]))]) == []
