@@ -46,9 +46,8 @@ def main() -> None:
             non_finite_names(items)  # synchronises itself (one read-back per device)
             times.append(time.perf_counter() - t0)
         median = sorted(times)[len(times) // 2]
-        print(
-            f"| {label} | {len(items)} | {nbytes / 1e6:.1f} | {median * 1e3:.2f} | {nbytes / median / 1e9:.1f} |"
-        )
+        rate = nbytes / median / 1e9
+        print(f"| {label} | {len(items)} | {nbytes / 1e6:.1f} | {median * 1e3:.2f} | {rate:.1f} |")
 
 
 if __name__ == "__main__":
