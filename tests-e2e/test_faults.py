@@ -246,3 +246,40 @@ def test_non_finite_training_stops_before_saving_or_sending(tmp_path: Path) -> N
     assert "neither saved nor sent to the engines" in run.text()
     assert latest(run.run_dir) is None
     assert not (run.run_dir / "summary.json").exists()
+
+
+def _finite_file(path: Path) -> bool:
+    from safetensors.torch import load_file
+
+    return all(bool(t.isfinite().all()) for t in load_file(str(path)).values() if t.is_floating_point())
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("role", "interval", "phase"),
+    [
+        ("actor", 100, "weight_update"),  # no save at step 1: the weight update is what must refuse
+        ("critic", 1, "save"),  # the critic's weights are never sent: its save must refuse
+    ],
+)
+def test_non_finite_weights_reach_neither_engines_nor_checkpoints(
+    tmp_path: Path, role: str, interval: int, phase: str
+) -> None:
+    # The role's workers write a NaN into a weight right after step 1's optimizer step (the trainer's
+    # fault-injection hook): the step's loss and gradient norm are finite, so only the check of the
+    # weights themselves can stop the run before the save or the weight update.
+    run = Run(
+        tmp_path / "run",
+        *("--set", f"checkpoint.interval={interval}"),
+        env={"PPO_FAULT_NON_FINITE_WEIGHTS": f"{role}:1"},
+    )
+    expect_clean_failure(run, f"the {role} reported non-finite values at step 1 (weights of rank 0: ")
+    text = run.text()
+    assert f"the run stopped at step 1, phase {phase}: " in text, text
+    assert "neither saved nor sent to the engines" in text, text
+    # The engines still hold step 0's finite weights (the sender refused before sending anything), no
+    # checkpoint was completed, and no complete checkpoint on disk holds a non-finite weight.
+    assert latest(run.run_dir) is None
+    for _, folder in ck.complete_checkpoints(run.run_dir / "checkpoints"):
+        assert all(_finite_file(f) for f in folder.rglob("*.safetensors")), folder
+    assert not (run.run_dir / "summary.json").exists()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_lifecycle import HostMemoryBackend, Lifecycle, ReloadableProcessGroups, group_timeout
+from ppo_testsupport import listening_addresses
 
 DEFAULT_TIMEOUT = timedelta(seconds=123)
 SUB_TIMEOUT = timedelta(seconds=45)
@@ -25,6 +26,8 @@ def main() -> None:
     groups = ReloadableProcessGroups()
     groups.init_default("gloo", f"tcp://127.0.0.1:{port}", world, rank, DEFAULT_TIMEOUT)
     pair = groups.new_group(ranks=[0, 1], timeout=SUB_TIMEOUT)
+    # What listens on the store's port in this process (rank 0 hosts the store).
+    store_listeners = [[host, p] for host, p in listening_addresses() if p == port]
     weights = torch.full((1000,), float(rank))
     memory = HostMemoryBackend()
     memory.track("weights", lambda: [weights])
@@ -54,6 +57,7 @@ def main() -> None:
     dist.all_reduce(t, group=groups.default.group)
     record["final"] = [t.item()]
     record["generation"] = [groups.generation]
+    record["store_listeners"] = store_listeners
     groups.destroy()
     with open(out, "w") as f:
         json.dump(record, f)

@@ -26,6 +26,11 @@ def test_gloo_ranks_all_reduce_sleep_wake_for_ten_cycles(tmp_path: Path, world: 
         assert rec["final"] == [float(world)]
         assert rec["generation"] == [cycles]
         assert rec["alive_asleep"] == [[False, False, 0]] * cycles
+        # tcp://127.0.0.1:PORT: rank 0's store listens on 127.0.0.1 only, never every interface.
+        if r == 0:
+            assert [host for host, _ in rec["store_listeners"]] == ["127.0.0.1"]
+        else:
+            assert rec["store_listeners"] == []
         assert rec["weights_ok"] == [True] * cycles
         if r in (0, 1):
             assert rec["pair"] == [2.0] * cycles

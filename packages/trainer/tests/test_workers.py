@@ -17,6 +17,7 @@ from conftest import critic_pieces, same_split
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from ppo_testsupport import listening_addresses
 from ppo_trainer import AlgorithmConfig, LocalSlots, TrainerConfig, TrainGroup
 from ppo_value_transport import (
     Box,
@@ -140,6 +141,18 @@ def test_actor_and_critic_learn_and_values_reach_the_actor(groups: tuple[TrainGr
     )
     rewarded = torch.stack(samples["reward"]).reshape(-1) > 0
     assert gains[rewarded].mean() > gains[~rewarded].mean()
+
+
+def test_the_roles_store_listens_on_loopback_in_a_one_node_cluster(all_groups: dict[str, TrainGroup]) -> None:
+    """The role's rendezvous store has no authentication: on a one-node cluster it listens on 127.0.0.1
+    only (torch's own tcp:// store would listen on every interface)."""
+    rank0 = all_groups["actor2"].workers[0]
+    assert ray.get(rank0.rendezvous_address.remote(), timeout=60).startswith("tcp://127.0.0.1:")
+    port, listening = ray.get(
+        rank0.__ray_call__.remote(lambda worker: (worker._groups._store.port, listening_addresses())),
+        timeout=60,
+    )
+    assert [host for host, p in listening if p == port] == ["127.0.0.1"], listening
 
 
 def test_actor_without_values_raises_naming_the_rank(groups: tuple[TrainGroup, TrainGroup]) -> None:

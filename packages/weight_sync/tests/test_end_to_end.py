@@ -20,12 +20,15 @@ from harness import (
     weights,
 )
 
+from ppo_testsupport import listening_addresses
 from ppo_weight_sync import (
     EngineRejectedError,
     EngineUnavailableError,
+    NonFiniteTensorsError,
     WeightSender,
     WeightSyncError,
 )
+from ppo_weight_sync.net import node_address
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -77,6 +80,51 @@ def test_auto_picks_the_stream_format_our_engines_accept(cluster: Cluster) -> No
         assert sender.load_format == "ppo_flat_stream:4096"
     finally:
         sender.disconnect()
+
+
+def test_non_finite_weights_are_refused_before_any_engine_receives_them(cluster: Cluster) -> None:
+    sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, bucket_bytes=4096)
+    sender.connect([e.endpoint for e in cluster.live])
+    try:
+        good = weights(20)
+        sender.update(good.items(), "v20")
+        bad = weights(21)
+        name = "model.layers.1.mlp.up_proj.weight"
+        bad[name][3, 5] = float("nan")
+        with pytest.raises(NonFiniteTensorsError, match=r"up_proj\.weight") as caught:
+            sender.update(bad.items(), "v21")
+        assert caught.value.names == [name]
+        assert_engines_hold(cluster.live, good, "v20")  # untouched: still the last finite update
+        assert sender.is_connected  # nothing was sent, so the group is still usable
+        sender.update(weights(22).items(), "v22")
+        assert_engines_hold(cluster.live, weights(22), "v22")
+    finally:
+        sender.disconnect()
+
+
+@pytest.mark.parametrize("master_address", ["127.0.0.1", None])
+def test_the_groups_listeners_are_bound_to_the_peers_address(
+    cluster: Cluster, master_address: str | None
+) -> None:
+    """The store and gloo have no authentication: a connected group listens only on the address the
+    peers use (127.0.0.1 when given; else this node's address), never on every interface."""
+    pids = [int(e.state()["pid"]) for e in cluster.live]
+    before = {pid: set(listening_addresses(pid)) for pid in [*pids, None]}
+    sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, bucket_bytes=4096, master_address=master_address)
+    sender.connect([e.endpoint for e in cluster.live])
+    try:
+        sent = weights(7)
+        sender.update(sent.items(), "v7")
+        assert_engines_hold(cluster.live, sent, "v7")
+        opened = {pid: set(listening_addresses(pid)) - before[pid] for pid in before}
+    finally:
+        sender.disconnect()
+    # This process: the store and gloo's listener; each engine: its gloo listener.
+    assert len(opened[None]) == 2, opened
+    assert all(len(opened[pid]) == 1 for pid in pids), opened
+    hosts = {host for found in opened.values() for host, _ in found}
+    assert hosts == {master_address or node_address()}, opened
+    assert set(listening_addresses()) - before[None] == set(), "the group's listeners outlived it"
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import pickle
 from typing import Any
 
 import pytest
+import torch
 
 from ppo_weight_sync import (
     EngineOps,
@@ -16,10 +17,12 @@ from ppo_weight_sync import (
     EngineTimeoutError,
     EngineUnavailableError,
     HttpEngineEndpoint,
+    NonFiniteTensorsError,
     RayEngineEndpoint,
     WeightOps,
     WeightReceiver,
     check_reply,
+    non_finite_names,
 )
 from ppo_weight_sync.endpoints import EngineEndpoint
 from ppo_weight_sync.routes import serve_engine_route
@@ -181,3 +184,32 @@ def test_errors_cross_a_process_boundary_as_themselves(kind: str, cls: type, tex
     assert type(error) is cls
     assert str(error).startswith(text)
     assert error.engine == f"e{['unavailable', 'timeout', 'rejected'].index(kind)}"  # type: ignore[union-attr]
+
+
+def test_non_finite_tensors_error_pickles_with_its_names() -> None:
+    error = NonFiniteTensorsError(["a.weight", "b.bias"])
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is NonFiniteTensorsError
+    assert copy.names == ["a.weight", "b.bias"]
+    assert str(copy) == str(error)
+    assert "a.weight, b.bias" in str(copy)
+
+
+def test_non_finite_names_finds_nan_and_inf_in_every_float_dtype() -> None:
+    ok = torch.ones(3)
+    items = [
+        ("fine", ok),
+        ("nan32", torch.tensor([1.0, float("nan")])),
+        ("inf16", torch.tensor([float("-inf")], dtype=torch.bfloat16)),
+        ("ints", torch.tensor([1, 2])),
+        ("huge_but_finite", torch.tensor([3e38, 3e38])),  # its sum overflows: the exact check clears it
+        ("nan64", torch.tensor([float("nan")], dtype=torch.float64)),
+        ("complex_inf", torch.tensor([complex(1.0, float("inf"))])),
+    ]
+    if hasattr(torch, "float8_e5m2"):
+        items.append(("inf8", torch.tensor([float("inf")]).to(torch.float8_e5m2)))
+    expected = ["nan32", "inf16", "nan64", "complex_inf"] + (
+        ["inf8"] if hasattr(torch, "float8_e5m2") else []
+    )
+    assert non_finite_names(items) == expected
+    assert non_finite_names([("fine", ok), ("ints", torch.tensor([1]))]) == []

@@ -9,16 +9,22 @@ generations the same way (one per ``destroy``), so the prefixes agree without ta
 The default group and every subgroup made through ``new_group`` are rebuilt with their recorded
 backend, timeout and options, subgroups in creation order (collective over all ranks, as
 ``torch.distributed.new_group`` requires).
+
+For a ``tcp://host:port`` init method, rank 0 hosts the store on a socket bound to ``host`` alone (the
+address every rank was given): torch's own tcp:// rendezvous would listen on every interface, and the
+store has no authentication.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -119,8 +125,7 @@ class ReloadableProcessGroups:
                     "torch.distributed is already initialized; ReloadableProcessGroups must create the "
                     "default group itself to be able to rebuild it"
                 )
-            store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
-            self._store = store
+            self._store = _rendezvous_store(init_method, rank, world_size, timeout)
             self._default = DefaultGroupSpec(
                 backend, init_method, world_size, rank, timeout, pg_options, device_id
             )
@@ -233,6 +238,38 @@ class ReloadableProcessGroups:
         if self._default is None:
             raise RuntimeError("init_default() was never called")
         return self._default
+
+
+def _rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The store behind ``init_method``: torch's rendezvous, except that a plain ``tcp://host:port``
+    store listens on ``host`` only (rank 0 binds the socket and hands it to the ``TCPStore``)."""
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or url.query or not url.hostname or url.port is None:
+        store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+        return store
+    if rank != 0:
+        return dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=timeout)
+    family, _, _, _, address = socket.getaddrinfo(url.hostname, url.port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(
+            f"init_method {init_method!r}: cannot listen on {url.hostname}:{url.port} "
+            f"({exc.strerror or exc}); give an address of rank 0's host that the other ranks reach"
+        ) from exc
+    # The store owns the socket from here (it closes it): detach, so Python never closes it too.
+    return dist.TCPStore(
+        url.hostname,
+        url.port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def group_timeout(group: dist.ProcessGroup) -> timedelta:

@@ -2,8 +2,8 @@
 failed and the checkpoint a re-run resumes from.
 
 - ``RunFailed``: a step failed (a role's process died, a non-finite loss, a full disk, ...).
-- ``NonFiniteError``: a role reported a non-finite loss or gradient norm; raised before the step's
-  weights are saved or sent to the engines.
+- ``NonFiniteError``: a role reported a non-finite loss or gradient norm, or its worker refused to
+  save or send non-finite weights; raised before the step's weights are saved or sent to the engines.
 - ``Interrupted``: SIGINT or SIGTERM arrived; the loop stopped after saving at the end of a step.
 - ``StopSignals``: turns the first SIGINT/SIGTERM into a request the loop checks between steps (a
   second one interrupts at once, as Python's default does).
@@ -13,15 +13,29 @@ from __future__ import annotations
 
 import math
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
 
 class NonFiniteError(RuntimeError):
-    def __init__(self, role: str, step: int, names: Mapping[str, Any]) -> None:
+    """``names``: the non-finite metrics and their values; or ``weights``: the rank and tensor names a
+    role's worker refused to save or send (``ppo_trainer.NonFiniteWeightsError``)."""
+
+    def __init__(
+        self,
+        role: str,
+        step: int,
+        names: Mapping[str, Any],
+        *,
+        weights: tuple[int, Sequence[str]] | None = None,
+    ) -> None:
         shown = ", ".join(f"{k}={v}" for k, v in names.items())
+        if weights is not None:
+            rank, tensors = weights
+            listed = ", ".join(tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
+            shown = f"weights of rank {rank}: {listed}"
         super().__init__(
             f"the {role} reported non-finite values at step {step} ({shown}); its weights of this step "
             "were neither saved nor sent to the engines. Look for rewards of huge magnitude, or lower "

@@ -36,15 +36,23 @@ import ray.exceptions
 import torch
 from rich.console import Console
 
-from ppo_driver import budget, build, checkpoint, processes
+from ppo_driver import budget, build, checkpoint, children, processes
 from ppo_driver.config import RunConfig, dump_config
-from ppo_driver.faults import Interrupted, RunFailed, StopSignals, check_finite, resume_hint
+from ppo_driver.faults import (
+    Interrupted,
+    NonFiniteError,
+    RunFailed,
+    StopSignals,
+    check_finite,
+    resume_hint,
+)
 from ppo_driver.metrics import METRICS_FILE, MetricsLog, StepProgress
 from ppo_driver.phases import PhaseTracker
 from ppo_driver.roles import RoleFactory, Roles, create_roles, shutdown_roles
 from ppo_driver.runlock import RunLock
 from ppo_driver.schedule import BatchSchedule
 from ppo_lifecycle import Phase
+from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_value_transport import pair_values
 
 
@@ -271,7 +279,24 @@ def _report_failures(at: _Where, ckpt_root: Path) -> Iterator[None]:
     except (Interrupted, RunFailed):
         raise
     except Exception as exc:
-        raise RunFailed(at.step, at.phase, exc, resume_hint(checkpoint.latest_complete(ckpt_root))) from exc
+        error = _non_finite_weights(exc, at.step) or exc
+        raise RunFailed(
+            at.step, at.phase, error, resume_hint(checkpoint.latest_complete(ckpt_root))
+        ) from error
+
+
+def _non_finite_weights(exc: BaseException, step: int) -> NonFiniteError | None:
+    """A worker's refusal to save or send non-finite weights (through Ray), as the run's report."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ray.exceptions.RayTaskError):
+            seen = seen.cause  # the worker's own exception, with its fields
+        if isinstance(seen, NonFiniteWeightsError):
+            error = NonFiniteError(seen.role, step, {}, weights=(seen.rank, seen.names))
+            error.__cause__ = exc
+            return error
+        seen = seen.__cause__ if seen is not None else None
+    return None
 
 
 def _stop_if_asked(signals: StopSignals, step: int, ckpt_root: Path) -> None:
@@ -521,12 +546,16 @@ def _ray_session(config: RunConfig, console: Console) -> Iterator[None]:
 # 2 cores) that is too short, and a worker importing torch can miss its registration window.
 LOCAL_RAY_ENV = {
     "RAY_worker_register_timeout_seconds": "300",
+    "RAY_gcs_server_port_wait_time_s": "60",
     "RAY_gcs_server_request_timeout_seconds": "180",
 }
+# The retry waits at least this long for each start-up stage, whatever the environment asked for.
+LOCAL_RAY_RETRY_ENV = {"RAY_gcs_server_port_wait_time_s": "180"}
 
 
 def start_local_ray(config: RunConfig, console: Console) -> None:
-    """Start a local Ray instance; if it does not come up, say so and try once more."""
+    """Start a local Ray instance; if it does not come up, say so, end what the failed start left
+    running, and try once more with longer start-up waits."""
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
     kwargs: dict[str, Any] = {
@@ -536,13 +565,20 @@ def start_local_ray(config: RunConfig, console: Console) -> None:
         "include_dashboard": False,
         "log_to_driver": config.logging.worker_logs,
     }
+    before = children.child_pids()
     try:
         ray.init(**kwargs)
     except Exception as exc:  # Ray raises a bare Exception for "timed out during startup"
         console.print(
             f"[yellow]warning:[/] the local Ray instance did not start ({_first_line(exc)}); "
-            "the machine may be loaded: trying once more",
+            "the machine may be loaded: trying once more with longer start-up waits",
             highlight=False,
         )
         ray.shutdown()
+        # A start that failed midway leaves its GCS server (and maybe a raylet) running: ray.shutdown()
+        # knows nothing of a node that never finished starting.
+        children.end_processes(children.child_pids() - before)
+        for key, value in LOCAL_RAY_RETRY_ENV.items():
+            if float(os.environ.get(key, "0")) < float(value):
+                os.environ[key] = value
         ray.init(**kwargs)

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from ppo_trainer.backend_protocol import TrainerBackend, make_trainer
     from ppo_trainer.batch import Samples
     from ppo_trainer.config import AlgorithmConfig, TrainerConfig, TrainSettings
+    from ppo_trainer.errors import NonFiniteWeightsError
     from ppo_trainer.group import LocalSlots, Slots, TrainGroup, TrainResult
     from ppo_trainer.models import CriticModel, load_causal_lm, load_critic, load_policy_state_into_critic
     from ppo_trainer.worker import TrainWorker
@@ -25,6 +26,7 @@ _LAZY = {
     "AlgorithmConfig": "ppo_trainer.config",
     "TrainerConfig": "ppo_trainer.config",
     "TrainSettings": "ppo_trainer.config",
+    "NonFiniteWeightsError": "ppo_trainer.errors",
     "LocalSlots": "ppo_trainer.group",
     "Slots": "ppo_trainer.group",
     "TrainGroup": "ppo_trainer.group",
@@ -53,6 +55,7 @@ __all__ = [
     "CriticModel",
     "DataParallel",
     "LocalSlots",
+    "NonFiniteWeightsError",
     "Samples",
     "Slots",
     "TorchTrainer",

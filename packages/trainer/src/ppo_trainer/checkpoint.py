@@ -42,7 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import PreTrainedModel
 
 from ppo_trainer.backend import TorchTrainer
+from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_trainer.models import CriticModel, load_policy_state_into_critic, map_policy_state_to_critic
+from ppo_weight_sync import non_finite_names
 
 FORMAT_VERSION = 2
 # Whole tensors, gathered to rank 0's host memory (other ranks get empty dicts).
@@ -122,6 +124,11 @@ def save_shard(trainer: TorchTrainer, folder: Path, step: int | None) -> None:
         optimizer_state = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
     if rank != 0:
         return
+    # Per tensor, before anything of the model is written: a checkpoint never holds non-finite weights
+    # (the staging folder is never committed, so no COMPLETE checkpoint does either).
+    bad = non_finite_names([(k, v) for k, v in model_state.items() if isinstance(v, torch.Tensor)])
+    if bad:
+        raise NonFiniteWeightsError(trainer.config.role, rank, bad, "save")
     save_file(_drop_tied_aliases(trainer.model, model_state), str(folder / "model.safetensors"))
     torch.save(optimizer_state, folder / "optimizer.pt")
     state: dict[str, Any] = {

@@ -24,11 +24,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ppo_trainer.backend_protocol import TrainerBackend
 from ppo_trainer.checkpoint import _TOKENIZER_FILES, FORMAT_VERSION, _rng_state, _set_rng_state
+from ppo_trainer.errors import NonFiniteWeightsError
+from ppo_weight_sync import non_finite_names
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,10 @@ def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
     state = trainer.hf_state_dict() if trainer.sharded or rank == 0 else {}
     if rank != 0:
         return
+    # As the torch backend's save: a checkpoint never holds non-finite weights.
+    bad = non_finite_names([(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)])
+    if bad:
+        raise NonFiniteWeightsError(trainer.config.role, rank, bad, "save")
     if trainer.config.role == "actor" and _tied(trainer.config.model_path):
         state.pop("lm_head.weight", None)  # an alias of the embeddings, as the torch backend drops it
     save_file(state, str(folder / "model.safetensors"))

@@ -36,22 +36,24 @@ from ppo_lifecycle import (
     TorchMemorySaverBackend,
     default_backend,
 )
-from ppo_trainer import checkpoint
+from ppo_trainer import checkpoint, fault_injection
+from ppo_trainer.addresses import peer_address
 from ppo_trainer.backend import DataParallel
 from ppo_trainer.backend_protocol import TrainerBackend, make_trainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
+from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_trainer.models import count_parameters
 from ppo_value_transport import Box, Pieces, pack, pack_fields, require_values, unpack_fields, unpack_pieces
 from ppo_weight_sync import (
     ColocatedIpc,
     EngineEndpoint,
+    NonFiniteTensorsError,
     RankSends,
     SenderPlan,
     WeightSender,
     checksum,
     free_port,
-    node_address,
 )
 
 log = logging.getLogger(__name__)
@@ -103,8 +105,10 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ setup
     def rendezvous_address(self) -> str:
-        """``tcp://host:port`` for the role's process group (called on rank 0)."""
-        return f"tcp://{node_address()}:{free_port()}"
+        """``tcp://host:port`` for the role's process group (called on rank 0); the store listens on
+        ``host`` only: 127.0.0.1 on a one-node cluster, else this node's address."""
+        host = peer_address()
+        return f"tcp://{host}:{free_port(host)}"
 
     def setup(self, init_method: str) -> dict[str, Any]:
         """Process group, lifecycle, model and optimizer. Collective over the role's ranks."""
@@ -198,6 +202,14 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ training
     def train(
+        self, step: int, batch_box: Box, external: Pieces | None = None
+    ) -> tuple[dict[str, float], Box | None]:
+        """One PPO update on this rank's batch (see ``_train``)."""
+        result = self._train(step, batch_box, external)
+        fault_injection.after_train(self.role, step, self.trainer.weight_tensors())
+        return result
+
+    def _train(
         self, step: int, batch_box: Box, external: Pieces | None = None
     ) -> tuple[dict[str, float], Box | None]:
         """One PPO update on this rank's batch.
@@ -365,7 +377,7 @@ class TrainWorker:
                 backend=self.config.weight_sync_backend,
                 bucket_bytes=self.config.bucket_bytes,
                 group_name=self.config.weight_sync_group,
-                master_address=node_address(),
+                master_address=peer_address(),  # its store and gloo listen there only
                 timeout_s=self.timeout_s,
                 # Engines on this rank's GPU load over CUDA IPC (buckets sized from the model:
                 # ColocatedIpc's auto_bucket_bytes); the others (rank 0's) join the group.
@@ -397,7 +409,10 @@ class TrainWorker:
                 return {}
             if not sender.is_connected:
                 sender.connect(self._targets)
-            sender.update(weights, version)
+            try:
+                sender.update(weights, version)  # refuses non-finite weights before sending any
+            except NonFiniteTensorsError as exc:
+                raise NonFiniteWeightsError(self.role, self.rank, exc.names, "send") from exc
             return sender.pop_metrics() | {"reconnected": float(was_asleep)}
         finally:
             weights = []  # the gathered copy must not outlive the cache release of the sleep below

@@ -15,9 +15,11 @@ from ppo_weight_sync.errors import (
     EngineRejectedError,
     EngineTimeoutError,
     EngineUnavailableError,
+    NonFiniteTensorsError,
     WeightSyncError,
     check_reply,
 )
+from ppo_weight_sync.finite import non_finite_names
 from ppo_weight_sync.ipc.transport import ColocatedIpc
 from ppo_weight_sync.lock import PROCESS_LOCK, RayUpdateLock, ThreadUpdateLock, UpdateLock
 from ppo_weight_sync.net import free_port, node_address
@@ -43,6 +45,7 @@ __all__ = [
     "EngineTimeoutError",
     "EngineUnavailableError",
     "HttpEngineEndpoint",
+    "NonFiniteTensorsError",
     "Pending",
     "RankSends",
     "RayEngineEndpoint",
@@ -63,6 +66,7 @@ __all__ = [
     "checksum",
     "free_port",
     "node_address",
+    "non_finite_names",
     "plan_buckets",
     "plan_senders",
     "reply_from_http",

@@ -113,7 +113,7 @@ class Connection:
     def _rendezvous(self, engines: list[EngineEndpoint]) -> tuple[WeightGroup, str]:
         s = self.settings
         address = s.master_address or node_address()
-        port = free_port(address if s.master_address else "")
+        port = free_port(address)  # the store listens on this address only (group.py)
         world_size = 1 + sum(e.num_gpus for e in engines)
         # Each connection is its own group, named group_name-<random>: a half-built group left behind
         # by a failed connection (on either side) can never collide with the next one.

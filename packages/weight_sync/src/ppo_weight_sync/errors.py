@@ -17,6 +17,7 @@ __all__ = [
     "EngineRejectedError",
     "EngineTimeoutError",
     "EngineUnavailableError",
+    "NonFiniteTensorsError",
     "WeightSyncError",
     "check_reply",
 ]
@@ -58,6 +59,23 @@ class EngineRejectedError(WeightSyncError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.engine, self.op, self.message), {"args": self.args})
+
+
+class NonFiniteTensorsError(WeightSyncError):
+    """Tensors handed to ``update`` hold NaN or infinite values; nothing was sent to any engine."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        shown = ", ".join(self.names[:5]) + (
+            f" and {len(self.names) - 5} more" if len(self.names) > 5 else ""
+        )
+        super().__init__(
+            f"{len(self.names)} tensor(s) hold NaN or infinite values ({shown}); nothing was sent to the "
+            "engines, which keep their previous weights"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.names,), {"args": self.args})
 
 
 def check_reply(engine: str, op: str, reply: EngineReply) -> EngineReply:

@@ -10,6 +10,16 @@ different prefixes and hang. Nothing is broadcast at join: SGLang's receiver sen
 warm-up here would block until the timeout and then leave every later message off by one. gloo connects
 its full mesh while the group is built, so a peer that never joins still fails the join. We never call
 ``init_process_group`` and never touch the default group, so a trainer's own groups are unaffected.
+
+Listeners (no authentication exists on either, so they must not be reachable from other networks):
+rank 0's ``TCPStore`` listens on a socket we bind to ``master_address`` ourselves (torch's own would
+listen on every interface), and each member's gloo device is bound to the address its peers reach it
+at: ``master_address`` on rank 0, on the others the local interface that routes to it (``127.0.0.1``
+when the master is ``127.0.0.1``). torch cannot be told the gloo device through
+``_new_process_group_helper``, so a bound gloo group is built as a ``ProcessGroupGloo`` of its own, on
+the same store keys the helper would use (``PrefixStore(f"{group_name}/")`` then ``"cpu/"``), so an
+SGLang engine that joins through the helper meets it. NCCL chooses its own bootstrap interface
+(``NCCL_SOCKET_IFNAME``).
 """
 
 from __future__ import annotations
@@ -25,7 +35,12 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.rendezvous import rendezvous
 
-from ppo_weight_sync.net import free_port, node_address  # re-exported: older imports name this module
+from ppo_weight_sync.net import (  # free_port, node_address re-exported: older imports name this module
+    free_port,
+    listen_socket,
+    local_address_toward,
+    node_address,
+)
 
 __all__ = ["WeightGroup", "free_port", "node_address"]
 
@@ -63,8 +78,24 @@ def _unbound_default_group(backend: str) -> Any:
             default.bound_device_id = bound
 
 
+def _bound_gloo(
+    store: dist.Store, group_name: str, rank: int, world_size: int, timeout: timedelta, address: str
+) -> Any:
+    """A gloo group whose device listens on ``address`` only, on the keys ``_new_process_group_helper``
+    uses for a gloo group named ``group_name`` (its group prefix, then the first device's, "cpu")."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{group_name}/", store))
+    return dist.ProcessGroupGloo(keys, rank, world_size, options)
+
+
 class WeightGroup:
-    """One member's handle on a weight-update group (rank 0 is the trainer, hosting the store)."""
+    """One member's handle on a weight-update group (rank 0 is the trainer, hosting the store).
+
+    ``bind`` (default) keeps every listener of this member on the address its peers use (see the
+    module's docstring); ``bind=False`` leaves torch's defaults, exactly as SGLang's engines join.
+    """
 
     def __init__(
         self,
@@ -76,6 +107,7 @@ class WeightGroup:
         group_name: str,
         backend: str,
         timeout_s: float,
+        bind: bool = True,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -86,8 +118,16 @@ class WeightGroup:
         self.group_name = group_name
         self.backend = backend
         self.timeout = timedelta(seconds=timeout_s)
+        # The address this member's listeners bind to: the master's own, or ours toward it.
+        self.bind_address: str | None = None
+        if bind:
+            self.bind_address = master_address if rank == 0 else local_address_toward(master_address)
         store: dist.Store
         if rank == 0:
+            listen: dict[str, Any] = {}
+            if bind:
+                # TCPStore takes the socket over (closes it with the store): detach, never close here.
+                listen["master_listen_fd"] = listen_socket(master_address, master_port).detach()
             store = dist.TCPStore(
                 master_address,
                 master_port,
@@ -97,6 +137,7 @@ class WeightGroup:
                 # The group's own rendezvous waits for every rank (bounded by the timeout); a store that
                 # also waited here would block before the engines have even been asked to join.
                 wait_for_workers=False,
+                **listen,
             )
         else:
             # An engine's side, exactly as SGLang's init_custom_process_group gets its store: torch's
@@ -106,6 +147,12 @@ class WeightGroup:
             store.set_timeout(self.timeout)
         self._store: dist.Store | None = store
         prefixed = dist.PrefixStore(group_name, store)
+        self._closing: Any = None  # the group being destroyed (abort_stuck() reaches it)
+        self._pg: Any
+        if backend == "gloo" and self.bind_address is not None:
+            # A backend of its own, outside torch's group registry: destroy() just lets it go.
+            self._pg = _bound_gloo(prefixed, group_name, rank, world_size, self.timeout, self.bind_address)
+            return
         options_kw = (
             "backend_options"
             if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters
@@ -116,8 +163,7 @@ class WeightGroup:
             pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, prefixed, **kwargs)
         # Ranks in this group are their own global ranks for torch's bookkeeping (as SGLang does).
         c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-        self._pg: Any = pg
-        self._closing: Any = None  # the group being destroyed (abort_stuck() reaches it)
+        self._pg = pg
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         """Start a broadcast from rank 0 of ``tensor`` (in place on receivers); returns the work handle."""
@@ -137,6 +183,11 @@ class WeightGroup:
         """Leave the group; idempotent. ``abort`` tears NCCL communicators down without waiting for peers."""
         pg, self._pg = self._pg, None
         if pg is None:
+            return
+        if not isinstance(pg, dist.ProcessGroup):
+            # A bound gloo backend (never registered with torch): dropping the last reference closes
+            # its pairs and its listener; nothing to abort (gloo has no communicators to wait on).
+            self._store = None
             return
         self._closing = pg
         if abort and self.backend == "nccl":

@@ -21,7 +21,14 @@ import torch
 from ppo_weight_sync.connection import Connection, ConnectionSettings
 from ppo_weight_sync.device_sync import on_device
 from ppo_weight_sync.endpoints import EngineEndpoint, Pending
-from ppo_weight_sync.errors import EngineRejectedError, EngineUnavailableError, WeightSyncError, check_reply
+from ppo_weight_sync.errors import (
+    EngineRejectedError,
+    EngineUnavailableError,
+    NonFiniteTensorsError,
+    WeightSyncError,
+    check_reply,
+)
+from ppo_weight_sync.finite import non_finite_names
 from ppo_weight_sync.group import WeightGroup
 from ppo_weight_sync.ipc.transport import IpcTransport
 from ppo_weight_sync.lock import PROCESS_LOCK, UpdateLock
@@ -52,6 +59,9 @@ class WeightSender:
     sender of this process; pass a :class:`~ppo_weight_sync.lock.RayUpdateLock` when senders in several
     processes share engines. ``transports``: factories that claim engines for a transport of their own
     (e.g. CUDA IPC for engines on this GPU); every other engine joins the weight group.
+    ``check_finite`` (default): ``update`` refuses tensors holding NaN or infinite values with
+    :class:`~ppo_weight_sync.errors.NonFiniteTensorsError` before any engine is touched (one extra read
+    of the weights; see :mod:`ppo_weight_sync.finite`).
     """
 
     def __init__(
@@ -65,6 +75,7 @@ class WeightSender:
         lock: UpdateLock | None = None,
         load_format: str = "auto",
         transports: Sequence[TransportFactory] = (),
+        check_finite: bool = True,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
@@ -85,6 +96,7 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.lock: UpdateLock = lock if lock is not None else PROCESS_LOCK
         self.requested_load_format = load_format
+        self.check_finite = check_finite
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
@@ -179,7 +191,10 @@ class WeightSender:
     # ------------------------------------------------------------ update
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
-        """Send every ``(name, tensor)`` to every engine and set their weight version to ``version``."""
+        """Send every ``(name, tensor)`` to every engine and set their weight version to ``version``.
+
+        Raises :class:`~ppo_weight_sync.errors.NonFiniteTensorsError` (nothing sent, still connected)
+        when ``check_finite`` and a tensor holds NaN or infinite values."""
         if not isinstance(version, str) or not version:
             raise ValueError(f"version must be a non-empty str, got {version!r}")
         items = list(named_tensors)
@@ -196,6 +211,10 @@ class WeightSender:
             seen.add(name)
         if not self._conn.is_connected:
             raise WeightSyncError("the sender is not connected: call connect(engines) first")
+        # Before the engines pause or receive anything: they keep serving their previous weights.
+        bad = non_finite_names(items) if self.check_finite else []
+        if bad:
+            raise NonFiniteTensorsError(bad)
         self.lock.acquire(self.timeout_s)
         try:
             self._update_unlocked(items, version)

@@ -7,6 +7,7 @@ object, as a Ray actor (``ray.remote(TensorEngine).options(max_concurrency=4)``)
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -158,6 +159,7 @@ class TensorEngine(ReceivingEngine):
             "weight_version": self.receiver.weight_version,
             "checksum": self.checksum(),
             "ipc_mappings": self.receiver.ipc_mappings,
+            "pid": os.getpid(),  # for tests that look at the process (its sockets)
         }
 
     def named_tensors(self) -> dict[str, torch.Tensor]:

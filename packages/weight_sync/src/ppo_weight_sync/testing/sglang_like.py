@@ -96,6 +96,9 @@ class SGLangReceiver:
                     group_name=group_name,
                     backend=backend,
                     timeout_s=self.timeout_s,
+                    # SGLang's init_custom_process_group binds nothing (torch's defaults): joining as it
+                    # does also checks that our bound sender meets a group torch's helper built.
+                    bind=False,
                 )
         except Exception as exc:
             return EngineReply.refused(f"Failed to initialize custom process group: {exc}.")

@@ -1,0 +1,52 @@
+"""The local Ray start-up's retry, with real Ray: the first attempt fails for a real reason (a GCS
+port-file wait of 0 s, which no start-up meets), the driver says so, ends what the failed start left
+running, and the second attempt, with longer waits, comes up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_CHILD = textwrap.dedent(
+    """
+    import os
+    from pathlib import Path
+
+    import ray
+    from rich.console import Console
+
+    from ppo_driver.children import child_pids
+    from ppo_driver.config import load_config
+    from ppo_driver.loop import start_local_ray
+
+    config = load_config(None, ["ray.num_cpus=1", "ray.object_store_memory_mb=128"])
+    start_local_ray(config, Console(stderr=True, width=400))
+    print("cpus", ray.cluster_resources().get("CPU"))
+    print("port wait", os.environ["RAY_gcs_server_port_wait_time_s"])
+    names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in child_pids()]
+    print("gcs servers", names.count("gcs_server"))
+    ray.shutdown()
+    """
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads child processes from /proc")
+def test_a_failed_start_is_named_cleaned_up_and_retried_with_longer_waits() -> None:
+    env = {**os.environ, "RAY_gcs_server_port_wait_time_s": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=280
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "the local Ray instance did not start (RuntimeError: Timed out waiting for file" in done.stderr
+    assert "trying once more with longer start-up waits" in done.stderr
+    assert done.stderr.count("Started a local Ray instance") == 1, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert "cpus 1.0" in lines, done.stdout
+    assert "port wait 180" in lines, done.stdout
+    # The failed attempt's GCS server was ended: only the running instance's is left.
+    assert "gcs servers 1" in lines, done.stdout

@@ -1,0 +1,54 @@
+"""What the sender's non-finite scan (``non_finite_names``) costs per update, against the bytes scanned.
+
+    python packages/weight_sync/benchmarks/bench_finite.py [--device cpu|cuda] [--repeats 20]
+
+Shapes: the CPU default run's tiny model (float32) and Llama-like models in bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from ppo_weight_sync import non_finite_names
+from ppo_weight_sync.testing import llama_like_spec, make_weights
+
+SHAPES = {
+    "cpu default (tiny, fp32)": llama_like_spec(
+        layers=2, hidden=64, intermediate=128, vocab=16, dtype="float32", kv_heads_ratio=1
+    ),
+    "llama-like 24 layers, hidden 1024 (bf16)": llama_like_spec(
+        layers=24, hidden=1024, intermediate=2816, vocab=32000
+    ),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print("| weights | tensors | MB | ms per scan (median) | GB/s |")
+    print("|---|---|---|---|---|")
+    for label, spec in SHAPES.items():
+        items = [(n, t.to(device)) for n, t in make_weights(spec, 0).items()]
+        nbytes = sum(t.numel() * t.element_size() for _, t in items)
+        assert non_finite_names(items) == []  # warm-up, and the scan finds nothing in finite weights
+        times = []
+        for _ in range(args.repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            non_finite_names(items)  # synchronises itself (one read-back per device)
+            times.append(time.perf_counter() - t0)
+        median = sorted(times)[len(times) // 2]
+        rate = nbytes / median / 1e9
+        print(f"| {label} | {len(items)} | {nbytes / 1e6:.1f} | {median * 1e3:.2f} | {rate:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
