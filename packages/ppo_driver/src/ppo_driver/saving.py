@@ -84,6 +84,8 @@ class CheckpointSaver:
 
     def launch_ready(self) -> None:
         """Start the background saves of the roles the current phase has asleep."""
+        if not self._waiting:
+            return
         t0 = time.perf_counter()
         try:
             self._launch_ready()
@@ -92,10 +94,10 @@ class CheckpointSaver:
 
     def poll(self) -> Path | None:
         """Mark the pending checkpoint complete if every writer is done (never waits for one)."""
+        if self._pending is None or self._waiting:
+            return None
         t0 = time.perf_counter()
         try:
-            if self._pending is None or self._waiting:
-                return None
             for name in self._writing:
                 group = self._groups[name]
                 assert isinstance(group, BackgroundSaving)  # only such roles are in _writing
@@ -107,6 +109,8 @@ class CheckpointSaver:
 
     def wait(self) -> Path | None:
         """Wait for the pending checkpoint's writers and mark it complete; None when none was pending."""
+        if self._pending is None:
+            return None
         t0 = time.perf_counter()
         try:
             return self._wait()

@@ -20,6 +20,7 @@ Format 1 keyed the optimizer state by parameter index; it still loads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -139,6 +140,31 @@ class ShardState:
         for values in (self.optimizer or {}).get("state", {}).values():
             tensors += [v for v in values.values() if isinstance(v, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def private_copy(state: ShardState) -> ShardState:
+    """``state`` with every tensor copied into memory of its own (tensors viewing the same bytes,
+    tied weights, stay one copy), so that the buffers it was captured from may be reused."""
+    memo: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in memo:
+            memo[key] = t.detach().clone()
+        return memo[key]
+
+    def tree(d: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        return None if d is None else {k: copy(v) for k, v in d.items()}
+
+    optimizer = state.optimizer
+    if optimizer is not None:
+        optimizer = {**optimizer, "state": {n: tree(v) for n, v in optimizer["state"].items()}}
+    policy = state.policy
+    if policy is not None and policy.state_dict is not None:
+        policy = dataclasses.replace(policy, state_dict=tree(policy.state_dict))
+    return dataclasses.replace(state, model=tree(state.model), optimizer=optimizer, policy=policy)
 
 
 def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = None) -> ShardState:

@@ -216,8 +216,9 @@ class TrainGroup:
             self.save_wait()
         folder = Path(folder)
         staging = folder.with_name(folder.name + ".partial")
-        self._pending_save = (staging, folder)
         started = self._all("save_async", str(staging))
+        # Only once every rank started: a rank that refused (resident) leaves nothing to commit.
+        self._pending_save = (staging, folder)
         return dict(started[0])
 
     def save_done(self) -> bool:

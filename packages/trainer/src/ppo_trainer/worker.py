@@ -456,7 +456,9 @@ class TrainWorker:
         memory = self._memory
         assert isinstance(memory, HostCopies)  # saves_asleep() checked it
         state = checkpoint.capture(self.trainer, self._last_step, host=memory)
-        self._save = BackgroundSave(state, Path(staging), name=f"{self.role}-{self.rank}")
+        # The pinned backends reuse their buffers at the next sleep: the writer copies them first.
+        reused = not isinstance(memory, HostMemoryBackend)
+        self._save = BackgroundSave(state, Path(staging), name=f"{self.role}-{self.rank}", copy_first=reused)
         return {"capture_seconds": time.perf_counter() - start, "bytes": float(state.nbytes)}
 
     def save_status(self) -> bool:
