@@ -276,9 +276,8 @@ def test_kill_during_a_background_save_keeps_the_previous_checkpoint(reference: 
     # start), and ends where an uninterrupted run ends, bit for bit.
     run = Run(run_dir)
     assert run.finish() == 0, run.text()
-    expected = f"resumed from {found[1]} (step {found[0]})" if found else "nothing to resume"
     if found is not None:
-        assert expected in run.text()
+        assert f"resumed from {found[1]} (step {found[0]})" in run.text()
     assert not list(root.glob(".tmp-step_*"))
     assert [s for s, _ in ck.complete_checkpoints(root)] == [2, 4, 6, 8]
     assert final_checksum(run_dir) == final_checksum(reference)
