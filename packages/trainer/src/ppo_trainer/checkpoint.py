@@ -150,7 +150,7 @@ def private_copy(state: ShardState) -> ShardState:
     def copy(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), t.stride(), t.dtype)
         if key not in memo:
             memo[key] = t.detach().clone()
         return memo[key]
