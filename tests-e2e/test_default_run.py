@@ -91,9 +91,9 @@ def test_value_handoff_and_offload_every_step(default_run: tuple[Path, str]) -> 
         assert record["handoff/value_boxes"] == DEFAULT.placement.actor_gpus, step
         assert record["handoff/values_used"] == 1, step
         assert set(record["offload/transitions"]) == expected, (step, record["offload/transitions"])
-        # Once each per step; the save at the last step wakes the critic once more (wake, save, sleep).
-        saves = 1 if step % DEFAULT.checkpoint.interval == 0 or step == STEPS else 0
-        for role, count in (("actor", 1), ("critic", 1 + saves), ("rollout", 1)):
+        # Once each per step, saving steps included: a checkpoint wakes no one (the roles write it in
+        # the background from the host copies of their sleeps).
+        for role, count in (("actor", 1), ("critic", 1), ("rollout", 1)):
             assert record[f"offload/{role}_sleeps"] == record[f"offload/{role}_wakes"] == count, (step, role)
         # The phases ran in the order, each sleep before the wake it makes room for.
         t = record["offload/transitions"]
@@ -102,6 +102,9 @@ def test_value_handoff_and_offload_every_step(default_run: tuple[Path, str]) -> 
             t.index("critic:sleep") < t.index("actor:wake") < t.index("rollout:wake") < t.index("actor:sleep")
         )
         assert record["weight_sync/updates"] >= 1, step
+        if step % DEFAULT.checkpoint.interval == 0 or step == STEPS:
+            assert record["time/save_blocking"] > 0, step
+    assert _metrics(run_dir)[-1]["time/save_background"] > 0  # the last step waits for its checkpoint
 
 
 @pytest.mark.timeout(600)

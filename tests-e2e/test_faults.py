@@ -283,3 +283,38 @@ def test_non_finite_weights_reach_neither_engines_nor_checkpoints(
     for _, folder in ck.complete_checkpoints(run.run_dir / "checkpoints"):
         assert all(_finite_file(f) for f in folder.rglob("*.safetensors")), folder
     assert not (run.run_dir / "summary.json").exists()
+
+
+@pytest.mark.timeout(1200)
+def test_kill_during_a_background_save_keeps_the_previous_checkpoint(reference: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    run = Run(run_dir)
+    victim = run.pids()["actor"][0]
+
+    def actor_writing() -> list[Path]:
+        # The actor's folder is renamed into place when its writers are done: until then the save of
+        # that step runs in the background, after the loop moved on from the save point.
+        if not root.is_dir():
+            return []
+        return [p for p in root.glob(".tmp-step_*") if (p / "actor.partial").is_dir()]
+
+    run.wait_until("a background save of the actor", lambda: bool(actor_writing()))
+    writing = actor_writing()
+    os.kill(victim, signal.SIGKILL)
+    expect_clean_failure(run, "actor rank 0: ")
+    unfinished_step = int(writing[0].name.removeprefix(".tmp-step_"))
+    found = latest(run_dir)
+    assert found is None or found[0] < unfinished_step  # never marked complete
+    if found is not None:
+        ck.verify(found[1])
+
+    # The re-run discards the unfinished save, resumes from the previous complete checkpoint (or the
+    # start), and ends where an uninterrupted run ends, bit for bit.
+    run = Run(run_dir)
+    assert run.finish() == 0, run.text()
+    if found is not None:
+        assert f"resumed from {found[1]} (step {found[0]})" in run.text()
+    assert not list(root.glob(".tmp-step_*"))
+    assert [s for s, _ in ck.complete_checkpoints(root)] == [2, 4, 6, 8]
+    assert final_checksum(run_dir) == final_checksum(reference)

@@ -24,3 +24,36 @@ def test_torch_memory_saver_backend_frees_and_restores_several_gb(backup: str) -
 def test_torch_memory_saver_missing_is_a_clear_error() -> None:
     with pytest.raises(ImportError, match="memory-saver"):
         TorchMemorySaverBackend()
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_exist_before_the_first_sleep_and_serve_host_copies() -> None:
+    import torch
+
+    from ppo_lifecycle import PinnedHostBackend
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    for p in model.parameters():  # AdamW's state made before tracking, as ppo-trainer's setup does
+        optimizer.state[p] = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+    backend = PinnedHostBackend()
+    backend.track("weights", lambda: [p.data for p in model.parameters()])
+    backend.track("optimizer", lambda: [v for s in optimizer.state.values() for v in s.values() if v.is_cuda])
+    tracked = 3 * sum(p.numel() * 4 for p in model.parameters())
+    assert backend.pinned_bytes == tracked  # every buffer at setup
+    weight = model[0].weight
+    expected = weight.detach().cpu()
+    stats = backend.release()
+    assert stats.bytes == tracked
+    assert backend.pinned_bytes == tracked  # the first sleep allocated nothing
+    (copy,) = backend.host_copies([weight])
+    assert copy.device.type == "cpu"
+    assert torch.equal(copy, expected)
+    assert copy.untyped_storage().nbytes() == weight.numel() * 4  # its own storage, not the slab
+    backend.restore()
+    assert torch.equal(weight.detach().cpu(), expected)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import snapshot, state_tensors, tiny_model, track_all, train_steps
 
-from ppo_lifecycle import HostMemoryBackend, MemoryBackend, default_backend
+from ppo_lifecycle import HostCopies, HostMemoryBackend, MemoryBackend, default_backend
 
 
 def _nbytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -161,3 +161,39 @@ def test_default_backend() -> None:
     assert isinstance(default_backend("cpu"), HostMemoryBackend)
     with pytest.raises(ValueError, match="device type 'meta'"):
         default_backend("meta")
+
+
+def test_host_copies_serve_released_tensors_without_copying() -> None:
+    model, opt = tiny_model()
+    train_steps(model, opt, 2, seed=3)
+    backend = HostMemoryBackend()
+    assert isinstance(backend, HostCopies)
+    assert backend.keeps_host_copies
+    track_all(backend, model, opt)
+    weight = model[0].weight
+    tied_view = weight[2:5].t()  # a strided view into the same storage
+    expected = [weight.detach().clone(), tied_view.detach().clone()]
+    with pytest.raises(ValueError, match="its tag is resident; release its tag first"):
+        backend.host_copies([weight])
+
+    backend.release(["weights"])
+    copies = backend.host_copies([weight, tied_view])
+    assert [c.device.type for c in copies] == ["cpu", "cpu"]
+    assert [(c.shape, c.stride(), c.dtype) for c in copies] == [
+        (weight.shape, weight.stride(), weight.dtype),
+        (tied_view.shape, tied_view.stride(), tied_view.dtype),
+    ]
+    assert all(torch.equal(c, e) for c, e in zip(copies, expected, strict=True))
+    # One storage per tracked storage, exactly its bytes: torch.save and tied-weight detection go by it.
+    assert copies[0].untyped_storage().data_ptr() == copies[1].untyped_storage().data_ptr()
+    assert copies[0].untyped_storage().nbytes() == weight.numel() * weight.element_size()
+    state = next(iter(opt.state.values()))
+    with pytest.raises(ValueError, match="no host copy"):
+        backend.host_copies([state["exp_avg"]])  # the optimizer tag is resident
+
+    # The copies outlive the wake (the host backend hands each release fresh backups) and stay as
+    # they were while training changes the weights.
+    backend.restore()
+    train_steps(model, opt, 1, seed=4)
+    assert not torch.equal(weight.detach(), expected[0])
+    assert torch.equal(copies[0], expected[0])

@@ -13,15 +13,15 @@ ALL_PHASES = ("generate", "critic_train", "actor_train", "weight_update", "save"
 # (colocate, critic, offload) -> resident roles per phase, in ALL_PHASES order
 TABLE = {
     (False, "none", False): [{A, R}] * 5,
-    (False, "none", True): [{R}, {R}, {A, R}, {A, R}, {A, R}],
+    (False, "none", True): [{R}, {R}, {A, R}, {A, R}, {R}],
     (True, "none", False): [{A, R}] * 5,
-    (True, "none", True): [{R}, set(), {A}, {A, R}, {A}],
+    (True, "none", True): [{R}, set(), {A}, {A, R}, set()],
     (False, "dedicated", False): [{A, C, R}] * 5,
-    (False, "dedicated", True): [{R}, {C, R}, {A, R}, {A, R}, {A, C, R}],
+    (False, "dedicated", True): [{R}, {C, R}, {A, R}, {A, R}, {R}],
     (True, "dedicated", False): [{A, C, R}] * 5,
-    (True, "dedicated", True): [{R}, {C}, {A}, {A, R}, {A, C}],
-    (False, "shared", True): [{R}, {C, R}, {A, R}, {A, R}, {A, C, R}],
-    (True, "shared", True): [{R}, {C}, {A}, {A, R}, {A, C}],
+    (True, "dedicated", True): [{R}, {C}, {A}, {A, R}, set()],
+    (False, "shared", True): [{R}, {C, R}, {A, R}, {A, R}, {R}],
+    (True, "shared", True): [{R}, {C}, {A}, {A, R}, set()],
 }
 
 

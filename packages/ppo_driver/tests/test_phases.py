@@ -60,13 +60,17 @@ def test_colocated_shared_critic_step() -> None:
     assert metrics["offload/rollout_sleeps"] == 1
 
 
-def test_save_wakes_both_trainers_then_they_sleep() -> None:
+def test_save_never_has_both_trainers_resident() -> None:
     phases, _ = _tracker([])
     phases.enter("actor_train")
     phases.start_step()
-    phases.enter("save")
+    phases.enter("save")  # checkpoints come from the host copies of the sleeps
     phases.enter("weight_update")
-    assert phases.done == ["critic:wake", "critic:sleep", "rollout:wake"]  # sleeps before wakes
+    assert phases.done == ["actor:sleep", "actor:wake", "rollout:wake"]
+    phases.start_step()
+    with phases.alone("critic"):  # a role that must be resident to save: the other sleeps first
+        assert phases.done == ["actor:sleep", "critic:wake"]
+    assert phases.done == ["actor:sleep", "critic:wake", "critic:sleep", "actor:wake"]
 
 
 def test_same_phase_twice_does_nothing() -> None:

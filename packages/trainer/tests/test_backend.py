@@ -393,3 +393,35 @@ def test_tied_weights_checkpoints_load_across_kinds(
         assert checkpoint.load_shard(critic, tmp_path / folder) is None  # a policy checkpoint: step unknown
         embedding = dict(critic.named_weights())["backbone.embed_tokens.weight"]
         torch.testing.assert_close(embedding, head["model.embed_tokens.weight"], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_optimizer_state_made_at_setup_trains_bit_identically_to_lazy(
+    tiny_model: Path, fields_factory: Callable, role: str
+) -> None:
+    samples = Samples.from_fields(fields_factory(6, seed=7))
+    values = torch.randn(len(samples), samples.max_response) * samples.response_mask
+    runs = []
+    for eager in (True, False):
+        t = trainer(tiny_model, role, algorithm=AlgorithmConfig(lam=1.0, num_mini_batches=2))
+        state = t.optimizer.state
+        assert len(state) == len(t.params)  # made by the constructor
+        assert all(float(s["step"]) == 0.0 and not s["exp_avg"].any() for s in state.values())
+        if not eager:
+            state.clear()  # AdamW's own lazy creation in the first step, as before
+        for _ in range(3):
+            t.train_critic(samples) if role == "critic" else t.train_actor(samples, values)
+        runs.append(
+            (
+                [p.detach().clone() for p in t.params],
+                [(k, v.clone()) for s in t.optimizer.state.values() for k, v in s.items()],
+            )
+        )
+    (params_a, state_a), (params_b, state_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
+    assert [k for k, _ in state_a] == [k for k, _ in state_b]
+    for (_, a), (_, b) in zip(state_a, state_b, strict=True):
+        assert a.dtype == b.dtype
+        assert a.device == b.device
+        assert torch.equal(a, b)
+    assert float(state_a[0][1]) == 6.0  # 3 steps x 2 mini-batches

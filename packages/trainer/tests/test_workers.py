@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 from conftest import critic_pieces, same_split
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -471,3 +472,82 @@ def test_critic_values_reach_actor_ranks_of_any_size(
             assert float(got["token_rewards"][row][-1]) == float(fields["reward"][sample].reshape(-1)[0])
     metrics = actor.train(1, actor_boxes, pieces).metrics  # and the actor trains on them
     assert metrics["optimizer_steps"] == 1.0
+
+
+def test_optimizer_state_is_tracked_from_setup(all_groups: dict[str, TrainGroup], tiny_model: Path) -> None:
+    # AdamW's state exists (zeros, step 0) before any step, so the memory backend tracks it from the
+    # start and a pinned backend allocates its buffers at setup, not in the first sleep.
+    fresh = TrainGroup("actor", LocalSlots(1), configs(tiny_model)[0], timeout_s=240)
+    try:
+        (state,) = fresh.memory_state()
+        model = load_file(str(tiny_model / "model.safetensors"))
+        trainable = sum(t.numel() * t.element_size() for t in model.values())
+        assert state["optimizer_state_entries"] > 0
+        # exp_avg and exp_avg_sq of every parameter and one 4-byte step counter each
+        assert state["optimizer_bytes"] >= 2 * trainable + 4 * state["optimizer_state_entries"]
+        assert state["pinned_bytes"] is None  # the host backend on CPU pins nothing
+        before = dict(state)
+        fresh.sleep()
+        fresh.wake_up()
+        assert fresh.memory_state() == [before]  # the first cycle created nothing new
+    finally:
+        fresh.shutdown()
+
+
+def _same_files(first: Path, second: Path) -> None:
+    names = sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file())
+    assert names == sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file())
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(names)
+    for name in names:
+        if name.startswith("rng_rank"):  # safetensors writes metadata in hash order: compare contents
+            assert _rng(first / name) == _rng(second / name), name
+        else:
+            assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+def _rng(path: Path) -> tuple[dict[str, str], dict[str, list[int]]]:
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata(), {k: f.get_tensor(k).tolist() for k in f.keys()}  # noqa: SIM118
+
+
+def test_background_save_writes_the_bytes_of_a_foreground_save(
+    groups: tuple[TrainGroup, TrainGroup], tmp_path: Path
+) -> None:
+    actor, critic = groups
+    step(actor, critic, 1, batch_box(seed=41))
+    for name, group in (("actor", actor), ("critic", critic)):
+        group.save(tmp_path / "fg" / name)
+        with pytest.raises(RuntimeError, match="needs the worker asleep"):
+            group.save_async(tmp_path / "bg" / name)
+        group.save_wait()  # nothing was started: nothing to wait for
+        group.sleep()
+        started = group.save_async(tmp_path / "bg" / name)
+        assert started["bytes"] > 0
+        assert not (tmp_path / "bg" / name).exists()  # renamed into place by save_wait only
+        assert group.save_wait() > 0
+        assert group.save_done()
+        group.wake_up()
+        _same_files(tmp_path / "fg" / name, tmp_path / "bg" / name)
+    assert (tmp_path / "bg" / "actor" / "hf" / "config.json").is_file()
+
+
+def test_resume_from_a_background_save_is_bit_identical(
+    groups: tuple[TrainGroup, TrainGroup], tmp_path: Path
+) -> None:
+    actor, critic = groups
+    step(actor, critic, 1, batch_box(seed=51), offload=True)
+    actor.save_async(tmp_path / "actor")
+    critic.save_async(tmp_path / "critic")
+    # The loop goes on while the writers run: the next step wakes, trains and sleeps both roles.
+    step(actor, critic, 2, batch_box(seed=52), offload=True)
+    actor.save_wait()
+    critic.save_wait()
+    first = (actor.weights_checksum(), critic.weights_checksum())
+
+    actor.wake_up()
+    critic.wake_up()
+    step(actor, critic, 3, batch_box(seed=53))  # move away, then come back
+    actor.load(tmp_path / "actor")
+    critic.load(tmp_path / "critic")
+    step(actor, critic, 2, batch_box(seed=52))
+    assert (actor.weights_checksum(), critic.weights_checksum()) == first

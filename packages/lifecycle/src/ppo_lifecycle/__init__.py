@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ppo_lifecycle.lifecycle import Lifecycle, State, StepObserver
     from ppo_lifecycle.memory import (
+        HostCopies,
         HostMemoryBackend,
         MemoryBackend,
         PinnedHostBackend,
@@ -31,6 +32,7 @@ _LAZY = {
     "Lifecycle": "ppo_lifecycle.lifecycle",
     "State": "ppo_lifecycle.lifecycle",
     "StepObserver": "ppo_lifecycle.lifecycle",
+    "HostCopies": "ppo_lifecycle.memory",
     "HostMemoryBackend": "ppo_lifecycle.memory",
     "MemoryBackend": "ppo_lifecycle.memory",
     "PinnedHostBackend": "ppo_lifecycle.memory",
@@ -64,6 +66,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PHASES",
     "GroupHandle",
+    "HostCopies",
     "HostMemoryBackend",
     "Lifecycle",
     "MemoryBackend",

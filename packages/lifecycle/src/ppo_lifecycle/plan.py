@@ -31,8 +31,10 @@ class OffloadPlan:
 
     With ``offload=True``:
 
-    * actor: resident for ``actor_train``, ``weight_update`` (it sends the weights) and ``save``;
-    * critic (if any): resident for ``critic_train`` and ``save``;
+    * actor: resident for ``actor_train`` and ``weight_update`` (it sends the weights);
+    * critic (if any): resident for ``critic_train``;
+    * ``save``: no trainer role resident: checkpoints are written from the host copies the sleeps
+      made, or (a role that cannot) by waking one role at a time, never two on shared GPUs;
     * rollout: always resident on its own GPUs (``colocate=False``); when colocated, only for
       ``generate`` and ``weight_update`` (it receives the weights).
 
@@ -77,9 +79,9 @@ class OffloadPlan:
                 table[phase] = frozenset(roles)
                 continue
             resident = set()
-            if phase in ("actor_train", "weight_update", "save"):
+            if phase in ("actor_train", "weight_update"):
                 resident.add("actor")
-            if critic != "none" and phase in ("critic_train", "save"):
+            if critic != "none" and phase == "critic_train":
                 resident.add("critic")
             if not colocate or phase in ("generate", "weight_update"):
                 resident.add("rollout")

@@ -23,7 +23,8 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,42 +77,87 @@ def write_checkpoint(
     the rename, the parent folder after it. ``keep`` prunes complete checkpoints of earlier steps
     (never a later one: those belong to another run, which the loop moves aside first).
     """
-    root.mkdir(parents=True, exist_ok=True)
-    final = step_folder(root, step)
-    tmp = root / f".tmp-{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        write(tmp)
-        sizes = _fsync_tree(tmp)
-        _write_synced(tmp / MARKER, json.dumps({"step": step, "format": FORMAT_VERSION, "files": sizes}))
-        _fsync_dir(tmp)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)  # also frees the space a full disk needs back
+    pending = PendingCheckpoint(root, step)
+    with pending.writing():
+        write(pending.tmp)
+    return pending.finish(keep=keep)
+
+
+class PendingCheckpoint:
+    """A checkpoint whose files are being written into ``tmp``; ``finish`` marks it complete.
+
+    Writing may be spread over time and processes (roles write their folders in the background):
+    until ``finish`` the folder is a ``.tmp-`` one, which discovery ignores; ``discard`` (or a crash)
+    leaves nothing a resume would take.
+    """
+
+    def __init__(self, root: Path, step: int) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.step = step
+        self.final = step_folder(root, step)
+        self.tmp = root / f".tmp-{self.final.name}"
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Around writes into ``tmp``: a failure removes it (a full disk becomes ``DiskFullError``)."""
+        try:
+            yield
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def finish(self, *, keep: int | None = None) -> Path:
+        """fsync every file, write COMPLETE, rename into place, prune; the final folder."""
+        with self.writing():
+            sizes = _fsync_tree(self.tmp)
+            _write_synced(
+                self.tmp / MARKER, json.dumps({"step": self.step, "format": FORMAT_VERSION, "files": sizes})
+            )
+            _fsync_dir(self.tmp)
+        root, final, tmp = self.root, self.final, self.tmp
+        if final.exists():  # a re-run of the same step replaces its checkpoint
+            old = root / f".old-{final.name}"
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
+            tmp.rename(final)
+            _fsync_dir(root)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+            _fsync_dir(root)
+        if keep is not None:
+            earlier = [c for c in complete_checkpoints(root) if c[0] <= self.step]
+            for _, folder in earlier[:-keep]:
+                shutil.rmtree(folder, ignore_errors=True)
+        return final
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.discard()  # also frees the space a full disk needs back
         if is_disk_full(exc):
             raise DiskFullError(
                 errno.ENOSPC,
-                f"no space left on the device of {root} while saving the step-{step} checkpoint; "
+                f"no space left on the device of {self.root} while saving the step-{self.step} checkpoint; "
                 "free space there or set checkpoint.dir to a folder on another disk",
             ) from exc
-        raise
-    if final.exists():  # a re-run of the same step replaces its checkpoint
-        old = root / f".old-{final.name}"
-        if old.exists():
-            shutil.rmtree(old)
-        final.rename(old)
-        tmp.rename(final)
-        _fsync_dir(root)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
-        _fsync_dir(root)
-    if keep is not None:
-        earlier = [c for c in complete_checkpoints(root) if c[0] <= step]
-        for _, folder in earlier[:-keep]:
-            shutil.rmtree(folder, ignore_errors=True)
-    return final
+
+
+def remove_unfinished(root: Path) -> list[Path]:
+    """Remove ``.tmp-`` folders of checkpoints a run started and never finished (it died or failed
+    during a save); the run lock makes sure no other run is writing them. Returns what was removed."""
+    if not root.is_dir():
+        return []
+    gone = [c for c in root.iterdir() if c.name.startswith(".tmp-step_") and c.is_dir()]
+    for folder in gone:
+        shutil.rmtree(folder, ignore_errors=True)
+    return gone
 
 
 def is_disk_full(exc: BaseException) -> bool:

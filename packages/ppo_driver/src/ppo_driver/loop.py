@@ -7,7 +7,8 @@ resume from the latest complete checkpoint, the first weight update. Then each s
    (``train.async: one_step_off``, ``schedule.py``), and start the next one;
 2. the critic trains first and returns its values (colocated engines offloaded before it);
 3. the critic sleeps, the actor trains with the critic's values;
-4. save when due (the plan's ``save`` residency: wake, save, sleep);
+4. save when due: the driver's state now, each role's from the host copies of its next sleep, written
+   in the background while the loop goes on (``saving.py``; COMPLETE once every file is on disk);
 5. update the engines' weights (the actor reconnects to the engines if it slept);
 6. onload the engines, evaluate when due.
 
@@ -50,6 +51,7 @@ from ppo_driver.metrics import METRICS_FILE, MetricsLog, StepProgress
 from ppo_driver.phases import PhaseTracker
 from ppo_driver.roles import RoleFactory, Roles, create_roles, shutdown_roles
 from ppo_driver.runlock import RunLock
+from ppo_driver.saving import CheckpointSaver
 from ppo_driver.schedule import BatchSchedule
 from ppo_lifecycle import Phase
 from ppo_trainer.errors import NonFiniteWeightsError
@@ -90,6 +92,7 @@ def train(
         if not config.checkpoint.resume:
             _start_over(run_dir, ckpt_root, console)
         (run_dir / "config.yaml").write_text(dump_config(config))
+        checkpoint.remove_unfinished(ckpt_root)  # saves a failed or killed run never completed
         stack.enter_context(_ray_session(config, console))
         signals = stack.enter_context(StopSignals())
         # Entered before the roles: their shutdown runs first, then a failure is reported.
@@ -102,6 +105,13 @@ def train(
         rollout, actor, critic = roles.rollout, roles.actor, roles.critic
         plan = build.offload_plan(config)
         phases = PhaseTracker(plan, roles, on_enter=at.entering)
+        saver = CheckpointSaver(
+            ckpt_root,
+            roles,
+            phases,
+            lambda step: _driver_state(step, roles, config),
+            keep=config.checkpoint.keep,
+        )
 
         # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
         # loads (one that does not is reported and skipped for the previous one).
@@ -183,8 +193,7 @@ def train(
 
             if _due(step, config.checkpoint.interval, config.train.steps, config.checkpoint.save_final):
                 with timer.span("save"):
-                    phases.enter("save")
-                    save_checkpoint(ckpt_root, step, roles, config)
+                    saver.start(step)  # the roles' files follow once they sleep (saving.py)
                     saved = True
 
             with timer.span("generate_wait"):
@@ -200,6 +209,8 @@ def train(
                         check_weights_match(step, roles)
 
             phases.enter("generate")  # onload the engines
+            with timer.span("save"):
+                saver.launch_ready()  # every trainer role asleep now: background saves start
             if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
                 with timer.span("eval"):
                     metrics.update(_prefixed("eval", rollout.evaluate(step)))
@@ -208,6 +219,11 @@ def train(
             for role, role_metrics in popped.items():
                 metrics.update(_prefixed(role, role_metrics))
             metrics.update(phases.step_metrics())
+            with timer.span("save"):
+                if step == config.train.steps or signals.requested is not None:
+                    saver.wait()  # the run ends or stops after this step: its checkpoint must be complete
+                else:
+                    saver.poll()  # complete the pending checkpoint if its writers are done; never waits
             # The older inclusive keys: each phase's wall time with the transitions it triggered.
             metrics.update({f"time/{k}": v for k, v in timer.totals().items() if k in budget.PHASES})
             metrics.update(
@@ -222,14 +238,16 @@ def train(
                 )
             )
             metrics["time/step"] = metrics["time/step_s"]
+            metrics.update(saver.pop_metrics())
             metrics["actor_trained"] = int(trains_actor)
             log.log(step, metrics)
             progress.update(step, metrics)
             if signals.requested is not None and step < config.train.steps:
                 if not saved:  # a safe point: the step is whole; save it so the re-run loses nothing
-                    phases.enter("save")
-                    save_checkpoint(ckpt_root, step, roles, config)
+                    saver.start(step)
+                    saver.wait()
                 _stop_if_asked(signals, step, ckpt_root)
+        saver.wait()
 
         actor_checksum = actor.weights_checksum()
         engine_checksums = list(rollout.weights_checksums())
@@ -313,9 +331,11 @@ def _resume(
         try:
             checkpoint.verify(folder)
             state = checkpoint.load_driver_state(folder)  # also restores the driver's RNG
-            enter("save")
+            # One role resident at a time: the phases that train each have it so.
+            enter("actor_train")
             roles.actor.load(folder / "actor")
             if roles.critic is not None:
+                enter("critic_train")
                 roles.critic.load(folder / "critic")
             roles.rollout.load_state_dict(dict(state.rollout))
         except Exception as exc:
@@ -375,23 +395,16 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[-1] if text else ''}"
 
 
-def save_checkpoint(root: Path, step: int, roles: Roles, config: RunConfig) -> Path:
-    def write(folder: Path) -> None:
-        roles.actor.save(folder / "actor")
-        if roles.critic is not None:
-            roles.critic.save(folder / "critic")
-        state = checkpoint.DriverState(
-            step=step,
-            rollout=roles.rollout.state_dict(),
-            extra={
-                "config": config.model_dump(mode="json"),
-                "config_sha256": config_digest(config),
-                "time": time.time(),
-            },
-        )
-        checkpoint.save_driver_state(folder, state)
-
-    return checkpoint.write_checkpoint(root, step, write, keep=config.checkpoint.keep)
+def _driver_state(step: int, roles: Roles, config: RunConfig) -> checkpoint.DriverState:
+    return checkpoint.DriverState(
+        step=step,
+        rollout=roles.rollout.state_dict(),
+        extra={
+            "config": config.model_dump(mode="json"),
+            "config_sha256": config_digest(config),
+            "time": time.time(),
+        },
+    )
 
 
 # Fields a resumed run may change without changing what it computes.

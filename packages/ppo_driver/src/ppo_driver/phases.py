@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ppo_driver.budget import StepClock, budget_role
@@ -41,13 +42,39 @@ class PhaseTracker:
         else:
             todo = self.plan.transitions(self.phase, phase)
         for t in todo:
-            if self._clock is None:  # start-up and resume: not part of a step's budget
-                self._do[(t.role, t.action)]()
-            else:
-                with self._clock.span(f"{budget_role(t.role)}/{t.action}"):
-                    self._do[(t.role, t.action)]()
-            self.done.append(f"{t.role}:{t.action}")
+            self._run(t.role, t.action)
         self.phase = phase
+
+    @contextmanager
+    def alone(self, role: str) -> Iterator[None]:
+        """``role`` resident and the other trainer role asleep, inside the current phase (a save or a
+        load outside the plan's phases); the phase's residency is back after. Without offload every
+        role stays resident, as the plan says."""
+        if not self.plan.offload:
+            yield
+            return
+        resident = self.plan.resident(self.phase) if self.phase is not None else frozenset(self.present)
+        others = [r for r in ("actor", "critic") if r != role and r in resident and r in self.present]
+        for other in others:
+            self._run(other, "sleep")
+        woke = role not in resident
+        if woke:
+            self._run(role, "wake")
+        try:
+            yield
+        finally:
+            if woke:
+                self._run(role, "sleep")
+            for other in others:
+                self._run(other, "wake")
+
+    def _run(self, role: str, action: str) -> None:
+        if self._clock is None:  # start-up and resume: not part of a step's budget
+            self._do[(role, action)]()
+        else:
+            with self._clock.span(f"{budget_role(role)}/{action}"):
+                self._do[(role, action)]()
+        self.done.append(f"{role}:{action}")
 
     def start_step(self, clock: StepClock | None = None) -> None:
         """A new step: forget the last one's transitions; time the next ones on ``clock``."""

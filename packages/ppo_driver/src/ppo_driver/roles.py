@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ppo_driver import build
 from ppo_driver.config import RunConfig
@@ -33,6 +33,19 @@ class TrainGroupLike(Protocol):
     def weights_checksum(self) -> str: ...
     def pop_metrics(self) -> dict[str, float]: ...
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class BackgroundSaving(Protocol):
+    """A train group that can write its checkpoint from the host copies of its workers' last sleep
+    while the loop goes on (``ppo_trainer.TrainGroup``); the loop saves others in the foreground."""
+
+    @property
+    def saves_asleep(self) -> bool: ...
+
+    def save_async(self, folder: Path) -> Any: ...
+    def save_done(self) -> bool: ...
+    def save_wait(self) -> float: ...
 
 
 class RolloutLike(Protocol):

@@ -126,6 +126,10 @@ class TorchTrainer:
             weight_decay=config.weight_decay,
             foreach=self.device.type == "cuda",
         )
+        # AdamW would create its state in the first step; made here, the memory backend tracks (and
+        # the pinned one allocates host buffers for) the whole state at setup, not in the first sleep.
+        with self.region(self.OPTIMIZER_TAG):
+            init_adam_state(self.optimizer)
 
     def _models(self) -> list[nn.Module]:
         """The trained model and, with a KL term, the frozen reference."""
@@ -142,6 +146,9 @@ class TorchTrainer:
         for state in self.optimizer.state.values():
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return [t for t in sharding.local_tensors(out) if t.device.type == self.device.type]
+
+    def optimizer_state_entries(self) -> int:
+        return len(self.optimizer.state)
 
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's ``state_dict`` in Hugging Face names: parameters and persistent buffers, tied
@@ -490,3 +497,36 @@ class TorchTrainer:
             return out
 
         return self._run_epochs(samples, micro_loss) | metrics_extra
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW's state for every parameter now, as its first step would (zeros, step 0).
+
+    The tensors are the ones ``torch.optim.Adam._init_group`` makes lazily (same dtype, device and
+    memory format), so the training that follows is bit for bit the same; a parameter that already
+    has state keeps it. The step after this finds the state present and skips its own creation.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise ValueError(f"init_adam_state: expected Adam or AdamW, got {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        fused = bool(group.get("fused"))
+        on_device = bool(group.get("capturable")) or fused
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if len(state) != 0:
+                continue
+            if on_device:
+                state["step"] = torch.zeros((), dtype=_scalar_dtype(fused), device=p.device)
+            else:
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype(False), device="cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _scalar_dtype(fused: bool) -> torch.dtype:
+    # torch.optim.optimizer._get_scalar_dtype: float32 for fused, else the default dtype's width.
+    if fused:
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

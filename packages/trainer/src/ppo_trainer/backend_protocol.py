@@ -61,6 +61,10 @@ class TrainerBackend(Protocol):
 
     def optimizer_tensors(self) -> list[torch.Tensor]: ...
 
+    def optimizer_state_entries(self) -> int:
+        """Parameters with optimizer state now (all of them from setup: it is created eagerly)."""
+        ...
+
     def release_gathered(self) -> None:
         """Before sleeping: drop whatever is held outside the tracked tensors."""
         ...

@@ -20,10 +20,12 @@ Format 1 keyed the optimizer state by parameter index; it still loads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -41,7 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PreTrainedModel
 
-from ppo_trainer.backend import TorchTrainer
+from ppo_lifecycle import HostCopies
+from ppo_trainer.backend import TorchTrainer, init_adam_state
 from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_trainer.models import CriticModel, load_policy_state_into_critic, map_policy_state_to_critic
 from ppo_weight_sync import non_finite_names
@@ -105,52 +108,169 @@ def _set_rng_state(path: Path) -> None:
         )
 
 
-def save_shard(trainer: TorchTrainer, folder: Path, step: int | None) -> None:
-    """Write this rank's part of the checkpoint into ``folder`` (the temporary ``<role>.tmp``)."""
-    folder.mkdir(parents=True, exist_ok=True)
+@dataclass(frozen=True)
+class PolicyExport:
+    """What ``hf/`` is written from: the policy model (its config and class) and, when the model's own
+    tensors cannot be read (sharded, or asleep), the state dict to write instead."""
+
+    model: PreTrainedModel
+    state_dict: dict[str, torch.Tensor] | None
+    architecture: str | None  # set: record this class name in config.json (FSDP renames the class)
+    tokenizer_source: Path
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """One rank's part of a checkpoint, captured and ready to be written (``write_shard``).
+
+    Rank 0 carries the model, optimizer and trainer state; every rank its RNG state. Tensors are the
+    trainer's own (resident), gathered copies (sharded) or host copies made by a sleep (``capture``
+    with ``host``): writing reads them, so the latter stay valid only until the role sleeps again.
+    """
+
+    rank: int
+    rng: tuple[dict[str, torch.Tensor], dict[str, str]]
+    model: dict[str, torch.Tensor] | None = None
+    optimizer: dict[str, Any] | None = None
+    trainer_state: dict[str, Any] | None = None
+    policy: PolicyExport | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the model and optimizer tensors this rank writes."""
+        tensors = list((self.model or {}).values())
+        for values in (self.optimizer or {}).get("state", {}).values():
+            tensors += [v for v in values.values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def private_copy(state: ShardState) -> ShardState:
+    """``state`` with every tensor copied into memory of its own (tensors viewing the same bytes,
+    tied weights, stay one copy), so that the buffers it was captured from may be reused."""
+    memo: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), t.stride(), t.dtype)
+        if key not in memo:
+            memo[key] = t.detach().clone()
+        return memo[key]
+
+    def tree(d: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        return None if d is None else {k: copy(v) for k, v in d.items()}
+
+    optimizer = state.optimizer
+    if optimizer is not None:
+        optimizer = {**optimizer, "state": {n: tree(v) for n, v in optimizer["state"].items()}}
+    policy = state.policy
+    if policy is not None and policy.state_dict is not None:
+        policy = dataclasses.replace(policy, state_dict=tree(policy.state_dict))
+    return dataclasses.replace(state, model=tree(state.model), optimizer=optimizer, policy=policy)
+
+
+def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = None) -> ShardState:
+    """This rank's checkpoint state. Sharded, a collective (every rank gathers).
+
+    ``host``: the trainer is asleep and its tensors are read from the host copies its sleep made
+    (replicated only: a sharded role gathers over process groups that are gone while it sleeps).
+    """
+    if host is not None and trainer.sharded:
+        raise ValueError(
+            "capture(host=...): a sharded role gathers its state over its process group; wake it"
+        )
     rank = trainer.dp.rank
-    tensors, meta = _rng_state()
-    save_file(tensors, str(folder / f"rng_rank{rank}.safetensors"), metadata=meta)
+    rng = _rng_state()
+    model_state: Mapping[str, Any] = {}
+    optimizer_state: dict[str, Any] = {}
     if trainer.sharded:
         model_state = get_model_state_dict(trainer.model, options=_GATHER)  # collective
         # torch.distributed.checkpoint fills an empty optimizer state by taking a step with lr 0,
-        # which would count as Adam's first step: before any step there is nothing to gather anyway.
+        # which would count as Adam's first step: an empty state (never since the state is made at
+        # setup, kept for optimizers without that) has nothing to gather anyway.
         if trainer.optimizer.state:
-            optimizer_state = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=_GATHER)
+            optimizer_state = dict(
+                get_optimizer_state_dict(trainer.model, trainer.optimizer, options=_GATHER)
+            )
         else:
             optimizer_state = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
     elif rank == 0:
         model_state = trainer.model.state_dict()
         optimizer_state = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
+        if host is not None:
+            model_state = _from_host(model_state, host)
+            optimizer_state = {
+                **optimizer_state,
+                "state": {
+                    name: _from_host(values, host) for name, values in optimizer_state["state"].items()
+                },
+            }
     if rank != 0:
-        return
-    # Per tensor, before anything of the model is written: a checkpoint never holds non-finite weights
-    # (the staging folder is never committed, so no COMPLETE checkpoint does either).
+        return ShardState(rank=rank, rng=rng)
+    # Per tensor, before anything is written: a checkpoint never holds non-finite weights (the
+    # staging folder is never committed, so no COMPLETE checkpoint does either).
     bad = non_finite_names([(k, v) for k, v in model_state.items() if isinstance(v, torch.Tensor)])
     if bad:
         raise NonFiniteWeightsError(trainer.config.role, rank, bad, "save")
-    save_file(_drop_tied_aliases(trainer.model, model_state), str(folder / "model.safetensors"))
-    torch.save(optimizer_state, folder / "optimizer.pt")
-    state: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "role": trainer.config.role,
-        "world_size": trainer.dp.world_size,
-        "data_parallel": "fsdp2" if trainer.sharded else "replicate",
-        "step": step,
-    }
-    (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    policy = None
     if trainer.config.role == "actor":
+        as_given = trainer.sharded or host is not None
+        policy = PolicyExport(
+            model=cast(PreTrainedModel, trainer.model),  # the actor's model is a causal LM
+            state_dict=dict(model_state) if as_given else None,
+            architecture=trainer.architecture if trainer.sharded else None,
+            tokenizer_source=Path(trainer.config.model_path),
+        )
+    return ShardState(
+        rank=rank,
+        rng=rng,
+        model=_drop_tied_aliases(trainer.model, model_state),
+        optimizer=optimizer_state,
+        trainer_state={
+            "format_version": FORMAT_VERSION,
+            "role": trainer.config.role,
+            "world_size": trainer.dp.world_size,
+            "data_parallel": "fsdp2" if trainer.sharded else "replicate",
+            "step": step,
+        },
+        policy=policy,
+    )
+
+
+def _from_host(tensors: Mapping[str, Any], host: HostCopies) -> dict[str, Any]:
+    """``tensors`` with each tensor replaced by its host copy (other values as they are)."""
+    names = [n for n, v in tensors.items() if isinstance(v, torch.Tensor)]
+    copies = host.host_copies([tensors[n] for n in names])
+    return {**tensors, **dict(zip(names, copies, strict=True))}
+
+
+def write_shard(state: ShardState, folder: Path) -> None:
+    """Write a captured ``ShardState`` into ``folder`` (the temporary ``<role>.tmp``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors, meta = state.rng
+    save_file(tensors, str(folder / f"rng_rank{state.rank}.safetensors"), metadata=meta)
+    if state.model is None or state.optimizer is None or state.trainer_state is None:
+        return
+    save_file(state.model, str(folder / "model.safetensors"))
+    torch.save(state.optimizer, folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps(state.trainer_state, indent=2))
+    if state.policy is not None:
+        policy = state.policy
         hf = folder / "hf"
-        policy = cast(PreTrainedModel, trainer.model)  # the actor's model is a causal LM
-        if trainer.sharded:
-            policy.save_pretrained(hf, state_dict=model_state, safe_serialization=True)
-            _name_architecture(hf / "config.json", trainer.architecture)
+        if policy.state_dict is not None:
+            policy.model.save_pretrained(hf, state_dict=policy.state_dict, safe_serialization=True)
         else:
-            policy.save_pretrained(hf, safe_serialization=True)
-        source = Path(trainer.config.model_path)
+            policy.model.save_pretrained(hf, safe_serialization=True)
+        if policy.architecture is not None:
+            _name_architecture(hf / "config.json", policy.architecture)
         for name in _TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, hf / name)
+            if (policy.tokenizer_source / name).is_file():
+                shutil.copy2(policy.tokenizer_source / name, hf / name)
+
+
+def save_shard(trainer: TorchTrainer, folder: Path, step: int | None) -> None:
+    """Write this rank's part of the checkpoint into ``folder`` (the temporary ``<role>.tmp``)."""
+    write_shard(capture(trainer, step), folder)
 
 
 def _parameter_names(model: nn.Module) -> list[list[str]]:
@@ -230,6 +350,32 @@ def optimizer_state_by_index(model: nn.Module, state: dict[str, Any]) -> dict[st
     }
 
 
+def _into_previous_tensors(optimizer: torch.optim.Optimizer, before: Mapping[Any, Mapping[str, Any]]) -> None:
+    """Copy the loaded state into the tensors the optimizer held before the load, where they match.
+
+    The memory backend keeps a host buffer per tracked storage (allocated at setup): new storages
+    would need new buffers in the next sleep. Tensors read from a file may also share a storage that
+    cannot be resized; the others get their own copies so the backend can release them.
+    """
+    for param, state in optimizer.state.items():
+        old = before.get(param, {})
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            previous = old.get(key)
+            if (
+                isinstance(previous, torch.Tensor)
+                and type(previous) is type(value)
+                and previous.shape == value.shape
+                and previous.dtype == value.dtype
+                and previous.device == value.device
+            ):
+                previous.copy_(value)
+                state[key] = previous
+            else:
+                state[key] = value.clone()
+
+
 def commit(tmp: Path, final: Path) -> None:
     """Move a finished ``tmp`` into ``final``, replacing an older one; safe to call again after a crash."""
     if not tmp.exists():
@@ -292,6 +438,7 @@ def load_shard(trainer: TorchTrainer, folder: Path) -> int | None:
         location = torch.device("cpu") if trainer.sharded else trainer.device
         optimizer_state = torch.load(optimizer_file, map_location=location, weights_only=True)
         with trainer.region(trainer.OPTIMIZER_TAG):
+            before = {p: dict(state) for p, state in trainer.optimizer.state.items()}
             named = optimizer_state_by_name(trainer.model, optimizer_state)
             if trainer.sharded and named["state"]:
                 set_optimizer_state_dict(
@@ -299,12 +446,8 @@ def load_shard(trainer: TorchTrainer, folder: Path) -> int | None:
                 )
             else:  # also an empty state into sharded ranks (see save_shard): no tensors to shard
                 trainer.optimizer.load_state_dict(optimizer_state_by_index(trainer.model, optimizer_state))
-            # Tensors read from a file may share a storage that cannot be resized; own copies let the
-            # memory backend release and restore them like any other optimizer state.
-            for state in trainer.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
-                        state[key] = value.clone()
+            _into_previous_tensors(trainer.optimizer, before)
+            init_adam_state(trainer.optimizer)  # a checkpoint written before any step may hold none
     rng_file = folder / f"rng_rank{trainer.dp.rank}.safetensors"
     if rng_file.is_file():
         _set_rng_state(rng_file)

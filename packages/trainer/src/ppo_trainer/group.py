@@ -111,6 +111,9 @@ class TrainGroup:
             raise
         # "replicate" or "fsdp2": what config.data_parallel resolved to for this many ranks.
         self.data_parallel: str = str(infos[0]["data_parallel"])
+        # Whether save_async can write a checkpoint from the host copies of a sleep (every rank can).
+        self.saves_asleep: bool = all(bool(i["saves_asleep"]) for i in infos)
+        self._pending_save: tuple[Path, Path] | None = None  # (staging, final) of save_async
 
     # ------------------------------------------------------------------ helpers
     def _get(self, refs: Sequence[Any], what: str) -> list[Any]:
@@ -203,6 +206,42 @@ class TrainGroup:
         staging = folder.with_name(folder.name + ".partial")
         self._all("save", str(staging))
         self._get([self.workers[0].commit.remote(str(staging), str(folder))], "commit checkpoint")
+
+    def save_async(self, folder: Path) -> dict[str, float]:
+        """Start writing ``folder`` from the host copies of the workers' last sleep; returns at once.
+
+        The group must be asleep and ``saves_asleep``. ``save_done`` polls, ``save_wait`` waits and
+        renames the staging folder into place; until then ``folder`` does not exist.
+        """
+        if self._pending_save is not None:
+            self.save_wait()
+        folder = Path(folder)
+        staging = folder.with_name(folder.name + ".partial")
+        started = self._all("save_async", str(staging))
+        # Only once every rank started: a rank that refused (resident) leaves nothing to commit.
+        self._pending_save = (staging, folder)
+        return dict(started[0])
+
+    def save_done(self) -> bool:
+        """Whether every rank finished writing (True when no save is pending); raises a rank's error."""
+        if self._pending_save is None:
+            return True
+        return all(self._all("save_status"))
+
+    def save_wait(self) -> float:
+        """Wait for every rank's background save, then rename it into place; the slowest writer's
+        seconds (0 when none was pending)."""
+        if self._pending_save is None:
+            return 0.0
+        staging, folder = self._pending_save
+        self._pending_save = None
+        seconds = max(float(s) for s in self._all("save_wait"))
+        self._get([self.workers[0].commit.remote(str(staging), str(folder))], "commit checkpoint")
+        return seconds
+
+    def memory_state(self) -> list[dict[str, Any]]:
+        """Per rank: tracked bytes per memory tag and host memory pinned so far (``TrainWorker``)."""
+        return list(self._all("memory_state"))
 
     def load(self, folder: Path) -> None:
         self._all("load", str(Path(folder)))

@@ -28,11 +28,13 @@ import torch.distributed as dist
 
 from ppo_lifecycle import (
     GroupHandle,
+    HostCopies,
     HostMemoryBackend,
     Lifecycle,
     MemoryBackend,
     PinnedHostBackend,
     ReloadableProcessGroups,
+    State,
     TorchMemorySaverBackend,
     default_backend,
 )
@@ -40,6 +42,7 @@ from ppo_trainer import checkpoint, fault_injection
 from ppo_trainer.addresses import peer_address
 from ppo_trainer.backend import DataParallel
 from ppo_trainer.backend_protocol import TrainerBackend, make_trainer
+from ppo_trainer.background_save import BackgroundSave
 from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.errors import NonFiniteWeightsError
@@ -96,6 +99,8 @@ class TrainWorker:
             self.device = torch.device("cpu")
         self._trainer: TrainerBackend | None = None
         self._lifecycle: Lifecycle | None = None
+        self._memory: MemoryBackend | None = None
+        self._save: BackgroundSave | None = None  # a checkpoint shard being written from host copies
         self._groups: ReloadableProcessGroups | None = None
         self._dp: GroupHandle | None = None
         self._sender: WeightSender | None = None
@@ -134,6 +139,7 @@ class TrainWorker:
         self._groups = groups
         self._dp = groups.default
         memory = make_memory_backend(self.config, self.device)
+        self._memory = memory
         self._lifecycle = Lifecycle(memory, groups, name=f"{self.role}-{self.rank}")
         shard = self.config.backend == "torch" and self._should_shard()
         dp = DataParallel(
@@ -159,7 +165,38 @@ class TrainWorker:
             "device": str(self.device),
             "pid": os.getpid(),
             "data_parallel": trainer.layout,
+            "saves_asleep": self.saves_asleep(),
         }
+
+    def saves_asleep(self) -> bool:
+        """Whether ``save_async`` can write this rank's checkpoint from the host copies of a sleep:
+        a replicated role of the torch backend on a memory backend that keeps them (a sharded one
+        gathers over its groups; the megatron backend converts to Hugging Face names while resident)."""
+        memory = self._memory
+        return (
+            self.config.backend == "torch"
+            and not self.trainer.sharded
+            and isinstance(memory, HostCopies)
+            and memory.keeps_host_copies
+        )
+
+    def memory_state(self) -> dict[str, Any]:
+        """What the memory backend holds: tracked bytes per tag now, and host memory pinned so far."""
+        trainer = self.trainer
+        tracked = {
+            trainer.WEIGHTS_TAG: trainer.weight_tensors(),
+            trainer.OPTIMIZER_TAG: trainer.optimizer_tensors(),
+        }
+        out: dict[str, Any] = {
+            f"{tag}_bytes": sum(t.untyped_storage().nbytes() for t in tensors if t.device == self.device)
+            for tag, tensors in tracked.items()
+        }
+        out["optimizer_state_entries"] = trainer.optimizer_state_entries()
+        memory = self._memory
+        out["pinned_bytes"] = (
+            memory.pinned_bytes if isinstance(memory, PinnedHostBackend | TorchMemorySaverBackend) else None
+        )
+        return out
 
     def _should_shard(self) -> bool:
         share = 0.0
@@ -288,6 +325,9 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
+        if self._save is not None:
+            # The next release writes the host buffers a background save may still be reading.
+            self._save.wait_reading(self.timeout_s)
         self.lifecycle.sleep()
         if self.device.type == "cuda":
             release_device_cache()
@@ -441,13 +481,62 @@ class TrainWorker:
     # ------------------------------------------------------------------ checkpoints
     def save(self, staging: str) -> None:
         self._require_awake("save()")
+        self._finish_save()
         self._checkpoint_module().save_shard(self.trainer, Path(staging), self._last_step)
+
+    def save_async(self, staging: str) -> dict[str, float]:
+        """Start writing this rank's checkpoint into ``staging`` from the host copies of the last
+        sleep, in a thread; returns at once. The worker must be asleep and ``saves_asleep()``.
+
+        The step's state is what the sleep copied; the worker may wake and train meanwhile (its next
+        sleep waits until the writer no longer reads the copies). ``save_status``/``save_wait`` report.
+        """
+        if self.lifecycle.state is not State.ASLEEP:
+            raise RuntimeError(
+                f"{self.role} rank {self.rank}: save_async() needs the worker asleep (its host copies), "
+                f"it is {self.lifecycle.state.value}; use save() while resident"
+            )
+        if not self.saves_asleep():
+            raise RuntimeError(
+                f"{self.role} rank {self.rank}: save_async() needs a replicated role on a memory backend "
+                "that keeps host copies (host or pinned); use save() while resident"
+            )
+        self._finish_save()
+        start = time.perf_counter()
+        memory = self._memory
+        assert isinstance(memory, HostCopies)  # saves_asleep() checked it
+        state = checkpoint.capture(self.trainer, self._last_step, host=memory)
+        # The pinned backends reuse their buffers at the next sleep: the writer copies them first.
+        reused = not isinstance(memory, HostMemoryBackend)
+        self._save = BackgroundSave(state, Path(staging), name=f"{self.role}-{self.rank}", copy_first=reused)
+        return {"capture_seconds": time.perf_counter() - start, "bytes": float(state.nbytes)}
+
+    def save_status(self) -> bool:
+        """Whether the background save is finished (True when there is none); raises its error."""
+        if self._save is None:
+            return True
+        if not self._save.done:
+            return False
+        self._save.result(0.0)  # raises the writer's error
+        return True
+
+    def save_wait(self) -> float:
+        """Wait (at most ``timeout_s``) until the background save is on disk; its writer's seconds."""
+        if self._save is None:
+            return 0.0
+        save, self._save = self._save, None
+        return save.result(self.timeout_s)
+
+    def _finish_save(self) -> None:
+        if self._save is not None:
+            self.save_wait()
 
     def commit(self, staging: str, final: str) -> None:
         checkpoint.commit(Path(staging), Path(final))
 
     def load(self, folder: str) -> int | None:
         self._require_awake("load()")
+        self._finish_save()
         step = self._checkpoint_module().load_shard(self.trainer, Path(folder))
         self._last_step = step
         return step
@@ -461,6 +550,10 @@ class TrainWorker:
         return checkpoint
 
     def shutdown(self) -> None:
+        if self._save is not None and not self._save.done:
+            # The driver waits for a save it will mark complete; one left here belongs to a run that
+            # failed, and its folder is never marked complete: the daemon thread ends with the process.
+            log.warning("%s rank %d: shutting down during a background save", self.role, self.rank)
         if self._sender is not None and self._sender.is_connected:
             try:
                 self._sender.disconnect()

@@ -6,7 +6,7 @@ import torch
 
 from ppo_lifecycle.memory.host import HostMemoryBackend
 from ppo_lifecycle.memory.pinned import PinnedHostBackend
-from ppo_lifecycle.memory.protocol import MemoryBackend, TensorSource
+from ppo_lifecycle.memory.protocol import HostCopies, MemoryBackend, TensorSource
 from ppo_lifecycle.memory.tms import TorchMemorySaverBackend
 
 
@@ -25,6 +25,7 @@ def default_backend(device: torch.device | str) -> MemoryBackend:
 
 
 __all__ = [
+    "HostCopies",
     "HostMemoryBackend",
     "MemoryBackend",
     "PinnedHostBackend",

@@ -12,6 +12,7 @@ leaves a state from which the same call continues where it stopped.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -40,6 +41,31 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage (no copy)."""
     n = storage.nbytes()
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (n,), (1,))
+
+
+def view_backup_as(backup: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s elements inside ``backup`` (the uint8 copy of ``like``'s whole storage), no copy.
+
+    Same shape, dtype, strides and offset into the storage as ``like``; the buffers of the backends
+    start on a page boundary, so every dtype's alignment holds.
+    """
+    typed = backup.view(like.dtype)
+    return typed.as_strided(like.size(), like.stride(), typed.storage_offset() + like.storage_offset())
+
+
+def own_storage(buf: torch.Tensor) -> torch.Tensor:
+    """A flat host uint8 tensor as one whose storage is exactly its bytes (no copy).
+
+    The pinned backends slice one slab into many buffers; writers that go by storage (``torch.save``
+    writes a tensor's whole storage, ``save_pretrained`` takes tensors sharing one for tied weights)
+    must see one storage per buffer. The result borrows the slab's memory: the slab must outlive it.
+    """
+    if buf.storage_offset() == 0 and buf.untyped_storage().nbytes() == buf.numel():
+        return buf
+    if buf.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    raw = (ctypes.c_uint8 * buf.numel()).from_address(buf.data_ptr())
+    return torch.frombuffer(raw, dtype=torch.uint8)
 
 
 @dataclass
@@ -109,6 +135,39 @@ class TrackingBackend:
                     self._after_free()
                 state.asleep = True
             return TransferStats(moved, time.perf_counter() - start, count)
+
+    def host_copies(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The bytes the last release saved for each tensor, as host tensors of its shape (no copy).
+
+        For writing a checkpoint of a sleeping worker from the copies its sleep made. Each tensor must
+        belong to a released tag; a CPU tensor that this backend leaves in place (the pinned backend's
+        Adam ``step`` counters) is cloned, since training changes it in place. The views stay valid
+        until the next ``release`` of their tag writes the backups again (the pinned backend reuses
+        its buffers), so a reader finishes before that.
+        """
+        with self._lock:
+            backups: dict[int, torch.Tensor] = {}
+            for state in self._tags.values():
+                if state.asleep:
+                    backups.update((storage_key(i.storage), own_storage(i.backup)) for i in state.released)
+            out = []
+            for tensor in tensors:
+                backup = backups.get(storage_key(tensor.untyped_storage()))
+                if backup is not None:
+                    out.append(view_backup_as(backup, tensor))
+                elif tensor.device.type == "cpu" and not self._accepts(tensor.untyped_storage()):
+                    out.append(tensor.detach().clone())
+                else:
+                    raise ValueError(
+                        f"host_copies: a tensor of shape {tuple(tensor.shape)} on {tensor.device} has no "
+                        "host copy: it is not tracked, or its tag is resident; release its tag first"
+                    )
+            return out
+
+    @property
+    def keeps_host_copies(self) -> bool:
+        """Whether ``host_copies`` can serve released tags (true for the host and pinned backends)."""
+        return True
 
     def restore(self, tags: Sequence[str] | None = None) -> TransferStats:
         with self._lock:

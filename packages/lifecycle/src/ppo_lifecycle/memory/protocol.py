@@ -39,3 +39,19 @@ class MemoryBackend(Protocol):
     def release(self, tags: Sequence[str] | None = None) -> TransferStats: ...
 
     def restore(self, tags: Sequence[str] | None = None) -> TransferStats: ...
+
+
+@runtime_checkable
+class HostCopies(Protocol):
+    """A backend whose release leaves host copies a reader may use while the tag sleeps.
+
+    ``host_copies(tensors)`` returns, without copying, each tracked tensor's bytes as the last
+    release saved them (same shape, dtype and strides, on the host); valid until the next release
+    of the tag. A checkpoint of a sleeping worker is written from them, while the loop goes on.
+    ``keeps_host_copies`` is false where an instance of such a backend cannot serve them.
+    """
+
+    @property
+    def keeps_host_copies(self) -> bool: ...
+
+    def host_copies(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 
 from ppo_lifecycle.memory._pinned_copy import PinnedPool, copy_storages_in, copy_storages_out, cuda_device
-from ppo_lifecycle.memory._tracking import storage_key
+from ppo_lifecycle.memory._tracking import own_storage, storage_key, view_backup_as
 from ppo_lifecycle.memory.protocol import TensorSource
 from ppo_lifecycle.stats import TransferStats
 
@@ -136,6 +136,43 @@ class TorchMemorySaverBackend:
             for tag in self._resolve(tags):
                 total = total + self._restore_one(tag)
             return total
+
+    @property
+    def keeps_host_copies(self) -> bool:
+        """Only the ``"pinned"`` mode holds host copies this backend can hand out (``host_copies``)."""
+        return self._backup == "pinned"
+
+    def host_copies(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The bytes the last release saved for each tensor, as host tensors of its shape (no copy).
+
+        ``"pinned"`` mode only; each CUDA tensor must belong to a paused tag, CPU tensors are cloned.
+        The views stay valid until the next release of their tag writes the buffers again.
+        """
+        with self._lock:
+            if self._backup != "pinned":
+                raise ValueError(
+                    f"host_copies: backup={self._backup!r} keeps its host copies inside torch_memory_saver; "
+                    "use backup='pinned'"
+                )
+            paused: dict[int, torch.Tensor] = {}  # one borrowed storage per buffer: tied weights share it
+            for tag, phase in self._phase.items():
+                if phase == "paused":
+                    paused.update(
+                        (storage_key(s), own_storage(self._pool.buffer_of(s))) for s in self._storages(tag)
+                    )
+            out = []
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                if tensor.device.type == "cpu":
+                    out.append(tensor.detach().clone())
+                elif storage_key(storage) in paused:
+                    out.append(view_backup_as(paused[storage_key(storage)], tensor))
+                else:
+                    raise ValueError(
+                        f"host_copies: a tensor of shape {tuple(tensor.shape)} on {tensor.device} has no "
+                        "host copy: it is not tracked, or its tag is resident; release its tag first"
+                    )
+            return out
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,168 @@
+"""Checkpoints written while the loop goes on, from the host copies the roles' sleeps made.
+
+At a save point (after the step's training) the saver writes the driver's state into a ``.tmp-``
+folder and decides per trainer role:
+
+* **background**: a replicated role whose workers keep host copies and which the plan puts to sleep
+  for ``generate``: once the loop has entered that phase (the role asleep, its copies current), the
+  role's workers write its folder from them in a thread (``TrainGroup.save_async``). No wake.
+* **foreground** (sharded roles gather over process groups a sleep destroys; runs without offload):
+  saved at once, one role resident at a time (``PhaseTracker.alone``).
+
+The checkpoint is marked COMPLETE only when every role's writers have written and fsynced every
+file (``poll`` at the end of each step, ``wait`` before the next save, at the end of the run and on
+a stop). A run that fails leaves the ``.tmp-`` folder, which resume ignores and removes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ppo_driver import checkpoint
+from ppo_driver.phases import PhaseTracker
+from ppo_driver.roles import BackgroundSaving, Roles, TrainGroupLike
+
+TRAINER_ROLES = ("actor", "critic")
+
+
+class CheckpointSaver:
+    """Starts, tracks and completes the loop's checkpoints; at most one is pending at a time."""
+
+    def __init__(
+        self,
+        root: Path,
+        roles: Roles,
+        phases: PhaseTracker,
+        driver_state: Callable[[int], checkpoint.DriverState],
+        *,
+        keep: int | None,
+    ) -> None:
+        self.root = root
+        self.phases = phases
+        self._driver_state = driver_state
+        self._keep = keep
+        self._groups: dict[str, TrainGroupLike] = {"actor": roles.actor}
+        if roles.critic is not None:
+            self._groups["critic"] = roles.critic
+        self._pending: checkpoint.PendingCheckpoint | None = None
+        self._waiting: list[str] = []  # background roles whose save starts once they sleep
+        self._writing: list[str] = []  # background roles whose workers are writing
+        self._blocking = 0.0
+        self._background = 0.0
+        self.completed: list[Path] = []
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def start(self, step: int) -> None:
+        """Save the state after ``step``'s training: the driver's and foreground roles' now, the
+        background roles' once they sleep (``launch_ready``)."""
+        t0 = time.perf_counter()
+        try:
+            self._wait()  # the previous save first: one pending checkpoint at a time
+            pending = checkpoint.PendingCheckpoint(self.root, step)
+            with pending.writing():
+                checkpoint.save_driver_state(pending.tmp, self._driver_state(step))
+                resident_in_generate = self.phases.plan.resident("generate")
+                for name, group in self._groups.items():
+                    if (
+                        isinstance(group, BackgroundSaving)
+                        and group.saves_asleep
+                        and name not in resident_in_generate
+                    ):
+                        self._waiting.append(name)
+                    else:
+                        with self.phases.alone(name):
+                            group.save(pending.tmp / name)
+            self._pending = pending
+            self._launch_ready()
+        finally:
+            self._blocking += time.perf_counter() - t0
+
+    def launch_ready(self) -> None:
+        """Start the background saves of the roles the current phase has asleep."""
+        if not self._waiting:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._launch_ready()
+        finally:
+            self._blocking += time.perf_counter() - t0
+
+    def poll(self) -> Path | None:
+        """Mark the pending checkpoint complete if every writer is done (never waits for one)."""
+        if self._pending is None or self._waiting:
+            return None
+        t0 = time.perf_counter()
+        try:
+            for name in self._writing:
+                group = self._groups[name]
+                assert isinstance(group, BackgroundSaving)  # only such roles are in _writing
+                if not group.save_done():
+                    return None
+            return self._finish()
+        finally:
+            self._blocking += time.perf_counter() - t0
+
+    def wait(self) -> Path | None:
+        """Wait for the pending checkpoint's writers and mark it complete; None when none was pending."""
+        if self._pending is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            return self._wait()
+        finally:
+            self._blocking += time.perf_counter() - t0
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Seconds the loop spent on saving since the last call (``time/save_blocking``) and the
+        writers' seconds of the checkpoints completed meanwhile (``time/save_background``)."""
+        out: dict[str, float] = {}
+        if self._blocking > 0:
+            out["time/save_blocking"] = self._blocking
+        if self._background > 0:
+            out["time/save_background"] = self._background
+        self._blocking = self._background = 0.0
+        return out
+
+    # -- internals ---------------------------------------------------------------------------
+    def _launch_ready(self) -> None:
+        if self._pending is None or self.phases.phase is None:
+            return
+        resident = self.phases.plan.resident(self.phases.phase)
+        for name in [n for n in self._waiting if n not in resident]:
+            group = self._groups[name]
+            assert isinstance(group, BackgroundSaving)  # only such roles are in _waiting
+            with self._pending.writing():
+                group.save_async(self._pending.tmp / name)
+            self._waiting.remove(name)
+            self._writing.append(name)
+
+    def _wait(self) -> Path | None:
+        if self._pending is None:
+            return None
+        self._launch_ready()
+        if self._waiting:
+            # The loop enters "generate" after every save point, and the roles waiting here sleep
+            # there: a role still resident means its state may have changed since the save point.
+            raise RuntimeError(
+                f"step {self._pending.step} checkpoint: roles {self._waiting} never slept after the save "
+                "point, so their background save never started"
+            )
+        return self._finish()
+
+    def _finish(self) -> Path:
+        pending, writing = self._pending, self._writing
+        assert pending is not None
+        self._pending, self._writing = None, []
+        with pending.writing():
+            for name in writing:
+                group = self._groups[name]
+                assert isinstance(group, BackgroundSaving)  # only such roles are in _writing
+                self._background = max(self._background, group.save_wait())
+        final = pending.finish(keep=self._keep)
+        self.completed.append(final)
+        return final

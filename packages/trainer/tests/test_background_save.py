@@ -1,0 +1,84 @@
+"""A checkpoint shard written in the background from the host copies of a sleep: the same bytes as
+a foreground save, and (with ``copy_first``) independent of the buffers once they were copied."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_llama
+from safetensors import safe_open
+
+from ppo_lifecycle import HostMemoryBackend
+from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig, checkpoint
+from ppo_trainer.background_save import BackgroundSave
+
+
+def _files(folder: Path) -> dict[str, object]:
+    """Each file's bytes; an RNG file's tensors and metadata (safetensors writes metadata in hash order)."""
+    return {str(p.relative_to(folder)): _content(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _content(path: Path) -> object:
+    if not path.name.startswith("rng_rank"):
+        return path.read_bytes()
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata(), {k: f.get_tensor(k).tolist() for k in f.keys()}  # noqa: SIM118
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_background_shard_has_the_bytes_of_a_foreground_one(
+    tmp_path: Path, fields_factory: Callable, tied: bool
+) -> None:
+    model = save_tiny_llama(tmp_path / "model", tie_word_embeddings=tied)
+    config = TrainerConfig(
+        role="actor", model_path=str(model), algorithm=AlgorithmConfig(lam=1.0, num_mini_batches=1)
+    )
+    trainer = TorchTrainer(config)
+    samples = Samples.from_fields(fields_factory(4, seed=3))
+    trainer.train_actor(samples, torch.zeros(len(samples), samples.max_response))
+    memory = HostMemoryBackend()
+    memory.track(trainer.WEIGHTS_TAG, trainer.weight_tensors)
+    memory.track(trainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
+
+    checkpoint.save_shard(trainer, tmp_path / "fg", step=7)
+    memory.release()
+    direct = BackgroundSave(checkpoint.capture(trainer, 7, host=memory), tmp_path / "direct")
+    assert direct.result(60) > 0
+    state = checkpoint.capture(trainer, 7, host=memory)
+    copied = BackgroundSave(state, tmp_path / "copied", copy_first=True)
+    copied.wait_reading(60)
+    # A pinned backend's next sleep writes new bytes into the same buffers: the writer holds its copy.
+    assert state.model is not None
+    assert state.optimizer is not None
+    for tensor in state.model.values():
+        tensor.zero_()
+    for values in state.optimizer["state"].values():
+        for value in values.values():
+            value.zero_()
+    assert copied.result(60) > 0
+    expected = _files(tmp_path / "fg")
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "hf/config.json"} <= set(expected)
+    assert _files(tmp_path / "copied") == expected
+    assert _files(tmp_path / "direct") == expected
+
+
+def test_private_copy_keeps_tied_tensors_tied_and_owns_its_memory() -> None:
+    buffer = torch.arange(32, dtype=torch.float32)
+    weight = buffer[:16].view(4, 4)
+    state = checkpoint.ShardState(
+        rank=0,
+        rng=({}, {}),
+        model={"embed": weight, "head": weight, "other": buffer[16:]},
+        optimizer={"state": {"embed": {"exp_avg": buffer[16:]}}, "param_groups": []},
+    )
+    copied = checkpoint.private_copy(state)
+    assert copied.model is not None
+    assert copied.optimizer is not None
+    assert copied.model["embed"] is copied.model["head"]  # one copy for the tied pair
+    assert copied.optimizer["state"]["embed"]["exp_avg"] is copied.model["other"]
+    buffer.zero_()
+    assert copied.model["embed"].sum().item() == sum(range(16))
+    assert copied.model["other"].untyped_storage().nbytes() == 16 * 4
