@@ -9,8 +9,8 @@ finite every step, every engine's weights checksum equal to the actor's after ev
 (``train.check_weights``, the budget's ``check_weights`` part), and at the end. Prints, per scenario,
 the step budget (``ppo_driver.budget``) as a Markdown table for the root README's performance
 section, and writes them to ``$OUT/budget.md`` (or ``--out``), each also to ``budget-<scenario>.md`` as soon
-as it is done. Not yet timed on GPUs (an estimate from the sizes: a few minutes per scenario, start-up
-included); under a 10-minute limit per command, run one ``--scenario`` per call.
+as it is done. The colocated scenario on one H200 (``--scenario colocate-1gpu``) took 166 s with start-up
+(2026-12-01); under a 10-minute limit per command, run one ``--scenario`` per call.
 
     python packages/ppo_driver/benchmarks/gpu_budget.py                 # both scenarios, 2 GPUs
     python packages/ppo_driver/benchmarks/gpu_budget.py --cpu-smoke     # the same path, tiny, on CPU
