@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ppo_driver.config import RunConfig
 from ppo_lifecycle import OffloadPlan
 from ppo_placement import PlacementSpec, plan_layout
 from ppo_rollout import RolloutConfig, RolloutSettings
 from ppo_trainer import TrainerConfig, TrainSettings
-from ppo_weight_sync import SenderPlan, plan_senders
+
+if TYPE_CHECKING:  # ppo_weight_sync imports torch: `ppo-driver validate` must not (preflight.py)
+    from ppo_weight_sync import SenderPlan
 
 
 def placement_spec(config: RunConfig) -> PlacementSpec:
@@ -98,6 +100,8 @@ def weight_sync_plan(config: RunConfig) -> SenderPlan:
     on it, so equal bundles mean the same GPU. An engine of one GPU on actor rank r's bundle gets CUDA IPC
     from rank r (colocated: engine r on rank r's GPU); every other engine gets the group from rank 0.
     """
+    from ppo_weight_sync import SenderPlan, plan_senders
+
     p = config.placement
     layout = plan_layout(placement_spec(config))
     actor, rollout = layout.roles.get("actor"), layout.roles.get("rollout")
