@@ -38,7 +38,7 @@ def _engine_groups(rollout: Any) -> list[list[str]]:
     """The weight-update groups each engine has joined (read inside the engine process)."""
 
     def groups(engine: Any) -> list[str]:
-        return sorted(engine._receiver._groups)
+        return sorted(engine.receiver._groups)
 
     return [ray.get(e.actor.__ray_call__.remote(groups), timeout=60) for e in rollout.engines]
 
