@@ -192,7 +192,7 @@ def train(
                     metrics["handoff/values_used"] = 1
 
             if _due(step, config.checkpoint.interval, config.train.steps, config.checkpoint.save_final):
-                with timer.span("save"):
+                with timer.span("save"), at.within("save"):
                     saver.start(step)  # the roles' files follow once they sleep (saving.py)
                     saved = True
 
@@ -209,7 +209,7 @@ def train(
                         check_weights_match(step, roles)
 
             phases.enter("generate")  # onload the engines
-            with timer.span("save"):
+            with timer.span("save"), at.within("save"):
                 saver.launch_ready()  # every trainer role asleep now: background saves start
             if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
                 with timer.span("eval"):
@@ -219,7 +219,7 @@ def train(
             for role, role_metrics in popped.items():
                 metrics.update(_prefixed(role, role_metrics))
             metrics.update(phases.step_metrics())
-            with timer.span("save"):
+            with timer.span("save"), at.within("save"):
                 if step == config.train.steps or signals.requested is not None:
                     saver.wait()  # the run ends or stops after this step: its checkpoint must be complete
                 else:
@@ -244,10 +244,12 @@ def train(
             progress.update(step, metrics)
             if signals.requested is not None and step < config.train.steps:
                 if not saved:  # a safe point: the step is whole; save it so the re-run loses nothing
-                    saver.start(step)
-                    saver.wait()
+                    with at.within("save"):
+                        saver.start(step)
+                        saver.wait()
                 _stop_if_asked(signals, step, ckpt_root)
-        saver.wait()
+        with at.within("save"):
+            saver.wait()
 
         actor_checksum = actor.weights_checksum()
         engine_checksums = list(rollout.weights_checksums())
@@ -287,6 +289,13 @@ class _Where:
 
     def entering(self, phase: str) -> None:
         self.phase = phase
+
+    @contextmanager
+    def within(self, phase: str) -> Iterator[None]:
+        """Work of ``phase`` done inside another (a save's writers start when the roles sleep)."""
+        outer, self.phase = self.phase, phase
+        yield
+        self.phase = outer  # not restored on an error: the report names the inner phase
 
 
 @contextmanager
