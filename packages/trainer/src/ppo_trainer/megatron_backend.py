@@ -379,9 +379,8 @@ class MegatronTrainer(TorchTrainer):
         tensors in megatron names: each data-parallel rank contributes its shard (an all-reduce of
         the bits: exactly one rank holds each element, the others add zeros), then the
         tensor-parallel slices are gathered. Collective on every rank."""
-        from megatron.core import parallel_state as mpu
-
-        dp_group = mpu.get_data_parallel_group(with_context_parallel=True)
+        # The group the distributed optimizer cut its shards over (rebound after a wake).
+        dp_group = self._optimizers()[0].data_parallel_group
         dp_size = dist.get_world_size(dp_group)
         out: dict[str, torch.Tensor] = {}
         for name, param in self._trained_params():
