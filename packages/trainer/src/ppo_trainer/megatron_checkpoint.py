@@ -1,9 +1,9 @@
 """Checkpoints of the megatron backend, in the torch backend's layout and Hugging Face names.
 
-Written through the ``TrainerBackend`` interface alone (``hf_state_dict`` / ``load_hf_state_dict``), so
-any backend can use it; the megatron backend does (``TrainWorker.save``/``load`` with
-``backend='megatron'``), and the tests run it on the torch backend to check the files against
-``checkpoint.py``'s.
+Written through the ``TrainerBackend`` interface alone (``hf_state_dict`` / ``load_hf_state_dict`` and
+``hf_optimizer_state`` / ``load_hf_optimizer_state``; every rank calls them), so any backend can use
+it; the megatron backend does (``TrainWorker.save``/``load`` with ``backend='megatron'``), and the
+tests run it on the torch backend to check the files against ``checkpoint.py``'s.
 
 ``<folder>/`` gets ``model.safetensors`` (whole float32 tensors in Hugging Face names, tied aliases
 dropped, as the torch backend writes them), ``rng_rank<r>.safetensors`` and ``trainer_state.json``;
@@ -15,7 +15,10 @@ state dict keyed by Hugging Face name, whole float32 tensors, ``weights_only`` l
 ``hf_optimizer_state`` / ``load_hf_optimizer_state``: the megatron backend gathers its
 ``DistributedOptimizer``'s data-parallel shards and converts them with the weights' code. Its
 ``model.safetensors`` holds the float32 main weights (the bf16 model weights are their rounding),
-and a load sets both, so a resume continues the run exactly, on either backend.
+and a load sets both, so a resume continues the run exactly, on either backend. The hyperparameters
+(lr, betas, weight decay) come from the config on the megatron backend; the torch backend adopts the
+file's, as it does for its own checkpoints. A folder without ``optimizer.pt`` loads with a warning
+(Adam then starts from the state it holds).
 """
 
 from __future__ import annotations
