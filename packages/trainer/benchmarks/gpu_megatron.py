@@ -12,7 +12,13 @@ Stages (each prints a line; a failed check prints FAIL and the script goes on to
    waking, and a training step on the rebuilt groups.
 4. benchmark: one ``train_actor`` step (forward for the old log-probs, then forward/backward and the
    optimizer step) on a Llama-style model, torch backend against megatron, same batch.
-5. workers (``--workers``): actor and critic taking turns on the GPU through Ray ``TrainGroup``s with
+5. optimizer state (``--skip-optimizer`` skips it): Adam's state made at setup (present before the
+   first step, tracked and pinned at ``track()``; the first step bit for bit the same as with the lazy
+   state); a megatron checkpoint resumed by a fresh megatron trainer (actor and critic: the optimizer
+   state and the float32 main weights exactly as saved, the next step equal to the uninterrupted
+   run's); a torch checkpoint resumed by megatron and a megatron one by torch (state exactly as
+   saved); the first sleep against later ones (GB/s, pinned backend).
+6. workers (``--workers``): actor and critic taking turns on the GPU through Ray ``TrainGroup``s with
    ``backend='megatron'`` and torch_memory_saver (``gpu_workers.run``).
 
 Run: ``python benchmarks/gpu_megatron.py [--hidden 2048 --layers 16] [--workers]``. Needs CUDA and
@@ -33,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# Deterministic cuBLAS for the resume stage's equality checks (set before CUDA starts).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 
@@ -325,6 +333,237 @@ def benchmark(
     return out
 
 
+# ---------------------------------------------------------------------------------------- optimizer state
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, str]:
+    """Two ``optimizer.pt`` dicts hold the same step and moments, bit for bit (by name)."""
+    if set(a["state"]) != set(b["state"]):
+        return False, f"names differ: {sorted(set(a['state']) ^ set(b['state']))[:4]}"
+    for name, entry in a["state"].items():
+        other = b["state"][name]
+        if float(entry["step"]) != float(other["step"]):
+            return False, f"{name}: step {float(entry['step'])} vs {float(other['step'])}"
+        for key in ("exp_avg", "exp_avg_sq"):
+            x, y = entry[key].float().cpu(), other[key].float().cpu()
+            if not torch.equal(x, y):
+                return False, f"{name}.{key}: max abs diff {float((x - y).abs().max()):.3e}"
+    return True, f"{len(a['state'])} parameters, step {float(next(iter(a['state'].values()))['step']):.0f}"
+
+
+def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[bool, str]:
+    names = set(a) & set(b)
+    unequal = [n for n in names if not torch.equal(a[n].float().cpu(), b[n].float().cpu())]
+    return not unequal and len(names) > 0, f"{len(names)} tensors, unequal {unequal[:3]}"
+
+
+def _adam_entries(t: Any) -> int:
+    return sum(len(g["params"]) for opt in t._optimizers() for g in opt.optimizer.param_groups)
+
+
+def optimizer_state(folder: Path, groups: Any, steps: int) -> None:
+    """Stage 5 (see the module docstring)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    from ppo_lifecycle import Lifecycle, PinnedHostBackend
+    from ppo_trainer import checkpoint, megatron_checkpoint
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # Deterministic mode would also fill torch.empty with NaN; megatron's buffers are not all written.
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    vocab = 4096
+    model = make_model(folder / "optimizer", "qwen2", 512, 4, 8, 2, vocab, tied=True)
+    batches = [samples(32, 48, 48, vocab, seed=10 + i) for i in range(steps + 1)]
+    mask = batches[-1].response_mask
+
+    def zeros(b: Any) -> torch.Tensor:
+        return torch.zeros_like(b.response_mask)
+
+    stage("optimizer: Adam's state at setup, first step against the lazy state")
+    eager = trainer(model, "actor", "megatron", groups)
+    print(
+        f"megatron's optimizer: {type(eager.optimizer).__name__}, inner "
+        f"{type(eager._optimizers()[0].optimizer).__name__}, "
+        f"chained {isinstance(eager.optimizer, ChainedOptimizer)}"
+    )
+    entries = eager.optimizer_state_entries()
+    check(entries == _adam_entries(eager) > 0, f"Adam's state exists at setup ({entries} main-weight shards)")
+    lazy = trainer(model, "actor", "megatron", groups)
+    for opt in lazy._optimizers():
+        opt.optimizer.state.clear()  # what megatron had before: the first step makes the state
+    check(lazy.optimizer_state_entries() == 0, "the lazy trainer starts without Adam state")
+    m_e, m_l = (
+        eager.train_actor(batches[0], zeros(batches[0])),
+        lazy.train_actor(batches[0], zeros(batches[0])),
+    )
+    lp_e, lp_l = eager.compute_log_probs(batches[0]), lazy.compute_log_probs(batches[0])
+    same, why = _same_state(eager.hf_optimizer_state(), lazy.hf_optimizer_state())
+    check(
+        m_e == m_l and torch.equal(lp_e, lp_l) and same,
+        "first step with the state made at setup is bit for bit the lazy one "
+        f"(metrics, log-probs, Adam: {why})",
+    )
+    del lazy
+    torch.cuda.empty_cache()
+
+    stage("optimizer: megatron -> megatron resume")
+    for i in range(1, steps):
+        eager.train_actor(batches[i], zeros(batches[i]))
+    megatron_checkpoint.save_shard(eager, folder / "ck_mm" / "actor", step=steps)
+    saved_opt, saved_w = eager.hf_optimizer_state(), eager.hf_state_dict()
+    saved_bf16 = {n: t.clone() for n, t in eager.named_weights()}
+    file_opt = torch.load(folder / "ck_mm" / "actor" / "optimizer.pt", weights_only=True)
+    same, why = _same_state(file_opt, saved_opt)
+    check(
+        same and all(float(e["step"]) == steps for e in file_opt["state"].values()),
+        f"optimizer.pt holds the gathered state in HF names at step {steps} ({why})",
+    )
+    m_a = eager.train_actor(batches[steps], zeros(batches[steps]))
+    lp_a = eager.compute_log_probs(batches[steps])
+    del eager
+    torch.cuda.empty_cache()
+    fresh = trainer(model, "actor", "megatron", groups)
+    check(megatron_checkpoint.load_shard(fresh, folder / "ck_mm" / "actor") == steps, "load returns the step")
+    same, why = _same_state(fresh.hf_optimizer_state(), saved_opt)
+    check(same, f"resumed Adam state equals the saved one bit for bit ({why})")
+    same, why = _same_weights(fresh.hf_state_dict(), saved_w)
+    check(same, f"resumed float32 main weights equal the saved ones ({why})")
+    same, why = _same_weights(dict(fresh.named_weights()), saved_bf16)
+    check(same, f"resumed bf16 model weights equal the saved ones ({why})")
+    m_b = fresh.train_actor(batches[steps], zeros(batches[steps]))
+    lp_b = fresh.compute_log_probs(batches[steps])
+    diff = masked_max(lp_a, lp_b, mask)
+    print(
+        f"resume: next step pg_loss {m_a['pg_loss']:.6f} / {m_b['pg_loss']:.6f} (uninterrupted / resumed), "
+        f"grad norm {m_a['grad_norm']:.6f} / {m_b['grad_norm']:.6f}, "
+        f"log-probs after it max abs diff {diff:.3e}"
+    )
+    check(
+        m_a == m_b and torch.equal(lp_a, lp_b),
+        "the resumed step equals the uninterrupted run's "
+        f"(metrics and log-probs bit for bit; max diff {diff:.3e})",
+    )
+    del fresh
+    torch.cuda.empty_cache()
+
+    stage("optimizer: megatron critic resume")
+    critic = trainer(model, "critic", "megatron", groups)
+    for i in range(steps):
+        critic.train_critic(batches[i])
+    megatron_checkpoint.save_shard(critic, folder / "ck_mm" / "critic", step=steps)
+    saved_opt = critic.hf_optimizer_state()
+    c_a, v_a, _ = critic.train_critic(batches[steps])
+    del critic
+    critic = trainer(model, "critic", "megatron", groups)
+    megatron_checkpoint.load_shard(critic, folder / "ck_mm" / "critic")
+    same, why = _same_state(critic.hf_optimizer_state(), saved_opt)
+    check(
+        same and "value_head.weight" in saved_opt["state"],
+        f"critic: resumed Adam state equals the saved one ({why})",
+    )
+    c_b, v_b, _ = critic.train_critic(batches[steps])
+    check(
+        c_a == c_b and torch.equal(v_a, v_b),
+        f"critic: the resumed step equals the uninterrupted one "
+        f"(value_loss {c_a['value_loss']:.6f} / {c_b['value_loss']:.6f})",
+    )
+    del critic
+    torch.cuda.empty_cache()
+
+    stage("optimizer: torch -> megatron and megatron -> torch")
+    source = trainer(model, "actor", "torch", groups)
+    for i in range(steps):
+        source.train_actor(batches[i], zeros(batches[i]))
+    checkpoint.save_shard(source, folder / "ck_t" / "actor", step=steps)
+    t_opt, t_w = source.hf_optimizer_state(), source.hf_state_dict()
+    mega = trainer(model, "actor", "megatron", groups)
+    check(
+        megatron_checkpoint.load_shard(mega, folder / "ck_t" / "actor") == steps,
+        "torch checkpoint loads into megatron",
+    )
+    same, why = _same_state(mega.hf_optimizer_state(), t_opt)
+    check(same, f"torch -> megatron: Adam state as the torch backend saved it ({why})")
+    same, why = _same_weights(mega.hf_state_dict(), t_w)
+    check(same, f"torch -> megatron: float32 main weights as saved ({why})")
+    m_t = source.train_actor(batches[steps], zeros(batches[steps]))
+    m_m = mega.train_actor(batches[steps], zeros(batches[steps]))
+    lp_diff = masked_max(
+        source.compute_log_probs(batches[steps]), mega.compute_log_probs(batches[steps]), mask
+    )
+    print(
+        f"torch -> megatron: next step pg_loss {m_t['pg_loss']:.5f} / {m_m['pg_loss']:.5f}, grad norm "
+        f"{m_t['grad_norm']:.4f} / {m_m['grad_norm']:.4f}, log-probs after it max abs diff {lp_diff:.4f}"
+    )
+    check(
+        lp_diff < 0.1,
+        f"torch -> megatron: the next step tracks the torch run (log-prob max diff {lp_diff:.4f})",
+    )
+    del source
+    megatron_checkpoint.save_shard(mega, folder / "ck_m" / "actor", step=steps + 1)
+    m_opt, m_w = mega.hf_optimizer_state(), mega.hf_state_dict()
+    back = trainer(model, "actor", "torch", groups)
+    check(
+        checkpoint.load_shard(back, folder / "ck_m" / "actor") == steps + 1,
+        "megatron checkpoint loads into torch",
+    )
+    same, why = _same_state(back.hf_optimizer_state(), m_opt)
+    check(same, f"megatron -> torch: Adam state as megatron saved it ({why})")
+    same, why = _same_weights(back.hf_state_dict(), m_w)
+    check(same, f"megatron -> torch: weights are megatron's float32 main weights ({why})")
+    metrics = back.train_actor(batches[0], zeros(batches[0]))
+    check(
+        metrics["grad_norm"] > 0 and metrics["optimizer_steps"] == 1.0,
+        "megatron -> torch: the torch trainer steps on",
+    )
+    del back, mega
+    torch.use_deterministic_algorithms(False)
+    torch.cuda.empty_cache()
+
+    stage("optimizer: tracked at setup, first sleep against later ones (pinned backend)")
+    sleeper = trainer(model, "actor", "megatron", groups)
+    memory = PinnedHostBackend(torch.device("cuda", 0))
+    # As TrainWorker.setup does: track right after the trainer is built, before any step.
+    memory.track(sleeper.WEIGHTS_TAG, sleeper.weight_tensors)
+    memory.track(sleeper.OPTIMIZER_TAG, sleeper.optimizer_tensors)
+    pinned_at_track = memory.pinned_bytes
+    sleeper.train_actor(batches[0], zeros(batches[0]))  # the state as a run holds it
+
+    def unique_bytes(tensors: list[torch.Tensor]) -> int:
+        return sum(
+            t.untyped_storage().nbytes() for t in {id(t.untyped_storage()): t for t in tensors}.values()
+        )
+
+    tracked = unique_bytes(sleeper.weight_tensors() + sleeper.optimizer_tensors())
+    opt_bytes = unique_bytes(sleeper.optimizer_tensors())
+    print(
+        f"tracked after a step {tracked / GIB:.3f} GiB (optimizer {opt_bytes / GIB:.3f} GiB), "
+        f"pinned at track() {pinned_at_track / GIB:.3f} GiB"
+    )
+    check(pinned_at_track >= tracked, "every byte the step holds (Adam's state too) was pinned at track()")
+    life = Lifecycle(memory, groups, name="megatron-optimizer")
+    life.add_pre_sleep_hook("release_gathered_params", sleeper.release_gathered)
+    life.add_post_wake_hook("rebind_process_groups", sleeper.after_groups_rebuilt)
+    seconds = []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        life.sleep()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        life.wake_up()
+        sleeper.train_actor(batches[0], zeros(batches[0]))
+    check(memory.pinned_bytes == pinned_at_track, "no sleep pinned more host memory")
+    first, steady = seconds[0], statistics.median(seconds[1:])
+    print(
+        f"sleep: first {first:.3f} s ({tracked / first / 1e9:.1f} GB/s), later median {steady:.3f} s "
+        f"({tracked / steady / 1e9:.1f} GB/s) over {len(seconds) - 1}"
+    )
+    check(
+        first <= 1.25 * steady + 0.01,
+        f"the first sleep is not slower than later ones ({first:.3f} s vs {steady:.3f} s)",
+    )
+    del sleeper
+    memory.close()
+
+
 def workers(folder: Path) -> None:
     import ray
 
@@ -353,9 +592,10 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--workers", action="store_true", help="also run stage 5 (Ray worker groups)")
+    parser.add_argument("--workers", action="store_true", help="also run stage 6 (Ray worker groups)")
     parser.add_argument("--skip-benchmark", action="store_true")
     parser.add_argument("--skip-parity", action="store_true", help="skip stages 1-3")
+    parser.add_argument("--skip-optimizer", action="store_true", help="skip stage 5")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("FAIL: no CUDA device")
@@ -382,6 +622,12 @@ def main() -> int:
                 check(False, "sleep/wake raised")
         del actor
         torch.cuda.empty_cache()
+        if not args.skip_optimizer:
+            try:
+                optimizer_state(folder, groups, args.steps)
+            except Exception:
+                traceback.print_exc()
+                check(False, "optimizer state raised")
         if not args.skip_benchmark:
             try:
                 benchmark(folder, groups, args.hidden, args.layers, args.repeats)

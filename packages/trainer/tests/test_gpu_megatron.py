@@ -1,7 +1,9 @@
 """GPU: the megatron backend against the torch backend (benchmarks/gpu_megatron.py, without its benchmark).
 
 Parity of log-probs, values and step-0 losses, PPO steps tracking each other, the Hugging Face round
-trip bit for bit, sleep/wake with the memory freed and the process groups rebuilt.
+trip bit for bit, sleep/wake with the memory freed and the process groups rebuilt; the optimizer state:
+made at setup (the first step bit for bit the lazy one), checkpoints resumed by megatron with the next
+step equal to the uninterrupted run's, torch -> megatron and megatron -> torch with the Adam state exact.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -197,6 +198,18 @@ class TorchTrainer:
             else:
                 for name, tensor in mapped.items():
                     own[name].data.copy_(tensor)
+
+    def hf_optimizer_state(self) -> dict[str, Any]:
+        """AdamW's state keyed by name, whole tensors (``optimizer_format``; collective when sharded)."""
+        from ppo_trainer.optimizer_format import torch_optimizer_state
+
+        return torch_optimizer_state(self)
+
+    def load_hf_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        """An ``optimizer.pt`` dict of either backend into AdamW (every rank passes the whole dict)."""
+        from ppo_trainer.optimizer_format import load_torch_optimizer_state
+
+        load_torch_optimizer_state(self, state)
 
     def after_groups_rebuilt(self) -> None:
         """Point FSDP at the rebuilt process group (a lifecycle post-wake hook; no-op unsharded)."""

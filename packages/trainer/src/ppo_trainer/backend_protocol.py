@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -73,10 +74,31 @@ class TrainerBackend(Protocol):
         """After waking: point the backend at the rebuilt process groups."""
         ...
 
-    # Checkpoints: the model's state in Hugging Face names, whole tensors (collective when sharded).
+    # Checkpoints: the model's state in Hugging Face names, whole tensors (collective when sharded;
+    # megatron: on every rank, the float32 main weights gathered over its data-parallel shards).
     def hf_state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+    # The optimizer in ``optimizer.pt``'s format (``optimizer_format``): AdamW's state dict keyed by
+    # Hugging Face name, whole tensors. Every rank calls both (collectives on sharded layouts); rank 0
+    # gets the whole dict from ``hf_optimizer_state``, every rank passes it to the load.
+    def hf_optimizer_state(self) -> dict[str, Any]: ...
+
+    def load_hf_optimizer_state(self, state: Mapping[str, Any]) -> None: ...
+
+
+class CheckpointIO(Protocol):
+    """How the worker saves and loads a role's checkpoint folder: ``ppo_trainer.checkpoint`` (the torch
+    backend) and ``ppo_trainer.megatron_checkpoint`` (the megatron backend; same files)."""
+
+    def save_shard(self, trainer: TrainerBackend, folder: Path, step: int | None) -> None:
+        """Write this rank's part into ``folder`` (the staging ``<role>.tmp``); every rank calls it."""
+        ...
+
+    def load_shard(self, trainer: TrainerBackend, folder: Path) -> int | None:
+        """Restore the model, the optimizer and this rank's RNG from a ``<role>/`` folder; the step."""
+        ...
 
 
 def make_trainer(

@@ -45,6 +45,7 @@ from transformers import PreTrainedModel
 
 from ppo_lifecycle import HostCopies
 from ppo_trainer.backend import TorchTrainer, init_adam_state
+from ppo_trainer.backend_protocol import TrainerBackend
 from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_trainer.models import CriticModel, load_policy_state_into_critic, map_policy_state_to_critic
 from ppo_weight_sync import non_finite_names
@@ -268,9 +269,19 @@ def write_shard(state: ShardState, folder: Path) -> None:
                 shutil.copy2(policy.tokenizer_source / name, hf / name)
 
 
-def save_shard(trainer: TorchTrainer, folder: Path, step: int | None) -> None:
+def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
     """Write this rank's part of the checkpoint into ``folder`` (the temporary ``<role>.tmp``)."""
-    write_shard(capture(trainer, step), folder)
+    write_shard(capture(_torch_trainer(trainer), step), folder)
+
+
+def _torch_trainer(trainer: TrainerBackend) -> TorchTrainer:
+    # save_shard/load_shard satisfy backend_protocol.CheckpointIO, typed for any backend.
+    if not isinstance(trainer, TorchTrainer) or trainer.config.backend != "torch":
+        raise TypeError(
+            f"ppo_trainer.checkpoint saves the torch backend; this is {trainer.config.backend!r} "
+            "(use ppo_trainer.megatron_checkpoint)"
+        )
+    return trainer
 
 
 def _parameter_names(model: nn.Module) -> list[list[str]]:
@@ -392,12 +403,13 @@ def commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
-def load_shard(trainer: TorchTrainer, folder: Path) -> int | None:
+def load_shard(trainer: TrainerBackend, folder: Path) -> int | None:
     """Restore model, optimizer and this rank's RNG from ``folder`` (a ``<role>/`` folder); returns the step.
 
     A critic accepts an actor's ``model.safetensors`` (a policy checkpoint): its backbone loads and the
     value head stays fresh; the optimizer state is then not loaded (it belongs to another model).
     """
+    trainer = _torch_trainer(trainer)
     model_file = folder / "model.safetensors"
     if not model_file.is_file():
         raise FileNotFoundError(

@@ -35,7 +35,8 @@ from torch import nn
 
 from ppo_lifecycle import ReloadableProcessGroups
 from ppo_trainer import megatron_convert as mc
-from ppo_trainer.backend import DataParallel, Region, TorchTrainer, _no_region
+from ppo_trainer import optimizer_format as of
+from ppo_trainer.backend import DataParallel, Region, TorchTrainer, _no_region, init_adam_state
 from ppo_trainer.batch import MicroBatch, Samples
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.megatron_groups import MegatronGroups
@@ -282,10 +283,15 @@ class MegatronTrainer(TorchTrainer):
             # Clip at grad_clip; "no clipping" still measures the norm (reported as grad_norm).
             clip_grad=config.grad_clip if config.grad_clip > 0 else math.inf,
         )
+        self.optimizer_config = optimizer_config
         with self.region(self.OPTIMIZER_TAG):
             self.optimizer = get_megatron_optimizer(
                 optimizer_config, [self.model], use_gloo_process_groups=False
             )
+            # Adam's moments would appear in the first step; made here (zeros, step 0, as the step
+            # makes them), the memory backend tracks them from setup and the pinned one allocates
+            # their host buffers at track(), not in the first sleep. The step is unchanged.
+            self._init_optimizer_state()
 
     # ------------------------------------------------------------------ weights in and out
     def _load_into(
@@ -300,20 +306,23 @@ class MegatronTrainer(TorchTrainer):
 
     def _megatron_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Whole megatron tensors (gathered over the TP group: collective when TP > 1)."""
+        return {
+            _unwrap_name(name): self._whole_over_tp(_unwrap_name(name), param.detach())
+            for name, param in module.named_parameters()
+        }
+
+    def _whole_over_tp(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's TP slice of megatron tensor ``name`` made whole (collective when TP > 1)."""
         from megatron.core import parallel_state as mpu
 
-        out: dict[str, torch.Tensor] = {}
-        for name, param in module.named_parameters():
-            name = _unwrap_name(name)
-            tensor = param.detach()
-            if self.tp > 1 and mc.parallel_kind(name, self.critic) != "replicated":
-                parts = [torch.empty_like(tensor) for _ in range(self.tp)]
-                dist.all_gather(parts, tensor.contiguous(), group=mpu.get_tensor_model_parallel_group())
-                tensor = mc.gather_from_tp(name, parts, self.shape, self.critic)
-            elif mc.parallel_kind(name, self.critic) == "vocab":
-                tensor = tensor[: self.shape.vocab_size]
-            out[name] = tensor
-        return out
+        kind = mc.parallel_kind(name, self.critic)
+        if self.tp > 1 and kind != "replicated":
+            parts = [torch.empty_like(tensor) for _ in range(self.tp)]
+            dist.all_gather(parts, tensor.contiguous(), group=mpu.get_tensor_model_parallel_group())
+            return mc.gather_from_tp(name, parts, self.shape, self.critic)
+        if kind == "vocab":
+            return tensor[: self.shape.vocab_size]
+        return tensor
 
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Hugging Face names and layouts, whole tensors, in ``dtype`` (None: bf16 as held)."""
@@ -326,16 +335,130 @@ class MegatronTrainer(TorchTrainer):
             yield name, cast[key]
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: t.float().cpu() for name, t in self.named_weights()}
+        """The float32 main weights (what the optimizer steps; the bf16 weights are their rounding)
+        in Hugging Face names, whole CPU tensors. Every rank calls it: the data-parallel shards and
+        the tensor-parallel slices are gathered by collectives."""
+        return mc.megatron_to_hf(self._gathered_optimizer_tensor("param"), self.shape, critic=self.critic)
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Whole Hugging Face tensors (either backend's checkpoint) into the bf16 weights and the
-        optimizer's float32 main weights; a critic accepts a policy state (its value head stays)."""
+        """Whole Hugging Face tensors (either backend's checkpoint) into the bf16 weights (rounded) and
+        the optimizer's float32 main weights (exact); a critic accepts a policy state (its value head
+        stays)."""
         with self.region(self.WEIGHTS_TAG):
             self._load_into(self.ddp.module, state, strict_value_head=False)
-        # The DistributedOptimizer's float32 main weights follow the model's (bf16) weights.
+        mega = mc.hf_to_megatron(state, self.shape, critic=self.critic)
+        with torch.no_grad():
+            self._scatter_optimizer_tensor("param", mega)
+
+    # ------------------------------------------------------------------ optimizer state in HF names
+    def _init_optimizer_state(self) -> None:
+        """Adam's state for every main-weight shard now (``init_adam_state``: what torch's Adam makes
+        in its first step); megatron's own init for the fused optimizers (Transformer Engine, apex)."""
         for opt in self._optimizers():
-            opt.reload_model_params()
+            inner = opt.optimizer
+            if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+                init_adam_state(inner)
+            else:
+                opt.init_state_fn(inner, opt.config)
+
+    def _shard_of(self, param: nn.Parameter) -> tuple[dict[str, torch.Tensor], int, int] | None:
+        """This data-parallel rank's main weight and Adam moments for model ``param`` (flat float32
+        shards) and the element range of the parameter they cover; None when it owns none of it."""
+        for opt in self._optimizers():
+            if param in opt.model_param_group_index_map:
+                tensors = opt._get_main_param_and_optimizer_states(param)
+                span = opt._get_model_param_range_map(param)["param"]
+                return tensors, int(span.start), int(span.end)
+        return None
+
+    def _trained_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(_unwrap_name(n), p) for n, p in self.ddp.module.named_parameters() if p.requires_grad]
+
+    def _gathered_optimizer_tensor(self, key: str) -> dict[str, torch.Tensor]:
+        """``key`` ("param", "exp_avg", "exp_avg_sq") of every parameter as whole float32 CPU
+        tensors in megatron names: each data-parallel rank contributes its shard (an all-reduce of
+        the bits: exactly one rank holds each element, the others add zeros), then the
+        tensor-parallel slices are gathered. Collective on every rank."""
+        # The group the distributed optimizer cut its shards over (rebound after a wake).
+        dp_group = self._optimizers()[0].data_parallel_group
+        dp_size = dist.get_world_size(dp_group)
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self._trained_params():
+            flat = torch.zeros(param.numel(), dtype=torch.float32, device=self.device)
+            shard = self._shard_of(param)
+            if shard is not None:
+                tensors, start, end = shard
+                flat[start:end] = tensors[key].detach().view(-1)
+            if dp_size > 1:
+                dist.all_reduce(flat.view(torch.int32), group=dp_group)
+            out[name] = self._whole_over_tp(name, flat.view(param.shape)).cpu()
+        return out
+
+    def _scatter_optimizer_tensor(self, key: str, whole: Mapping[str, torch.Tensor]) -> None:
+        """Whole megatron tensors (``whole``, by megatron name) into this rank's shards of ``key``;
+        parameters absent from ``whole`` keep theirs."""
+        for name, param in self._trained_params():
+            shard = self._shard_of(param)
+            if name not in whole or shard is None:
+                continue
+            tensors, start, end = shard
+            mine = mc.split_for_tp(name, whole[name], self.tp, self.shape, self.critic)[self.tp_rank]
+            flat = mine.reshape(-1)[start:end]
+            tensors[key].view(-1).copy_(flat.to(device=tensors[key].device, dtype=tensors[key].dtype))
+
+    def _adam_steps(self) -> set[int]:
+        """The step counts Adam holds: per parameter (torch) or per param group (fused optimizers)."""
+        steps: set[int] = set()
+        for opt in self._optimizers():
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                if "step" in group:
+                    steps.add(int(group["step"]))
+                for p in group["params"]:
+                    if "step" in inner.state.get(p, {}):
+                        steps.add(int(inner.state[p]["step"]))
+        return steps
+
+    def hf_optimizer_state(self) -> dict[str, Any]:
+        """The ``DistributedOptimizer``'s Adam state as the torch backend's ``optimizer.pt`` dict:
+        moments gathered (data and tensor parallel) and converted to Hugging Face names and layouts
+        with the weights' code, float32 CPU tensors. Every rank calls it and gets the whole dict."""
+        steps = self._adam_steps() or {0}
+        if len(steps) > 1:
+            raise RuntimeError(f"{self.config.role}: Adam's step counts differ across parameters {steps}")
+        moments = {
+            key: of.moments_to_hf(self._gathered_optimizer_tensor(key), self.shape, self.critic)
+            for key in of.ADAM_MOMENTS
+        }
+        group = of.adam_param_group(
+            of.optimizer_names(self.shape, self.critic),
+            lr=self.config.lr,
+            betas=self.config.betas,
+            eps=self.optimizer_config.adam_eps,
+            weight_decay=self.config.weight_decay,
+        )
+        return of.adam_state_dict(moments, steps.pop(), group)
+
+    def load_hf_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        """An ``optimizer.pt`` dict (either backend's) into this rank's shards of the Adam moments and
+        the step count, in the tensors the optimizer holds (the memory backend tracks them)."""
+        names = of.optimizer_names(self.shape, self.critic)
+        adam = of.read_adam_state(state, names, source=f"{self.config.role} optimizer state")
+        with self.region(self.OPTIMIZER_TAG), torch.no_grad():
+            self._init_optimizer_state()  # present since setup; a no-op then
+            for key in of.ADAM_MOMENTS:
+                self._scatter_optimizer_tensor(
+                    key, of.moments_to_megatron(adam.moments[key], self.shape, self.critic)
+                )
+            for opt in self._optimizers():
+                inner = opt.optimizer
+                for group in inner.param_groups:
+                    if "step" in group:
+                        group["step"] = adam.step
+                    for p in group["params"]:
+                        step = inner.state[p].get("step")
+                        if isinstance(step, torch.Tensor):
+                            step.fill_(adam.step)
 
     # ------------------------------------------------------------------ tensors the lifecycle moves
     def _optimizers(self) -> list[Any]:

@@ -1,19 +1,24 @@
 """Checkpoints of the megatron backend, in the torch backend's layout and Hugging Face names.
 
-Written through the ``TrainerBackend`` interface alone (``hf_state_dict`` / ``load_hf_state_dict``), so
-any backend can use it; the megatron backend does (``TrainWorker.save``/``load`` with
-``backend='megatron'``), and the tests run it on the torch backend to check the files against
-``checkpoint.py``'s.
+Written through the ``TrainerBackend`` interface alone (``hf_state_dict`` / ``load_hf_state_dict`` and
+``hf_optimizer_state`` / ``load_hf_optimizer_state``; every rank calls them), so any backend can use
+it; the megatron backend does (``TrainWorker.save``/``load`` with ``backend='megatron'``), and the
+tests run it on the torch backend to check the files against ``checkpoint.py``'s.
 
 ``<folder>/`` gets ``model.safetensors`` (whole float32 tensors in Hugging Face names, tied aliases
 dropped, as the torch backend writes them), ``rng_rank<r>.safetensors`` and ``trainer_state.json``;
 the actor also ``hf/`` (``config.json``, the weights, the tokenizer files of ``model_path``). So a run
 saved by either backend resumes on the other: the model loads by name (``load_hf_state_dict``).
 
-Not carried over: the optimizer state. megatron's ``DistributedOptimizer`` keeps its float32 main
-weights and Adam moments in flat data-parallel shards; this module writes no ``optimizer.pt``, and an
-``optimizer.pt`` from the torch backend is not read (Adam starts afresh after a resume, from the
-checkpoint's weights). The weights are the bf16 model weights (cast to float32).
+The optimizer goes into ``optimizer.pt`` in the torch backend's format (``optimizer_format``: AdamW's
+state dict keyed by Hugging Face name, whole float32 tensors, ``weights_only`` loadable) through
+``hf_optimizer_state`` / ``load_hf_optimizer_state``: the megatron backend gathers its
+``DistributedOptimizer``'s data-parallel shards and converts them with the weights' code. Its
+``model.safetensors`` holds the float32 main weights (the bf16 model weights are their rounding),
+and a load sets both, so a resume continues the run exactly, on either backend. The hyperparameters
+(lr, betas, weight decay) come from the config on the megatron backend; the torch backend adopts the
+file's, as it does for its own checkpoints. A folder without ``optimizer.pt`` loads with a warning
+(Adam then starts from the state it holds).
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
     rank = _rank()
     tensors, meta = _rng_state()
     save_file(tensors, str(folder / f"rng_rank{rank}.safetensors"), metadata=meta)
-    state = trainer.hf_state_dict() if trainer.sharded or rank == 0 else {}
+    # Every rank: megatron gathers its main weights and Adam moments over tensor- and data-parallel
+    # shards (collectives); FSDP2 gathers too; replicated torch ranks read their own copy.
+    state = trainer.hf_state_dict()
+    optimizer = trainer.hf_optimizer_state()
     if rank != 0:
         return
     # As the torch backend's save: a checkpoint never holds non-finite weights.
@@ -63,6 +71,7 @@ def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
     if trainer.config.role == "actor" and _tied(trainer.config.model_path):
         state.pop("lm_head.weight", None)  # an alias of the embeddings, as the torch backend drops it
     save_file(state, str(folder / "model.safetensors"))
+    torch.save(optimizer, folder / "optimizer.pt")
     info: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "role": trainer.config.role,
@@ -99,12 +108,12 @@ def load_shard(trainer: TrainerBackend, folder: Path) -> int | None:
     trainer.load_hf_state_dict(state)
     if saved_role != trainer.config.role:
         return None  # a policy checkpoint into the critic: a fresh start, as in the torch backend
-    if (folder / "optimizer.pt").is_file() and trainer.config.backend == "megatron":
-        log.warning(
-            "%s: %s/optimizer.pt is not loaded by the megatron backend; Adam starts afresh",
-            trainer.config.role,
-            folder,
-        )
+    optimizer_file = folder / "optimizer.pt"
+    if optimizer_file.is_file():
+        optimizer = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+        trainer.load_hf_optimizer_state(optimizer)
+    else:
+        log.warning("%s: %s has no optimizer.pt; Adam starts afresh", trainer.config.role, folder)
     rng_file = folder / f"rng_rank{_rank()}.safetensors"
     if rng_file.is_file():
         _set_rng_state(rng_file)

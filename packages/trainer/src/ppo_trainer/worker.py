@@ -41,7 +41,7 @@ from ppo_lifecycle import (
 from ppo_trainer import checkpoint, fault_injection
 from ppo_trainer.addresses import peer_address
 from ppo_trainer.backend import DataParallel
-from ppo_trainer.backend_protocol import TrainerBackend, make_trainer
+from ppo_trainer.backend_protocol import CheckpointIO, TrainerBackend, make_trainer
 from ppo_trainer.background_save import BackgroundSave
 from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
@@ -541,7 +541,7 @@ class TrainWorker:
         self._last_step = step
         return step
 
-    def _checkpoint_module(self) -> Any:
+    def _checkpoint_module(self) -> CheckpointIO:
         """The torch backend's checkpoint code, or the megatron backend's (same files, HF names)."""
         if self.config.backend == "megatron":
             from ppo_trainer import megatron_checkpoint
