@@ -315,7 +315,7 @@ def test_every_step_is_timed_in_the_metrics(groups: ReloadableProcessGroups) -> 
     w.lc.wake_up()
     m = w.lc.pop_metrics()
     steps = {k: v for k, v in m.items() if "/step/" in k}
-    expected = SLEEP_STEPS + ["sleep/hook:slow"] + WAKE_STEPS + ["wake/hook:slower"]
+    expected = [*SLEEP_STEPS, "sleep/hook:slow", *WAKE_STEPS, "wake/hook:slower"]
     assert sorted(steps) == sorted(s.replace("/", "/step/", 1) for s in expected)
     assert all(v >= 0 for v in steps.values())
     assert 0.05 <= steps["sleep/step/hook:slow"] < 0.05 + 0.5
