@@ -3,8 +3,8 @@
 One GPU; exits non-zero when a check fails. Each variant runs in its own process (megatron's
 ``parallel_state`` and NCCL are process-wide):
 
-* ``megatron-before``: the megatron actor with the packages given by ``--before`` (a copy of the
-  code before shared groups: one process group per megatron request);
+* ``megatron-before`` (only with ``--before``): the megatron actor with the packages given there (a
+  copy of the code before shared groups: one process group per megatron request);
 * ``megatron-after``: the same with this tree's packages (``new_group(share=True)``);
 * ``torch``: the torch backend's actor on the same model, for comparison (this tree's packages).
 
@@ -20,7 +20,7 @@ is finite.
 
 Then ``ppo_lifecycle``'s ``groups_reload.py`` on NCCL: 20 subgroups, destroy/reload/first collectives.
 
-    python benchmarks/gpu_megatron_sleep.py --before /path/to/old/packages
+    python benchmarks/gpu_megatron_sleep.py [--before /path/to/old/packages]
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def _summary(rec: dict[str, Any]) -> dict[str, tuple[float, float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--before", type=Path, help="packages/ of the code to compare against")
+    parser.add_argument("--before", type=Path, help="packages/ of the code to compare against (optional)")
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--skip-groups-bench", action="store_true")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -244,7 +244,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("FAIL: no CUDA device")
         return 1
-    if args.before is None or not (args.before / "lifecycle" / "src").is_dir():
+    if args.before is not None and not (args.before / "lifecycle" / "src").is_dir():
         raise ValueError(
             "--before must name a packages/ folder (with lifecycle/src) of the code to compare against"
         )
@@ -252,8 +252,10 @@ def main() -> int:
     failures: list[str] = []
     records = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in VARIANTS:
-            packages = args.before.resolve() if variant == "megatron-before" else ROOT / "packages"
+        for variant in VARIANTS if args.before is not None else VARIANTS[1:]:
+            packages = (
+                args.before.resolve() if args.before and variant == "megatron-before" else ROOT / "packages"
+            )
             srcs = sorted(packages.glob("*/src"))
             rec = _run_child(variant, srcs, Path(tmp), args.cycles)
             failures += rec["failures"]
