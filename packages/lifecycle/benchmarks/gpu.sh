@@ -25,4 +25,7 @@ fi
 echo "== sleep/wake benchmark, 16 GiB of state"
 "$PY" benchmarks/sleep_wake.py --gib 16 --cycles 3 --tms-default-gib 16 --tms-default-cycles 2 \
   || { echo "BENCHMARK FAILED (exit $?)"; failed=1; }
+echo "== destroying and rebuilding 20 NCCL subgroups, separate against shared"
+"$PY" benchmarks/groups_reload.py --backend nccl --world 1 --groups 20 --cycles 2 \
+  || { echo "GROUPS BENCHMARK FAILED (exit $?)"; failed=1; }
 exit "$failed"

@@ -26,13 +26,25 @@ def main() -> None:
     groups = ReloadableProcessGroups()
     groups.init_default("gloo", f"tcp://127.0.0.1:{port}", world, rank, DEFAULT_TIMEOUT)
     pair = groups.new_group(ranks=[0, 1], timeout=SUB_TIMEOUT)
+    # As megatron's groups are made: the same rank sets asked for again, every rank asking for all.
+    shared_pairs = [groups.new_group(ranks=rs, timeout=SUB_TIMEOUT, share=True) for rs in ([0, 1], [1, 0])]
+    shared_singles = [
+        [groups.new_group(ranks=[r], timeout=SUB_TIMEOUT, share=True) for r in range(world)] for _ in range(2)
+    ]
     # What listens on the store's port in this process (rank 0 hosts the store).
     store_listeners = [[host, p] for host, p in listening_addresses() if p == port]
     weights = torch.full((1000,), float(rank))
     memory = HostMemoryBackend()
     memory.track("weights", lambda: [weights])
     lifecycle = Lifecycle(memory, groups, name=f"rank{rank}")
-    record: dict[str, list] = {"world": [], "pair": [], "timeouts": [], "alive_asleep": [], "weights_ok": []}
+    record: dict[str, list] = {
+        "world": [],
+        "pair": [],
+        "timeouts": [],
+        "alive_asleep": [],
+        "weights_ok": [],
+        "shared": [],
+    }
     for cycle in range(cycles):
         t = torch.tensor([float(rank + cycle)])
         dist.all_reduce(t, group=groups.default.group)
@@ -41,6 +53,17 @@ def main() -> None:
             p = torch.tensor([1.0])
             dist.all_reduce(p, group=pair.group)
             record["pair"].append(p.item())
+        shared_pair = None
+        if rank in (0, 1):
+            p = torch.tensor([1.0])
+            dist.all_reduce(p, group=shared_pairs[1].group)
+            shared_pair = p.item()
+        s = torch.tensor([1.0])
+        dist.all_reduce(s, group=shared_singles[1][rank].group)
+        same = shared_pairs[0].group is shared_pairs[1].group and all(
+            a.group is b.group for a, b in zip(*shared_singles, strict=True)
+        )
+        record["shared"].append([shared_pair, s.item(), same])
         lifecycle.sleep()
         record["alive_asleep"].append(
             [groups.is_alive, dist.is_initialized(), weights.untyped_storage().nbytes()]
@@ -57,6 +80,7 @@ def main() -> None:
     dist.all_reduce(t, group=groups.default.group)
     record["final"] = [t.item()]
     record["generation"] = [groups.generation]
+    record["subgroups"] = list(groups.subgroup_count)
     record["store_listeners"] = store_listeners
     groups.destroy()
     with open(out, "w") as f:

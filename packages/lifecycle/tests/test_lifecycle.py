@@ -303,3 +303,46 @@ def test_lifecycle_without_groups_and_with_tags(tmp_path: Path) -> None:
     assert torch.equal(a, torch.ones(10))
     with pytest.raises(ValueError, match="non-empty"):
         lc.add_post_wake_hook("", lambda: None)
+
+
+def test_every_step_is_timed_in_the_metrics(groups: ReloadableProcessGroups) -> None:
+    import time
+
+    w = World(groups)
+    w.lc.add_pre_sleep_hook("slow", lambda: time.sleep(0.05))
+    w.lc.add_post_wake_hook("slower", lambda: time.sleep(0.08))
+    w.lc.sleep()
+    w.lc.wake_up()
+    m = w.lc.pop_metrics()
+    steps = {k: v for k, v in m.items() if "/step/" in k}
+    expected = [*SLEEP_STEPS, "sleep/hook:slow", *WAKE_STEPS, "wake/hook:slower"]
+    assert sorted(steps) == sorted(s.replace("/", "/step/", 1) for s in expected)
+    assert all(v >= 0 for v in steps.values())
+    assert 0.05 <= steps["sleep/step/hook:slow"] < 0.05 + 0.5
+    assert 0.08 <= steps["wake/step/hook:slower"] < 0.08 + 0.5
+    for kind in ("sleep", "wake"):
+        parts = sum(v for k, v in steps.items() if k.startswith(f"{kind}/"))
+        assert parts <= m[f"{kind}/seconds"]  # the steps are inside the transition
+        assert parts > 0.8 * m[f"{kind}/seconds"] - 0.02  # and account for (nearly) all of it
+
+
+def test_a_step_that_raises_counts_its_time_and_the_retry_adds_up(groups: ReloadableProcessGroups) -> None:
+    import time
+
+    w = World(groups)
+    failures = [RuntimeError("engines unreachable")]
+
+    def flaky() -> None:
+        time.sleep(0.03)
+        if failures:
+            raise failures.pop()
+
+    w.lc.add_pre_sleep_hook("flaky", flaky)
+    with pytest.raises(RuntimeError, match="engines unreachable"):
+        w.lc.sleep()
+    w.lc.sleep()
+    m = w.lc.pop_metrics()
+    assert 0.06 <= m["sleep/step/hook:flaky"] < 0.06 + 0.5  # both attempts
+    assert m["sleep/step/hook:disconnect"] >= 0  # ran once, in the first attempt
+    assert w.calls["disconnect"] == 1
+    w.lc.wake_up()

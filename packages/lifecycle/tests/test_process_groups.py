@@ -32,6 +32,9 @@ def test_gloo_ranks_all_reduce_sleep_wake_for_ten_cycles(tmp_path: Path, world: 
         else:
             assert rec["store_listeners"] == []
         assert rec["weights_ok"] == [True] * cycles
+        # Shared subgroups: one group per rank set, rebuilt on every wake, right results every cycle.
+        assert rec["shared"] == [[2.0 if r in (0, 1) else None, 1.0, True]] * cycles
+        assert rec["subgroups"] == [1 + 2 + 2 * world, 1 + 1 + world]
         if r in (0, 1):
             assert rec["pair"] == [2.0] * cycles
             assert rec["timeouts"] == [[123.0, 45.0]] * cycles
@@ -85,3 +88,61 @@ def test_misuse_is_reported(single: ReloadableProcessGroups, tmp_path: Path) -> 
     single.destroy()
     with pytest.raises(RuntimeError, match="not alive"):
         single.new_group([0])
+
+
+def test_shared_subgroups_are_one_group_that_survives_reloads(single: ReloadableProcessGroups) -> None:
+    long, short = timedelta(minutes=30), timedelta(seconds=31)
+    a = single.new_group(ranks=[0], timeout=long, share=True)
+    b = single.new_group(ranks=[0], timeout=long, share=True)
+    other_timeout = single.new_group(ranks=[0], timeout=short, share=True)
+    unshared = single.new_group(ranks=[0], timeout=long)
+    with_options = single.new_group(ranks=[0], timeout=long, share=True, pg_options=_gloo_options())
+    assert a.group is b.group
+    assert len({id(h.group) for h in (a, other_timeout, unshared, with_options)}) == 4
+    assert single.subgroup_count == (5, 4)
+    for _ in range(2):
+        single.destroy()
+        single.reload()
+        assert a.group is b.group  # still one group after a rebuild
+        assert len({id(h.group) for h in (a, other_timeout, unshared, with_options)}) == 4
+        assert group_timeout(a.group) == long
+        assert group_timeout(b.group) == long
+        assert group_timeout(other_timeout.group) == short
+        assert group_timeout(unshared.group) == long
+        for handle in (a, b, other_timeout, unshared, with_options):
+            t = torch.full((2,), 3.0)
+            dist.all_reduce(t, group=handle.group)
+            assert t.tolist() == [3.0, 3.0]
+    assert single.subgroup_count == (5, 4)
+
+
+def test_a_retried_reload_keeps_shared_subgroups_shared(
+    single: ReloadableProcessGroups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = single.new_group(ranks=[0], share=True)
+    single.new_group(ranks=[0])
+    b = single.new_group(ranks=[0], share=True)
+    single.destroy()
+    real = ReloadableProcessGroups._make_subgroup
+    made: list[int] = []
+
+    def fail_second(spec):  # type: ignore[no-untyped-def]
+        made.append(1)
+        if len(made) == 2:
+            raise RuntimeError("injected failure making a subgroup")
+        return real(spec)
+
+    monkeypatch.setattr(ReloadableProcessGroups, "_make_subgroup", staticmethod(fail_second))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        single.reload()
+    assert not single.is_alive
+    single.reload()
+    assert len(made) == 3  # the shared one once, the unshared one twice (failed, then made)
+    assert a.group is b.group
+    t = torch.ones(1)
+    dist.all_reduce(t, group=b.group)
+    assert t.item() == 1.0
+
+
+def _gloo_options() -> object:
+    return dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]

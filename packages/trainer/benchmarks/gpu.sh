@@ -26,6 +26,8 @@ timeout -k 5 300 "$PY" benchmarks/bench_train_step.py --device cpu --repeats 3 -
 if "$PY" -c 'import megatron.core' 2>/dev/null; then
     echo "== megatron backend against the torch backend: parity, round trip, sleep/wake, train step, worker groups =="
     timeout -k 5 420 "$PY" benchmarks/gpu_megatron.py --workers
+    echo "== megatron actor: sleep and wake per lifecycle step, against the torch backend =="
+    timeout -k 5 300 "$PY" benchmarks/gpu_megatron_sleep.py
 else
     echo "== megatron backend: megatron-core is not installed here, skipped =="
 fi

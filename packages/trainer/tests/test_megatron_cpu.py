@@ -130,6 +130,10 @@ def test_groups_rebuilt_and_rebound(megatron_groups: Any) -> None:
     gpt = build_gpt(hf.config, shape, tp=1, critic=False, dtype=torch.float32, device=torch.device("cpu"))
     before = mpu.get_tensor_model_parallel_group()
     assert recorded.handles, "megatron made no groups through the lifecycle"
+    # One rank: every group megatron asks for is [0] with the same timeout, so they are one group.
+    asked, made = groups.subgroup_count
+    assert (asked, made) == (len(recorded.handles), 1)
+    assert asked > 10
     groups.destroy()
     groups.reload()
     swapped = recorded.rebind(gpt)
@@ -137,6 +141,7 @@ def test_groups_rebuilt_and_rebound(megatron_groups: Any) -> None:
     assert after is not before
     assert after is recorded.handles[recorded._bound.index(after)].group
     assert swapped > len(recorded.handles) // 2  # parallel_state globals and the layers' tp_group
+    assert len({id(h.group) for h in recorded.handles}) == 1
     held = {
         id(m.tp_group) for m in gpt.modules() if isinstance(getattr(m, "tp_group", None), dist.ProcessGroup)
     }

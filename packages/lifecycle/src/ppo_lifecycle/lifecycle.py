@@ -41,6 +41,9 @@ class Lifecycle:
     * ``observer`` (optional) is called with the step's name before each step:
       ``sleep/hook:<name>``, ``sleep/destroy_groups``, ``sleep/release``, ``wake/restore``,
       ``wake/reload_groups``, ``wake/hook:<name>``. An observer that raises fails that step.
+    * Every step is timed: ``pop_metrics`` reports ``<kind>/step/<step>`` seconds (e.g.
+      ``sleep/step/destroy_groups``, ``wake/step/hook:rebind_process_groups``), so a slow
+      transition shows which step its fixed costs sit in.
     * Thread-safe: one lock serializes every call.
     """
 
@@ -144,7 +147,10 @@ class Lifecycle:
         """Seconds, bytes and GB/s of the transitions since the last call, then reset.
 
         Keys: ``sleep/seconds``, ``sleep/bytes``, ``sleep/gb_per_s``, ``sleep/count`` and the
-        same for ``wake``; seconds of a retried transition add up over its attempts.
+        same for ``wake``; ``sleep/step/<step>`` and ``wake/step/<step>``: seconds of each step
+        (``hook:<name>``, ``destroy_groups``, ``release``, ``restore``, ``reload_groups``; a step
+        that raised counts the time until it raised). Seconds of a retried transition add up over
+        its attempts.
         """
         with self._lock:
             out = dict(self._metrics)
@@ -161,14 +167,26 @@ class Lifecycle:
         if name in self._done:
             return
         self._enter(name)
-        fn()
+        start = time.perf_counter()
+        try:
+            fn()
+        finally:
+            self._time_step(name, start)
         self._done.add(name)
 
     def _run_memory(self, name: str, fn: Callable[[Sequence[str] | None], TransferStats]) -> TransferStats:
         self._enter(name)
-        stats = fn(self._tags)
+        start = time.perf_counter()
+        try:
+            stats = fn(self._tags)
+        finally:
+            self._time_step(name, start)
         self._done.add(name)
         return stats
+
+    def _time_step(self, name: str, start: float) -> None:
+        kind, _, step = name.partition("/")
+        self._bump(f"{kind}/step/{step}", time.perf_counter() - start)
 
     def _enter(self, name: str) -> None:
         # From here on the transition is under way: a failure leaves the half-way state.

@@ -10,6 +10,13 @@ The default group and every subgroup made through ``new_group`` are rebuilt with
 backend, timeout and options, subgroups in creation order (collective over all ranks, as
 ``torch.distributed.new_group`` requires).
 
+Every group costs at each sleep and wake: a ``ProcessGroup`` object (NCCL: its watchdog thread) to
+shut down and create again, and, for each group a collective ran on, a communicator to destroy and to
+initialise again at the next collective. Subgroups made with ``share=True`` and the same ranks,
+backend and timeout are one group (see ``new_group``): megatron-core asks for ~20 groups, most of
+them over the same ranks (all of them on one GPU), and that many communicators are fixed costs of
+every transition that buy nothing.
+
 For a ``tcp://host:port`` init method, rank 0 hosts the store on a socket bound to ``host`` alone (the
 address every rank was given): torch's own tcp:// rendezvous would listen on every interface, and the
 store has no authentication.
@@ -60,6 +67,14 @@ class SubgroupSpec:
     backend: str | None
     timeout: timedelta | None
     pg_options: Any = None
+    share: bool = False
+
+    def share_key(self) -> tuple[tuple[int, ...] | None, str | None, timedelta | None] | None:
+        """What makes two shareable subgroups the same group (None: never shared). Options objects
+        are not comparable, so a subgroup with ``pg_options`` is never shared."""
+        if not self.share or self.pg_options is not None:
+            return None
+        return (tuple(sorted(self.ranks)) if self.ranks is not None else None, self.backend, self.timeout)
 
 
 class GroupHandle:
@@ -91,6 +106,9 @@ class ReloadableProcessGroups:
     def __init__(self) -> None:
         self._default: DefaultGroupSpec | None = None
         self._subgroups: list[SubgroupSpec] = []
+        # _source[i]: the subgroup whose group subgroup i is (i itself unless shared with an earlier one).
+        self._source: list[int] = []
+        self._shared: dict[tuple[Any, ...], int] = {}
         self._live: list[dist.ProcessGroup] = []
         self._store: dist.Store | None = None
         self._generation = 0
@@ -138,15 +156,34 @@ class ReloadableProcessGroups:
         timeout: timedelta | None = None,
         *,
         pg_options: Any = None,
+        share: bool = False,
     ) -> GroupHandle:
-        """Create a subgroup (collective: every rank calls it in the same order) and record it."""
+        """Create a subgroup (collective: every rank calls it in the same order) and record it.
+
+        ``share=True``: if an earlier subgroup made with ``share=True`` has the same ranks (in any
+        order), backend and timeout, and neither has ``pg_options``, this handle is that group (the
+        same ``ProcessGroup``, so one communicator and one object to destroy and rebuild); nothing is
+        created. Every rank decides alike, because every rank passes the same arguments in the same
+        order. Collectives on shared handles run in program order on one communicator: right for
+        groups whose collectives every member issues in the same order (megatron's), but no
+        overlap between them.
+        """
         with self._lock:
             if not self._alive:
                 raise RuntimeError("new_group(): the groups are not alive; call init_default() or reload()")
-            spec = SubgroupSpec(tuple(ranks) if ranks is not None else None, backend, timeout, pg_options)
-            self._live.append(self._make_subgroup(spec))
+            spec = SubgroupSpec(
+                tuple(ranks) if ranks is not None else None, backend, timeout, pg_options, share
+            )
+            index = len(self._subgroups)
+            key = spec.share_key()
+            source = self._shared.get(key, index) if key is not None else index
+            group = self._live[source] if source != index else self._make_subgroup(spec)
+            self._live.append(group)
             self._subgroups.append(spec)
-            return GroupHandle(self, len(self._subgroups) - 1, spec)
+            self._source.append(source)
+            if key is not None and source == index:
+                self._shared[key] = index
+            return GroupHandle(self, index, spec)
 
     @property
     def default(self) -> GroupHandle:
@@ -163,6 +200,11 @@ class ReloadableProcessGroups:
     def generation(self) -> int:
         """How many times the groups were destroyed."""
         return self._generation
+
+    @property
+    def subgroup_count(self) -> tuple[int, int]:
+        """(subgroups asked for, process groups that stand for them): what sharing saved."""
+        return len(self._subgroups), len(set(self._source))
 
     def destroy(self) -> None:
         """Destroy every group (a no-op when already destroyed or never created)."""
@@ -205,9 +247,12 @@ class ReloadableProcessGroups:
                 **kwargs,
             )
             self._default_built = True
-        # A retried build keeps the subgroups made before the failure.
-        for sub in self._subgroups[len(self._live) :]:
-            self._live.append(self._make_subgroup(sub))
+        # A retried build keeps the subgroups made before the failure. A shared subgroup's source
+        # comes before it, so it is live by then.
+        for index in range(len(self._live), len(self._subgroups)):
+            source = self._source[index]
+            group = self._live[source] if source != index else self._make_subgroup(self._subgroups[index])
+            self._live.append(group)
         self._alive = True
         log.debug("process groups built, generation %d, %d subgroups", self._generation, len(self._live))
 

@@ -5,6 +5,14 @@ it runs, that function is replaced by one that asks ``ReloadableProcessGroups.ne
 the lifecycle destroys those groups on sleep and rebuilds them (same ranks, backend, timeout and
 options, in creation order) on wake.
 
+Groups over the same ranks (and backend and timeout) are one group (``new_group(share=True)``):
+megatron asks for ~20 (TP, DP, DP-with-CP, MP, embedding, expert, ...), and without expert, pipeline
+or context parallelism most of them cover the same ranks (every one of them on one GPU). Each
+distinct group is a ``ProcessGroup`` to shut down at every sleep and make again at every wake, and
+its NCCL communicator (once a collective used it) one to destroy and initialise again; one
+communicator per rank set is all that megatron's collectives need, since every member issues them
+in the same order.
+
 A rebuilt group is a new object, and megatron keeps the old ones: in ``parallel_state``'s globals and
 in the attributes of its layers, DDP buckets and optimizer (``tp_group``, ``pg_collection``, ...).
 :meth:`MegatronGroups.rebind` walks those objects after a rebuild and swaps each destroyed group for
@@ -46,8 +54,9 @@ _LEAVES = (
 class MegatronGroups:
     """The megatron groups of one process, recorded as lifecycle handles."""
 
-    def __init__(self, groups: ReloadableProcessGroups) -> None:
+    def __init__(self, groups: ReloadableProcessGroups, *, share: bool = True) -> None:
         self.groups = groups
+        self.share = share  # False: one group per megatron request, as megatron makes them itself
         self.handles: list[GroupHandle] = []
         self._bound: list[Any] = []  # the group objects megatron holds now, one per handle
 
@@ -69,7 +78,9 @@ class MegatronGroups:
             # use_local_synchronization and group_desc only tune torch's rendezvous and logging; the
             # lifecycle rebuilds every group with all ranks taking part, as new_group requires.
             del use_local_synchronization, group_desc
-            handle = self.groups.new_group(ranks, backend=backend, timeout=timeout, pg_options=pg_options)
+            handle = self.groups.new_group(
+                ranks, backend=backend, timeout=timeout, pg_options=pg_options, share=self.share
+            )
             self.handles.append(handle)
             group = handle.group
             self._bound.append(group)
