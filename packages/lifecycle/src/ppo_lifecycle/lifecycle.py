@@ -144,7 +144,10 @@ class Lifecycle:
         """Seconds, bytes and GB/s of the transitions since the last call, then reset.
 
         Keys: ``sleep/seconds``, ``sleep/bytes``, ``sleep/gb_per_s``, ``sleep/count`` and the
-        same for ``wake``; seconds of a retried transition add up over its attempts.
+        same for ``wake``; seconds of a retried transition add up over its attempts. Each step's own
+        seconds too, under the observer's step name: ``sleep/hook:<name>/seconds``,
+        ``sleep/destroy_groups/seconds``, ``sleep/release/seconds``, ``wake/restore/seconds``,
+        ``wake/reload_groups/seconds``, ``wake/hook:<name>/seconds`` (the fixed costs around the copy).
         """
         with self._lock:
             out = dict(self._metrics)
@@ -161,12 +164,20 @@ class Lifecycle:
         if name in self._done:
             return
         self._enter(name)
-        fn()
+        start = time.perf_counter()
+        try:
+            fn()
+        finally:
+            self._bump(f"{name}/seconds", time.perf_counter() - start)
         self._done.add(name)
 
     def _run_memory(self, name: str, fn: Callable[[Sequence[str] | None], TransferStats]) -> TransferStats:
         self._enter(name)
-        stats = fn(self._tags)
+        start = time.perf_counter()
+        try:
+            stats = fn(self._tags)
+        finally:
+            self._bump(f"{name}/seconds", time.perf_counter() - start)
         self._done.add(name)
         return stats
 
