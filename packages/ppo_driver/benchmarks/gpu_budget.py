@@ -229,7 +229,12 @@ def transition_breakdown(records: Sequence[dict[str, float]]) -> str:
             driver = mean(f"time/{role}/{kind}_s") + mean(f"time/{role}/{kind}_hidden_s")
             worker = mean(f"{role}/{kind}/seconds")
             inner = sorted(
-                {k for r in records for k in r if k.startswith(f"{role}/{kind}/") and k.endswith("/seconds")}
+                {
+                    k
+                    for r in records
+                    for k in r
+                    if k.startswith(f"{role}/{kind}/") and k.endswith("/seconds") and k.count("/") == 3
+                }
             )
             steps = ", ".join(f"{k.split('/', 2)[2].removesuffix('/seconds')} {mean(k):.3f}" for k in inner)
             rows.append(f"| {role}/{kind} | {driver:.3f} | {worker:.3f} | {steps} |")

@@ -174,6 +174,12 @@ class OffloadSection(_Section):
         "of its memory",
     )
 
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML reads a bare on/off as a boolean: `overlap: on` means the word.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
 
 class CheckpointSection(_Section):
     dir: str | None = Field(default=None, description="null: <run_dir>/checkpoints")
