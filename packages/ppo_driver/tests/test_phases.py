@@ -191,6 +191,10 @@ def test_overlapped_step_makes_the_same_transitions_and_runs_a_swap_both_ways_at
         "critic:sleep", "rollout:wake",  # actor_train (the actor was woken during critic_train)
         "actor:sleep", "critic:wake",  # generate: the actor leaves, the next critic comes ahead
     ]  # fmt: skip
+    # The critic woken ahead at the end of the step stays through the next step's generate.
+    phases.start_step(StepClock(), step=2)
+    phases.enter("generate", then="critic_train")
+    assert phases.done == []
     # The actor left the engines in the foreground; its sleep still runs in the background.
     assert log[-1] == "actor:disconnect" or "actor:sleep" not in log
     phases.settle()

@@ -130,8 +130,12 @@ class PhaseTracker:
                 self._run(t.role, t.action)
             self.phase = phase
             return
+        # A role the next phase needs stays (woken ahead for this phase's successor, it would
+        # otherwise sleep here and wake again at once).
+        keep = self.plan.resident(then) if then is not None else frozenset()
         for t in todo:
-            self._launch(t.role, t.action, phase)
+            if not (t.action == "sleep" and t.role in keep):
+                self._launch(t.role, t.action, phase)
         for role in sorted(self.plan.resident(phase)):
             self.settle(role)
         if then is not None:
