@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from conftest import run_cli
 from rich.console import Console
 
@@ -40,12 +41,25 @@ def _train(tmp_path: Path, name: str, overlap: str) -> tuple[RunResult, str]:
     return result, out.getvalue()
 
 
+def _digest(path: Path) -> str:
+    """The file's content: its bytes, or for safetensors its tensors' bytes and its metadata (the file
+    lists the metadata in a hash map's order, which differs from process to process)."""
+    if path.suffix != ".safetensors":
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    with safe_open(str(path), "pt") as f:
+        digest.update(json.dumps(f.metadata(), sort_keys=True).encode())
+        for name in sorted(f.keys()):
+            tensor = f.get_tensor(name)
+            digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+            digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _digests(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
+    return {str(p.relative_to(folder)): _digest(p) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
