@@ -13,7 +13,8 @@ resume from the latest complete checkpoint, the first weight update. Then each s
 6. onload the engines, evaluate when due.
 
 Every sleep and wake is the driver's, taken from ``OffloadPlan.transitions`` between phases; the
-workers only carry them out. A critic-only warm-up step (``train.num_critic_only_steps``) skips 3 and
+workers only carry them out. ``offload.overlap`` (``overlap.py``, decided right after start-up) runs
+them in the background and wakes the next phase's roles ahead (``phases.py``). A critic-only warm-up step (``train.num_critic_only_steps``) skips 3 and
 5; a GRPO run has no critic and skips 2.
 """
 
