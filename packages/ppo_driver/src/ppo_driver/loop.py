@@ -14,8 +14,8 @@ resume from the latest complete checkpoint, the first weight update. Then each s
 
 Every sleep and wake is the driver's, taken from ``OffloadPlan.transitions`` between phases; the
 workers only carry them out. ``offload.overlap`` (``overlap.py``, decided right after start-up) runs
-them in the background and wakes the next phase's roles ahead (``phases.py``). A critic-only warm-up step (``train.num_critic_only_steps``) skips 3 and
-5; a GRPO run has no critic and skips 2.
+them in the background and wakes the next phase's roles ahead (``phases.py``). A critic-only
+warm-up step (``train.num_critic_only_steps``) skips 3 and 5; a GRPO run has no critic and skips 2.
 """
 
 from __future__ import annotations
