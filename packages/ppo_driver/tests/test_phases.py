@@ -269,3 +269,15 @@ def test_overlapped_alone_settles_first() -> None:
         assert not phases.busy("actor")
         assert log[-1] == "critic:wake"
     assert log[-1] == "critic:sleep"
+
+
+def test_metrics_of_two_pops_add_up_and_rates_are_recomputed() -> None:
+    from ppo_driver.phases import merge_metrics
+
+    first = {"sleep/bytes": 10e9, "sleep/memory_seconds": 0.2, "sleep/gb_per_s": 50.0, "sleep/count": 1.0}
+    second = {"sleep/bytes": 10e9, "sleep/memory_seconds": 0.3, "sleep/gb_per_s": 33.3, "sleep/count": 1.0}
+    merged = merge_metrics(first, second)
+    assert merged["sleep/bytes"] == 20e9
+    assert merged["sleep/count"] == 2.0
+    assert merged["sleep/gb_per_s"] == pytest.approx(40.0)  # 20 GB over 0.5 s, not 50 + 33.3
+    assert merge_metrics({}, {"offload/bytes": 3.0}) == {"offload/bytes": 3.0}
