@@ -75,6 +75,10 @@ def test_the_rule_is_logged_and_followed(both: dict[str, tuple[RunResult, str]])
     ovl, ovl_out = both["overlapped"]
     assert "transitions: sequential (offload.overlap=auto on placement.device=cpu" in seq_out
     assert "transitions: overlapped (offload.overlap=on; memory not checked)" in ovl_out
+    for result, overlapped in ((seq, False), (ovl, True)):
+        recorded = json.loads((result.run_dir / "summary.json").read_text())["transitions"]
+        assert recorded["overlap"] is overlapped
+        assert recorded["reason"].startswith("offload.overlap=")
     assert {r["offload/overlap"] for r in seq.history} == {0}
     assert {r["offload/overlap"] for r in ovl.history} == {1}
     # Overlapped, the wakes start one phase ahead and the actor's sleep runs under the next generate;

@@ -289,6 +289,7 @@ def train(
                     "weights_match": result_.weights_match,
                     "budget": budget.summary(log.history),
                     "setup": setup_metrics,
+                    "transitions": {"overlap": overlap.overlap, "reason": overlap.reason},
                 },
                 indent=1,
             )
