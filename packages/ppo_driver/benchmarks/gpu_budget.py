@@ -142,7 +142,9 @@ def parameters(model_dir: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_scenario(scenario: Scenario, root: Path, *, cpu_smoke: bool, steps: int) -> str:
+def run_scenario(
+    scenario: Scenario, root: Path, *, cpu_smoke: bool, steps: int, sets: Sequence[str] = ()
+) -> str:
     """Train one scenario, check it, return its Markdown section (heading, load, budget table)."""
     from rich.console import Console
 
@@ -152,7 +154,7 @@ def run_scenario(scenario: Scenario, root: Path, *, cpu_smoke: bool, steps: int)
 
     load = CPU_LOAD if cpu_smoke else GPU_LOAD
     load = Load(load.response_tokens, load.samples, steps)
-    config = load_config(REPO / scenario.config, [*overrides(cpu_smoke, steps), *scenario.extra])
+    config = load_config(REPO / scenario.config, [*overrides(cpu_smoke, steps), *scenario.extra, *sets])
     check(config.placement.critic == "shared", f"{scenario.name}: the critic is shared")
     run_dir = root / scenario.name
     print(f"=== {scenario.title}: {run_dir}", flush=True)
@@ -178,8 +180,13 @@ def run_scenario(scenario: Scenario, root: Path, *, cpu_smoke: bool, steps: int)
             f">= {load.response_tokens}",
         )
         check(r["time/check_weights_s"] > 0, f"{scenario.name} step {step}: engines checked after the update")
-        parts = sum(
-            v for k, v in r.items() if k.startswith("time/") and k.endswith("_s") and k != "time/step_s"
+        parts = sum(  # hidden seconds (overlapped transitions) are inside other parts: not added
+            v
+            for k, v in r.items()
+            if k.startswith("time/")
+            and k.endswith("_s")
+            and k != "time/step_s"
+            and not k.endswith("_hidden_s")
         )
         check(
             abs(parts - r["time/step_s"]) < 1e-6 and r["time/other_s"] > -1e-6,
@@ -199,9 +206,43 @@ def run_scenario(scenario: Scenario, root: Path, *, cpu_smoke: bool, steps: int)
         f"per step, {load.steps} steps (mean step {mean_step:.2f} s after the first, "
         f"{first['time/step_s']:.2f} s for the first; {wall:.0f} s for the whole run with start-up).",
         "",
+        f"Transitions {'overlapped' if history[-1].get('offload/overlap') else 'sequential'} "
+        f"(offload.overlap={config.offload.overlap}).",
+        "",
         markdown_table(history),
+        "",
+        transition_breakdown(rest or [first]),
     ]
     return "\n".join(lines)
+
+
+def transition_breakdown(records: Sequence[dict[str, float]]) -> str:
+    """Inside each trainer sleep and wake (rank 0, mean per step): the lifecycle's steps, torch's cache
+    release, and what the driver saw beyond the worker's own seconds (Ray round trip, queueing)."""
+    rows = ["| role/transition | driver s | worker s | steps inside (s) |", "|---|---:|---:|---|"]
+    for role in ("actor", "critic"):
+        for kind in ("sleep", "wake"):
+
+            def mean(key: str) -> float:
+                return sum(float(r.get(key, 0.0)) for r in records) / len(records)
+
+            driver = mean(f"time/{role}/{kind}_s") + mean(f"time/{role}/{kind}_hidden_s")
+            worker = mean(f"{role}/{kind}/seconds")
+            inner = sorted(
+                {
+                    k
+                    for r in records
+                    for k in r
+                    # the lifecycle's steps (<role>/<kind>/step/<name>) and the worker's own
+                    # (<role>/<kind>/empty_cache/seconds)
+                    if k.startswith((f"{role}/{kind}/step/", f"{role}/{kind}/empty_cache/seconds"))
+                }
+            )
+            steps = ", ".join(
+                f"{k.split('/', 2)[2].removeprefix('step/').removesuffix('/seconds')} {mean(k):.3f}" for k in inner
+            )
+            rows.append(f"| {role}/{kind} | {driver:.3f} | {worker:.3f} | {steps} |")
+    return "\n".join(rows)
 
 
 def machine() -> str:
@@ -226,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--scenario", choices=sorted(SCENARIOS), action="append", help="default: colocate and disaggregate"
     )
     parser.add_argument("--steps", type=int, default=None, help="default: 5 (2 with --cpu-smoke)")
+    parser.add_argument(
+        "--set", dest="sets", action="append", default=[], help="a config override, e.g. offload.overlap=off"
+    )
     parser.add_argument(
         "--out", type=Path, default=None, help="run folders and budget.md; default $OUT or a temp dir"
     )
@@ -256,7 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for name in names:
         try:
-            section = run_scenario(SCENARIOS[name], out, cpu_smoke=args.cpu_smoke, steps=steps)
+            section = run_scenario(
+                SCENARIOS[name], out, cpu_smoke=args.cpu_smoke, steps=steps, sets=args.sets
+            )
         except Exception as exc:  # every scenario runs; the exit status reports the failures
             traceback.print_exc()
             failed.append(f"{name}: {type(exc).__name__}: {exc}")

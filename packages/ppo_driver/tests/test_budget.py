@@ -114,13 +114,44 @@ def test_rows_first_step_apart_mean_after_it_and_unused_parts_left_out() -> None
 def test_markdown_table_is_ready_to_paste() -> None:
     text = markdown_table(_history())
     lines = text.splitlines()
-    assert lines[0] == "| part | first step s | share | MB | mean s (steps 2+) | share | MB | GB/s |"
-    assert "| actor/sleep | 1.000 | 50.0% | 2000.0 | 0.200 | 20.0% | 2000.0 | 10.00 |" in lines
-    assert "| **step** | 2.000 | 100.0% |  | 1.000 | 100.0% |  | - |" in lines
-    assert lines[-1].endswith("| 50.0% | | | 20.0% | | |")
+    header = "| part | first step s | share | MB | mean s (steps 2+) | share | MB | GB/s | hidden s |"
+    assert lines[0] == header
+    assert "| actor/sleep | 1.000 | 50.0% | 2000.0 | 0.200 | 20.0% | 2000.0 | 10.00 | 0.000 |" in lines
+    assert "| **step** | 2.000 | 100.0% |  | 1.000 | 100.0% |  | - |  |" in lines
+    assert lines[-1].endswith("| 50.0% | | | 20.0% | | | |")
     one_step = markdown_table(_history()[:1])
-    assert "| generate | 0.500 | 25.0% |  | - | - |  | - |" in one_step.splitlines()
-    assert "| actor/sleep | 1.000 | 50.0% | 2000.0 | - | - |  | 2.00 |" in one_step.splitlines()
+    assert "| generate | 0.500 | 25.0% |  | - | - |  | - |  |" in one_step.splitlines()
+    assert "| actor/sleep | 1.000 | 50.0% | 2000.0 | - | - |  | 2.00 | 0.000 |" in one_step.splitlines()
+
+
+def test_hidden_seconds_are_no_part_of_the_step_but_count_for_the_rate() -> None:
+    # An overlapped sleep: the loop waited 0.05 s of its 0.25 s; 0.2 s ran under generate.
+    clock = StepClock()
+    with clock.span("generate"):
+        time.sleep(0.02)
+        with clock.span("actor/sleep"):
+            time.sleep(0.01)
+    moved = StepBytes({"actor/sleep": 5e9})
+    record = step_metrics(clock, ROLES, moved, hidden={"actor/sleep": 0.2})
+    assert record["time/actor/sleep_hidden_s"] == 0.2
+    assert record["time/critic/wake_hidden_s"] == 0.0  # every transition's key, every step
+    named = sum(v for k, v in record.items() if k.endswith("_s") and not k.endswith(("hidden_s", "step_s")))
+    assert named == pytest.approx(record["time/step_s"], abs=1e-9)  # hidden seconds are not added
+    overhead = record["time/actor/sleep_s"]
+    assert record["time/overhead_fraction"] == pytest.approx(overhead / record["time/step_s"])
+    history = [{**record, "step": 1}, {**record, "step": 2}]
+    row = {r.part: r for r in budget_rows(history)}["actor/sleep"]
+    assert row.mean_hidden_s == 0.2
+    # The rate over the transition's own seconds (waited + hidden), not over the wait alone.
+    assert row.gb_per_s == pytest.approx(5e9 / (record["time/actor/sleep_s"] + 0.2) / 1e9)
+    row_at = 2 + row_names(history).index("actor/sleep")
+    assert markdown_table(history).splitlines()[row_at].endswith("| 0.200 |")
+    with pytest.raises(ValueError, match="engines/nap"):
+        step_metrics(StepClock(), ROLES, moved, hidden={"engines/nap": 1.0})
+
+
+def row_names(history: list[dict[str, float]]) -> list[str]:
+    return [r.part for r in budget_rows(history)]
 
 
 def test_summary_table_and_plot_show_the_budget(tmp_path: Path) -> None:

@@ -15,8 +15,16 @@ Per-step keys (every one present in every step, 0 where a part did not run):
   ``time/step_s``;
 * ``bytes/<role>/sleep`` and ``bytes/<role>/wake`` for each role (``actor``, ``critic``,
   ``engines``), ``bytes/handoff`` and ``bytes/weight_update``;
+* ``time/<role>/<action>_hidden_s`` for each transition: its own seconds that ran in the background
+  while the loop did other work (``offload.overlap``, ``phases.py``); 0 in the sequential order. Not
+  a part of the step: those seconds are inside other parts (``generate``, ``critic_train``, ...);
 * ``time/overhead_fraction`` = (every sleep and wake + weight update + handoff) / step, where the
-  step leaves out ``check_weights`` (a check the run asked for, not part of the method).
+  step leaves out ``check_weights`` (a check the run asked for, not part of the method). A sleep's or
+  wake's part is the time the loop waited for it (all of it in the sequential order; with overlap,
+  the wait when its phase needed it, plus the actor's foreground disconnect before a background
+  sleep): hidden seconds are not overhead, since the step did not get longer for them.
+
+The table's GB/s of a transition is its bytes over its own seconds (part + hidden).
 """
 
 from __future__ import annotations
@@ -111,8 +119,14 @@ class StepBytes:
     weight_update: float = 0.0
 
 
-def step_metrics(clock: StepClock, roles: Sequence[str], moved: StepBytes) -> dict[str, float]:
-    """The budget keys of one step (see the module docstring); call at the very end of the step."""
+def step_metrics(
+    clock: StepClock,
+    roles: Sequence[str],
+    moved: StepBytes,
+    hidden: Mapping[str, float] | None = None,
+) -> dict[str, float]:
+    """The budget keys of one step (see the module docstring); call at the very end of the step.
+    ``hidden``: per transition (``"actor/sleep"``), its seconds that ran under other work."""
     step_s = clock.elapsed()
     own = clock.seconds()
     parts = parts_for(roles)
@@ -122,8 +136,13 @@ def step_metrics(clock: StepClock, roles: Sequence[str], moved: StepBytes) -> di
     out: dict[str, float] = {f"time/{p}_s": own.get(p, 0.0) for p in parts}
     out["time/other_s"] = step_s - sum(own.values())
     out["time/step_s"] = step_s
+    hidden = hidden or {}
+    unknown = sorted(set(hidden) - set(transition_parts(roles)))
+    if unknown:
+        raise ValueError(f"step budget: hidden seconds of {unknown}, which are no transitions of this run")
     for part in transition_parts(roles):
         out[f"bytes/{part}"] = float(moved.transitions.get(part, 0.0))
+        out[f"time/{part}_hidden_s"] = float(hidden.get(part, 0.0))
     out["bytes/handoff"] = float(moved.handoff)
     out["bytes/weight_update"] = float(moved.weight_update)
     overhead = sum(own.get(p, 0.0) for p in (*transition_parts(roles), *TRANSFER))
@@ -145,13 +164,17 @@ class BudgetRow:
     mean_share: float | None
     first_bytes: float | None = None  # None: a part that moves no counted bytes
     mean_bytes: float | None = None
+    first_hidden_s: float | None = None  # None: not a transition (nothing of it runs hidden)
+    mean_hidden_s: float | None = None
 
     @property
     def gb_per_s(self) -> float | None:
-        """The mean step's bytes over its seconds (the first step's for a one-step run)."""
-        nbytes, seconds = (
-            (self.mean_bytes, self.mean_s) if self.mean_s is not None else (self.first_bytes, self.first_s)
-        )
+        """The mean step's bytes over its own seconds (part + hidden; the first step's for a one-step
+        run)."""
+        if self.mean_s is not None:
+            nbytes, seconds = self.mean_bytes, self.mean_s + (self.mean_hidden_s or 0.0)
+        else:
+            nbytes, seconds = self.first_bytes, self.first_s + (self.first_hidden_s or 0.0)
         return nbytes / seconds / 1e9 if nbytes and seconds else None
 
 
@@ -172,7 +195,11 @@ def budget_rows(history: Sequence[Mapping[str, Any]]) -> list[BudgetRow]:
         return []
     first, rest = records[0], records[1:]
     # The budget's own parts only: another ``time/..._s`` key in a record is not a part of the sum.
-    parts = [p for p in parts_for(ROLES) if any(r.get(f"time/{p}_s", 0.0) > 0 for r in records)]
+    parts = [
+        p
+        for p in parts_for(ROLES)
+        if any(r.get(f"time/{p}_s", 0.0) > 0 or r.get(f"time/{p}_hidden_s", 0.0) > 0 for r in records)
+    ]
     rows = []
     first_step = float(first["time/step_s"])
     mean_step = statistics.fmean(float(r["time/step_s"]) for r in rest) if rest else None
@@ -180,6 +207,7 @@ def budget_rows(history: Sequence[Mapping[str, Any]]) -> list[BudgetRow]:
         a = float(first.get(f"time/{part}_s", 0.0))
         b = statistics.fmean(float(r.get(f"time/{part}_s", 0.0)) for r in rest) if rest else None
         key = bytes_key(part)
+        hidden_key = f"time/{part}_hidden_s" if part in transition_parts(ROLES) else None
         rows.append(
             BudgetRow(
                 part=part,
@@ -189,6 +217,12 @@ def budget_rows(history: Sequence[Mapping[str, Any]]) -> list[BudgetRow]:
                 mean_share=(b / mean_step) if b is not None and mean_step else None,
                 first_bytes=float(first.get(key, 0.0)) if key else None,
                 mean_bytes=statistics.fmean(float(r.get(key, 0.0)) for r in rest) if key and rest else None,
+                first_hidden_s=float(first.get(hidden_key, 0.0)) if hidden_key else None,
+                mean_hidden_s=(
+                    statistics.fmean(float(r.get(hidden_key, 0.0)) for r in rest)
+                    if hidden_key and rest
+                    else None
+                ),
             )
         )
     return rows
@@ -216,6 +250,8 @@ def summary(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 "mean_share": r.mean_share,
                 "first_step_bytes": r.first_bytes,
                 "mean_bytes": r.mean_bytes,
+                "first_step_hidden_s": r.first_hidden_s,
+                "mean_hidden_s": r.mean_hidden_s,
             }
             for r in rows
         ],
@@ -227,22 +263,28 @@ def markdown_table(history: Sequence[Mapping[str, Any]]) -> str:
     """The budget table in Markdown (the root README's performance section takes it as it is)."""
     rows = budget_rows(history)
     lines = [
-        "| part | first step s | share | MB | mean s (steps 2+) | share | MB | GB/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| part | first step s | share | MB | mean s (steps 2+) | share | MB | GB/s | hidden s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         name = f"**{row.part}**" if row.part == "step" else row.part
         lines.append(
             f"| {name} | {row.first_s:.3f} | {row.first_share:.1%} | {_mb(row.first_bytes)} | "
             f"{_num(row.mean_s, '.3f')} | {_num(row.mean_share, '.1%')} | {_mb(row.mean_bytes)} | "
-            f"{_num(row.gb_per_s, '.2f')} |"
+            f"{_num(row.gb_per_s, '.2f')} | {_hidden(row)} |"
         )
     first, mean = overhead_means(history)
     lines.append(
         f"| overhead (sleeps + wakes + weight update + handoff) | | {_num(first, '.1%')} | | | "
-        f"{_num(mean, '.1%')} | | |"
+        f"{_num(mean, '.1%')} | | | |"
     )
     return "\n".join(lines)
+
+
+def _hidden(row: BudgetRow) -> str:
+    """A transition's hidden seconds (the mean's; the first step's for a one-step run), else blank."""
+    value = row.mean_hidden_s if row.mean_s is not None else row.first_hidden_s
+    return "" if value is None else f"{value:.3f}"
 
 
 def _num(value: float | None, spec: str) -> str:

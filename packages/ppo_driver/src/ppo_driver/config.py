@@ -162,6 +162,23 @@ class OffloadSection(_Section):
     allow_resident_shared_critic: bool = Field(
         default=False, description="debug: keep a shared critic resident next to the actor (offload off)"
     )
+    overlap: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="overlapped transitions: sleeps in the background, wakes ahead of their phase; "
+        "auto: on cuda when every shared GPU keeps overlap_headroom_gb free with every role resident",
+    )
+    overlap_headroom_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description="offload.overlap=auto: GB each shared GPU must have free after start-up; null: half "
+        "of its memory",
+    )
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML reads a bare on/off as a boolean: `overlap: on` means the word.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class CheckpointSection(_Section):

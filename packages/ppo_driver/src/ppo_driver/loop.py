@@ -13,8 +13,9 @@ resume from the latest complete checkpoint, the first weight update. Then each s
 6. onload the engines, evaluate when due.
 
 Every sleep and wake is the driver's, taken from ``OffloadPlan.transitions`` between phases; the
-workers only carry them out. A critic-only warm-up step (``train.num_critic_only_steps``) skips 3 and
-5; a GRPO run has no critic and skips 2.
+workers only carry them out. ``offload.overlap`` (``overlap.py``, decided right after start-up) runs
+them in the background and wakes the next phase's roles ahead (``phases.py``). A critic-only
+warm-up step (``train.num_critic_only_steps``) skips 3 and 5; a GRPO run has no critic and skips 2.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from ppo_driver.faults import (
     resume_hint,
 )
 from ppo_driver.metrics import METRICS_FILE, MetricsLog, StepProgress
-from ppo_driver.phases import PhaseTracker
+from ppo_driver.overlap import OverlapChoice, choose_overlap
+from ppo_driver.phases import PhaseTracker, TransitionFailed
 from ppo_driver.roles import RoleFactory, Roles, create_roles, shutdown_roles
 from ppo_driver.runlock import RunLock
 from ppo_driver.saving import CheckpointSaver
@@ -104,7 +106,10 @@ def train(
         processes.record(roles, run_dir, timeout_s)
         rollout, actor, critic = roles.rollout, roles.actor, roles.critic
         plan = build.offload_plan(config)
-        phases = PhaseTracker(plan, roles, on_enter=at.entering)
+        overlap = _choose_overlap(config, roles)  # measured now, with every role resident
+        console.print(overlap.describe(), highlight=False)
+        phases = PhaseTracker(plan, roles, on_enter=at.entering, overlap=overlap.overlap, timeout_s=timeout_s)
+        stack.callback(phases.close)  # before the roles shut down: nothing left moving
         saver = CheckpointSaver(
             ckpt_root,
             roles,
@@ -127,7 +132,8 @@ def train(
         actor.update_weights(version=str(start))
         phases.enter("generate")
         # What start-up moved (its sleeps, wakes and first weight update) is not any step's budget.
-        setup_metrics = _pop_role_metrics(roles)
+        phases.settle()
+        setup_metrics = phases.pop_role_metrics()
         budget_roles = tuple(budget.budget_role(r) for r in plan.roles)
 
         # train.async=one_step_off: step t + 1's batch is generated while step t trains (schedule.py).
@@ -152,12 +158,16 @@ def train(
         for step in range(start + 1, config.train.steps + 1):
             at.step = step
             timer = budget.StepClock()  # every second of the step, in disjoint parts (budget.py)
-            phases.start_step(timer)
+            phases.start_step(timer, step)
             trains_actor = step > config.train.num_critic_only_steps
+            # The phase after each one, for the roles an overlapped run wakes ahead (phases.py).
+            after_generate: Phase | None = (
+                "critic_train" if critic is not None else "actor_train" if trains_actor else None
+            )
             saved = False
 
             with timer.span("generate"):
-                phases.enter("generate")
+                phases.enter("generate", then=after_generate)
                 batch = schedule.batch(step)
             metrics: dict[str, Any] = dict(batch.metrics)
             metrics["rollout/staleness"] = _check_staleness(step, batch.metrics, published)
@@ -167,7 +177,8 @@ def train(
             handoff_bytes = 0
             if critic is not None:
                 with timer.span("critic_train"):
-                    phases.enter("critic_train")  # offloads colocated engines, wakes the critic
+                    # Offloads colocated engines, wakes the critic.
+                    phases.enter("critic_train", then="actor_train" if trains_actor else "generate")
                     result = critic.train(step, batch.critic_boxes)
                     timer.carve("handoff", result.metrics.get("handoff_put_s", 0.0))
                 check_finite("critic", step, result.metrics)
@@ -182,7 +193,7 @@ def train(
 
             if trains_actor:
                 with timer.span("actor_train"):
-                    phases.enter("actor_train")  # the critic sleeps, the actor wakes
+                    phases.enter("actor_train", then="weight_update")  # the critic sleeps, the actor wakes
                     result = actor.train(step, batch.boxes, values)
                     timer.carve("handoff", result.metrics.get("handoff_get_s", 0.0))
                 # Before the save and the weight update: non-finite weights reach neither.
@@ -208,14 +219,19 @@ def train(
                     with timer.span("check_weights"):
                         check_weights_match(step, roles)
 
-            phases.enter("generate")  # onload the engines
+            last = step == config.train.steps or signals.requested is not None
+            # Onload the engines; wake the next step's first role ahead, unless a checkpoint still
+            # waits for this step's sleeps (saving.py), or no step follows.
+            phases.enter("generate", then=None if last or saved else _first_phase(config))
             with timer.span("save"), at.within("save"):
                 saver.launch_ready()  # every trainer role asleep now: background saves start
             if _due(step, config.rollout.eval_interval, config.train.steps, final=True):
                 with timer.span("eval"):
                     metrics.update(_prefixed("eval", rollout.evaluate(step)))
 
-            popped = _pop_role_metrics(roles)
+            if last:
+                phases.settle()  # no later phase hides what still moves: the step waits for it
+            popped = phases.pop_role_metrics()
             for role, role_metrics in popped.items():
                 metrics.update(_prefixed(role, role_metrics))
             metrics.update(phases.step_metrics())
@@ -235,6 +251,7 @@ def train(
                         handoff=float(handoff_bytes),
                         weight_update=float(metrics.get("weight_sync/bytes", 0.0)) if trains_actor else 0.0,
                     ),
+                    hidden=phases.hidden_seconds(),
                 )
             )
             metrics["time/step"] = metrics["time/step_s"]
@@ -250,6 +267,7 @@ def train(
                 _stop_if_asked(signals, step, ckpt_root)
         with at.within("save"):
             saver.wait()
+        phases.settle()
 
         actor_checksum = actor.weights_checksum()
         engine_checksums = list(rollout.weights_checksums())
@@ -271,6 +289,7 @@ def train(
                     "weights_match": result_.weights_match,
                     "budget": budget.summary(log.history),
                     "setup": setup_metrics,
+                    "transitions": {"overlap": overlap.overlap, "reason": overlap.reason},
                 },
                 indent=1,
             )
@@ -307,9 +326,9 @@ def _report_failures(at: _Where, ckpt_root: Path) -> Iterator[None]:
         raise
     except Exception as exc:
         error = _non_finite_weights(exc, at.step) or exc
-        raise RunFailed(
-            at.step, at.phase, error, resume_hint(checkpoint.latest_complete(ckpt_root))
-        ) from error
+        # A background sleep or wake is reported in the phase (and step) that started it.
+        step, phase = (exc.step, exc.phase) if isinstance(exc, TransitionFailed) else (at.step, at.phase)
+        raise RunFailed(step, phase, error, resume_hint(checkpoint.latest_complete(ckpt_root))) from error
 
 
 def _non_finite_weights(exc: BaseException, step: int) -> NonFiniteError | None:
@@ -494,12 +513,22 @@ def check_weights_match(step: int, roles: Roles) -> None:
         )
 
 
-def _pop_role_metrics(roles: Roles) -> dict[str, dict[str, float]]:
-    """What each role measured since the last call (its sleeps' and wakes' bytes and seconds)."""
-    out = {"actor": roles.actor.pop_metrics(), "rollout": roles.rollout.pop_metrics()}
-    if roles.critic is not None:
-        out["critic"] = roles.critic.pop_metrics()
-    return out
+def _choose_overlap(config: RunConfig, roles: Roles) -> OverlapChoice:
+    """``offload.overlap`` resolved (``overlap.py``); device memory is read only where auto needs it."""
+    o, device = config.offload, config.placement.device
+    memory: list[dict[str, float]] = []
+    if o.overlap == "auto" and o.enabled and device == "cuda":
+        for group in (roles.actor, roles.critic):
+            if group is not None:
+                memory.extend(group.memory_info())
+    return choose_overlap(
+        o.overlap, device=device, offload=o.enabled, memory=memory, headroom_gb=o.overlap_headroom_gb
+    )
+
+
+def _first_phase(config: RunConfig) -> Phase:
+    """The phase after ``generate`` in a step that follows (warm-up steps train the critic too)."""
+    return "critic_train" if config.use_critic else "actor_train"
 
 
 def _transition_bytes(popped: Mapping[str, Mapping[str, float]]) -> dict[str, float]:

@@ -207,8 +207,10 @@ def budget_table(history: list[dict[str, Any]]) -> Table:
     table.add_column("share", justify="right")
     table.add_column("MB", justify="right")
     table.add_column("GB/s", justify="right")
+    table.add_column("hidden s", justify="right")
     for row in budget_rows(history):
         nbytes = row.mean_bytes if row.mean_s is not None else row.first_bytes
+        hidden = row.mean_hidden_s if row.mean_s is not None else row.first_hidden_s
         table.add_row(
             row.part,
             f"{row.first_s:.3f}",
@@ -217,14 +219,17 @@ def budget_table(history: list[dict[str, Any]]) -> Table:
             "-" if row.mean_share is None else f"{row.mean_share:.1%}",
             "" if nbytes is None else f"{nbytes / 1e6:.1f}",
             "" if row.gb_per_s is None else f"{row.gb_per_s:.2f}",
+            "" if hidden is None else f"{hidden:.3f}",
             end_section=row.part == "other",
         )
     first, mean = overhead_means(history)
     table.caption = (
         "overhead (sleeps + wakes + weight update + handoff): "
         f"{'-' if first is None else f'{first:.1%}'} of the first step, "
-        f"{'-' if mean is None else f'{mean:.1%}'} of the steps after it; MB and GB/s: the steps "
-        "after the first (actor and critic: rank 0's bytes)"
+        f"{'-' if mean is None else f'{mean:.1%}'} of the steps after it (a transition's seconds: "
+        "the loop's wait for it; hidden s: its seconds under other work, not in the step's sum); MB "
+        "and GB/s (over part + hidden seconds): the steps after the first (actor and critic: rank 0's "
+        "bytes)"
     )
     return table
 

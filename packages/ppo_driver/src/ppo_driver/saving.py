@@ -101,7 +101,8 @@ class CheckpointSaver:
             for name in self._writing:
                 group = self._groups[name]
                 assert isinstance(group, BackgroundSaving)  # only such roles are in _writing
-                if not group.save_done():
+                # A role still moving (overlapped) would answer only after it: not done yet, then.
+                if self.phases.busy(name) or not group.save_done():
                     return None
             return self._finish()
         finally:
@@ -136,6 +137,7 @@ class CheckpointSaver:
         for name in [n for n in self._waiting if n not in resident]:
             group = self._groups[name]
             assert isinstance(group, BackgroundSaving)  # only such roles are in _waiting
+            self.phases.settle(name)  # an overlapped sleep: its host copies are current once it ends
             with self._pending.writing():
                 group.save_async(self._pending.tmp / name)
             self._waiting.remove(name)
@@ -162,6 +164,7 @@ class CheckpointSaver:
             for name in writing:
                 group = self._groups[name]
                 assert isinstance(group, BackgroundSaving)  # only such roles are in _writing
+                self.phases.settle(name)
                 self._background = max(self._background, group.save_wait())
         final = pending.finish(keep=self._keep)
         self.completed.append(final)

@@ -196,6 +196,12 @@ class TrainGroup:
     def connect_engines(self, engines: Sequence[EngineEndpoint]) -> None:
         self._all("connect_engines", list(engines))
 
+    def disconnect_engines(self) -> None:
+        """Leave the engines now (a no-op when not connected); the next update reconnects. The
+        driver calls it before a sleep it runs in the background, so the engines are left while
+        they are idle, not while they generate."""
+        self._all("disconnect_engines")
+
     def update_weights(self, version: str) -> dict[str, float]:
         """Every rank sends to its own engines (rank 0 also to the group's); the ranks' metrics merged."""
         return merge_sync_metrics(self._all("update_weights", version))

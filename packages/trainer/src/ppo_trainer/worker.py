@@ -107,6 +107,7 @@ class TrainWorker:
         self._engines: list[EngineEndpoint] = []
         self._targets: list[EngineEndpoint] = []  # the engines this rank sends to
         self._last_step: int | None = None
+        self._cache_release_s = 0.0  # seconds of release_device_cache since the last pop_metrics
 
     # ------------------------------------------------------------------ setup
     def rendezvous_address(self) -> str:
@@ -325,14 +326,18 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
+        fault_injection.before_transition(self.role, "sleep")
         if self._save is not None:
             # The next release writes the host buffers a background save may still be reading.
             self._save.wait_reading(self.timeout_s)
         self.lifecycle.sleep()
         if self.device.type == "cuda":
+            start = time.perf_counter()
             release_device_cache()
+            self._cache_release_s += time.perf_counter() - start
 
     def wake_up(self) -> None:
+        fault_injection.before_transition(self.role, "wake")
         self.lifecycle.wake_up()
 
     def is_asleep(self) -> bool:
@@ -340,6 +345,8 @@ class TrainWorker:
 
     def pop_metrics(self) -> dict[str, float]:
         out = self.lifecycle.pop_metrics()
+        if self._cache_release_s:  # after the lifecycle's sleep: torch's cache back to the GPU
+            out["sleep/empty_cache/seconds"], self._cache_release_s = self._cache_release_s, 0.0
         if self._sender is not None:
             out.update({k: v for k, v in self._sender.pop_metrics().items() if v})
         return out
@@ -379,6 +386,10 @@ class TrainWorker:
     def _disconnect(self) -> None:
         if self._sender is not None and self._sender.is_connected:
             self._sender.disconnect()
+
+    def disconnect_engines(self) -> None:
+        """What the pre-sleep hook does, on its own (the driver's, before a background sleep)."""
+        self._disconnect()
 
     def sends(self) -> RankSends:
         """What this rank sends (after ``connect_engines``): its CUDA IPC engines and, on rank 0, the
