@@ -24,7 +24,7 @@ from ppo_weight_sync.ipc.transport import ColocatedIpc
 from ppo_weight_sync.lock import PROCESS_LOCK, RayUpdateLock, ThreadUpdateLock, UpdateLock
 from ppo_weight_sync.net import free_port, node_address
 from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps, WeightOps
-from ppo_weight_sync.plan import RankSends, SenderPlan, plan_senders
+from ppo_weight_sync.plan import RankSends, SenderPlan, TpIpc, plan_senders
 from ppo_weight_sync.receiver import WeightReceiver
 from ppo_weight_sync.receiving_engine import ReceivingEngine
 from ppo_weight_sync.sender import WeightSender
@@ -55,6 +55,7 @@ __all__ = [
     "Sent",
     "TensorOps",
     "ThreadUpdateLock",
+    "TpIpc",
     "Transport",
     "TransportFactory",
     "UpdateLock",
