@@ -135,14 +135,14 @@ class SenderPlan:
                 tp = by_engine.get(engine)
                 if tp is None or not 1 <= tp_rank < len(tp.ranks) or tp.ranks[tp_rank] != sends.rank:
                     raise ValueError(
-                        f"SenderPlan: rank {sends.rank} exports for engine {engine}'s TP rank {tp_rank}, which "
-                        "no TP engine of the plan gives it"
+                        f"SenderPlan: rank {sends.rank} exports for engine {engine}'s TP rank {tp_rank}, "
+                        "which no TP engine of the plan gives it"
                     )
             if sends.exports and (len(sends.exports) > 1 or sends.ipc or sends.group):
                 raise ValueError(
                     f"SenderPlan: rank {sends.rank} exports for {list(sends.exports)} and also sends "
-                    f"ipc={list(sends.ipc)} group={list(sends.group)}; a rank that exports for another rank's "
-                    "engine does nothing else"
+                    f"ipc={list(sends.ipc)} group={list(sends.group)}; a rank that exports for another "
+                    "rank's engine does nothing else"
                 )
 
     @classmethod
