@@ -132,8 +132,8 @@ class SenderPlan:
                     )
         for sends in self.ranks:
             for engine, tp_rank in sends.exports:
-                tp = by_engine.get(engine)
-                if tp is None or not 1 <= tp_rank < len(tp.ranks) or tp.ranks[tp_rank] != sends.rank:
+                given = by_engine.get(engine)
+                if given is None or not 1 <= tp_rank < len(given.ranks) or given.ranks[tp_rank] != sends.rank:
                     raise ValueError(
                         f"SenderPlan: rank {sends.rank} exports for engine {engine}'s TP rank {tp_rank}, "
                         "which no TP engine of the plan gives it"
