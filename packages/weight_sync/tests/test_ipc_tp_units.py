@@ -4,8 +4,8 @@ ranks (real processes), its errors, the boards' protocol across processes, and w
 from __future__ import annotations
 
 import json
-import re
 import multiprocessing
+import re
 import time
 from datetime import timedelta
 from typing import Any
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ppo_weight_sync import ColocatedIpc, free_port
-from ppo_weight_sync.ipc.exchange import ExchangeError, GlooExchange
+from ppo_weight_sync.ipc.exchange import GlooExchange
 from ppo_weight_sync.ipc.tp import IpcExporter, PeerBoard, TpLink
 
 pytestmark = pytest.mark.timeout(180)
@@ -28,7 +28,11 @@ def _rank_main(rank: int, world: int, port: int, role: str, out: Any) -> None:
     from ppo_weight_sync.ipc.tp import _gather
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
     )
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
     exchange = GlooExchange(group, EXCHANGE_TIMEOUT_S)
@@ -56,7 +60,9 @@ def _run(roles: list[str]) -> dict[int, tuple[str, str, float]]:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank_main, args=(r, len(roles), port, role, out)) for r, role in enumerate(roles)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, len(roles), port, role, out)) for r, role in enumerate(roles)
+    ]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, str, float]] = {}
@@ -181,3 +187,24 @@ def test_bad_tp_links_are_refused_with_the_reason() -> None:
         IpcExporter(TpLink("a", 0, 2, _NoExchange(2)))
     with pytest.raises(ValueError, match="bucket_bytes must be a positive int or None"):
         IpcExporter(TpLink("a", 1, 2, _NoExchange(2)), bucket_bytes=0)
+
+
+class _Endpoint:
+    def __init__(self, name: str, num_gpus: int) -> None:
+        self.name, self.num_gpus, self.load_formats = name, num_gpus, ("flattened_bucket",)
+
+
+def test_the_transport_refuses_a_tp_link_that_does_not_fit_the_engine() -> None:
+    import torch
+
+    from ppo_weight_sync.ipc.transport import IpcTransport
+
+    transport = IpcTransport(device=torch.device("cuda", 0), bucket_bytes=1 << 20, timeout_s=10)
+    with pytest.raises(ValueError, match="engine 'tp2' has 2 GPUs, its TpLink 3 TP ranks"):
+        transport.connect(
+            [_Endpoint("tp2", 2)],  # type: ignore[list-item]
+            "s",
+            tp={"tp2": TpLink("tp2", 0, 3, _NoExchange(3))},
+        )
+    with pytest.raises(ValueError, match=r"needs every TP rank's trainer rank .*plan_senders says which"):
+        transport.connect([_Endpoint("tp2", 2)], "s")  # type: ignore[list-item]

@@ -234,9 +234,10 @@ class TpLead:
                 )
         self.epoch += 1
 
-    def entries(self, k: int, slot: int, layout: BucketLayout, own: str) -> list[str]:
-        """Bucket ``k``'s entries, one per TP rank (``own``: TP rank 0's), once every exporter packed it."""
-        out = [own]
+    def entries(self, k: int, slot: int, layout: BucketLayout, own: Callable[[], str]) -> list[str]:
+        """Bucket ``k``'s entries, one per TP rank, once every exporter packed it; ``own()`` makes TP rank
+        0's after the waits (a fresh export made before a wait that fails would never be consumed)."""
+        out: list[str] = []
         for i, board in enumerate(self.boards, start=1):
             what = f"engine {self.link.engine!r}: the trainer rank feeding TP rank {i} to pack bucket {k}"
 
@@ -267,7 +268,7 @@ class TpLead:
                 out.append(encode_ipc_bucket(self.session, handle, layout))
             else:
                 out.append(encode_flattened_bucket(handle, layout))
-        return out
+        return [own(), *out]
 
     def loaded(self, k: int) -> None:
         """The engine answered bucket ``k``: every exporter may pack that buffer again."""

@@ -242,10 +242,12 @@ class IpcTransport:
         lead = self._leads.get(engine.name)
         if fmt == PPO_IPC_FORMAT:
             own = self._entry(engine, k, slot, layout)
-            return lead.entries(k, slot, layout, own) if lead else [own] * engine.num_gpus
+            return lead.entries(k, slot, layout, lambda: own) if lead else [own] * engine.num_gpus
         buffer = self.packer.buffer(slot)
         if lead is not None:  # entry i: TP rank i's trainer rank's buffer (tp.py)
-            return lead.entries(k, slot, layout, encode_flattened_bucket(export_buffer(buffer), layout))
+            return lead.entries(
+                k, slot, layout, lambda: encode_flattened_bucket(export_buffer(buffer), layout)
+            )
         return [encode_flattened_bucket(export_buffer(buffer), layout) for _ in range(engine.num_gpus)]
 
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
