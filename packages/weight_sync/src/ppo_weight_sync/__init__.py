@@ -20,6 +20,8 @@ from ppo_weight_sync.errors import (
     check_reply,
 )
 from ppo_weight_sync.finite import non_finite_names
+from ppo_weight_sync.ipc.exchange import ExchangeError, GlooExchange, RankExchange
+from ppo_weight_sync.ipc.tp import IpcExporter, TpLink
 from ppo_weight_sync.ipc.transport import ColocatedIpc
 from ppo_weight_sync.lock import PROCESS_LOCK, RayUpdateLock, ThreadUpdateLock, UpdateLock
 from ppo_weight_sync.net import free_port, node_address
@@ -44,9 +46,13 @@ __all__ = [
     "EngineReply",
     "EngineTimeoutError",
     "EngineUnavailableError",
+    "ExchangeError",
+    "GlooExchange",
     "HttpEngineEndpoint",
+    "IpcExporter",
     "NonFiniteTensorsError",
     "Pending",
+    "RankExchange",
     "RankSends",
     "RayEngineEndpoint",
     "RayUpdateLock",
@@ -56,6 +62,7 @@ __all__ = [
     "TensorOps",
     "ThreadUpdateLock",
     "TpIpc",
+    "TpLink",
     "Transport",
     "TransportFactory",
     "UpdateLock",

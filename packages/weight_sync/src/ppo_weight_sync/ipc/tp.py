@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from ppo_weight_sync.buckets import FLATTENED_BUCKET
-from ppo_weight_sync.errors import EngineUnavailableError, WeightSyncError
+from ppo_weight_sync.errors import EngineUnavailableError, NonFiniteTensorsError, WeightSyncError
+from ppo_weight_sync.finite import non_finite_names
 from ppo_weight_sync.ipc.exchange import ExchangeError, RankExchange
 from ppo_weight_sync.ipc.handles import IpcHandle, export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout
@@ -295,7 +296,9 @@ class IpcExporter:
     the lead's sender (the trainer calls both sides together). It never calls the engine.
 
     ``bucket_bytes`` must be the lead's (None: both size buckets from the update, ``auto_bucket_bytes``):
-    the lead sends its own bucket layouts for every TP rank, and this rank packs the same buckets."""
+    the lead sends its own bucket layouts for every TP rank, and this rank packs the same buckets.
+    ``check_finite`` must be the lead's too: both refuse the same non-finite weights
+    (:class:`~ppo_weight_sync.errors.NonFiniteTensorsError`) before the update starts, and stay connected."""
 
     def __init__(
         self,
@@ -304,6 +307,7 @@ class IpcExporter:
         device: torch.device | None = None,
         bucket_bytes: int | None = None,
         timeout_s: float = 300.0,
+        check_finite: bool = True,
     ) -> None:
         if link.tp_rank < 1:
             raise ValueError(
@@ -317,6 +321,7 @@ class IpcExporter:
         self.device = device
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        self.check_finite = check_finite
         self._packer: BucketPacker | None = None
         self._board: PeerBoard | None = None
         self.format = ""
@@ -366,6 +371,9 @@ class IpcExporter:
         items = list(named_tensors)
         if not items:
             raise ValueError("named_tensors is empty: there is nothing to send")
+        bad = non_finite_names(items) if self.check_finite else []
+        if bad:  # the lead refuses the same tensors before it pauses the engine
+            raise NonFiniteTensorsError(bad)
         if self._board is not None and (self._board.get("abort") or self._board.get("released")):
             # The lead gave up on the previous update after this rank finished it, or disconnected: it
             # reconnects now, so must this rank (the connection's exchange pairs up).
