@@ -79,7 +79,9 @@ def _rank_main(
             links[tp.engine] = TpLink(engines[tp.engine].name, tp.ranks.index(rank), len(tp.ranks), exchange)
     mine = plan.for_rank(rank)
     endpoints = [
-        HttpEngineEndpoint(
+        HttpEngineEndpoint.for_sglang(e.url, num_gpus=e.num_gpus, timeout_s=timeout_s, name=e.name)
+        if e.sglang  # its protocol (the weight-update session of 0.5.21+) read from the server
+        else HttpEngineEndpoint(
             e.url, name=e.name, num_gpus=e.num_gpus, timeout_s=timeout_s, load_formats=e.load_formats
         )
         for e in engines
