@@ -65,6 +65,7 @@ def test_update_over_ipc_alone_is_bit_identical_and_frees_its_buffers(
     sender.connect([ep])
     sender.update(make_weights(SPEC, seed=99, device="cuda").items(), "warm-up")
     sender.disconnect()
+    sender.pop_metrics()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(0)
     used_before = _used_mib()

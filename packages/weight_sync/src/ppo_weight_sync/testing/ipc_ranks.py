@@ -118,15 +118,17 @@ def _rank_main(
             elif cmd == "update":
                 seed, version = args
                 weights = make_weights(spec, seed, device="cuda")
-                if sender is not None:
-                    if not sender.is_connected:
-                        sender.connect(targets)
-                    sender.update(weights.items(), version)
-                    value = sender.pop_metrics()
-                if exporter is not None:
-                    exporter.update(list(weights.items()), version)
-                    value = exporter.pop_metrics()
-                del weights
+                try:
+                    if sender is not None:
+                        if not sender.is_connected:
+                            sender.connect(targets)
+                        sender.update(weights.items(), version)
+                        value = sender.pop_metrics()
+                    if exporter is not None:
+                        exporter.update(list(weights.items()), version)
+                        value = exporter.pop_metrics()
+                finally:
+                    del weights  # also after a failure: a memory reading must see the library's share only
             elif cmd == "memory":
                 torch.cuda.synchronize()
                 torch.cuda.ipc_collect()
