@@ -208,3 +208,17 @@ def test_the_transport_refuses_a_tp_link_that_does_not_fit_the_engine() -> None:
         )
     with pytest.raises(ValueError, match=r"needs every TP rank's trainer rank .*plan_senders says which"):
         transport.connect([_Endpoint("tp2", 2)], "s")  # type: ignore[list-item]
+
+
+def test_the_feeding_rank_refuses_non_finite_weights_as_the_lead_does_before_anything_else() -> None:
+    import torch
+
+    from ppo_weight_sync import NonFiniteTensorsError
+
+    exporter = IpcExporter(TpLink("e", 1, 2, _NoExchange(2)))
+    with pytest.raises(NonFiniteTensorsError, match=r"NaN or infinite values \(b\)"):
+        exporter.update([("a", torch.ones(2)), ("b", torch.tensor([1.0, float("nan")]))], "v1")
+    assert not exporter.is_connected  # nothing exchanged, nothing allocated: both ranks skip the update
+    with pytest.raises(ValueError, match="named_tensors is empty"):
+        exporter.update([], "v1")
+    exporter.disconnect()  # idempotent when never connected
