@@ -57,7 +57,11 @@ def _gpu_of(slots: RoleSlots, i: int) -> tuple[str, int]:
             [RankSends(0, (), (0, 1)), RankSends(1, (), ())],
         ),
         # One colocated engine of two GPUs: no CUDA IPC (TP 2), rank 0 sends over the group (gloo).
-        ("2gpu-colocate", ["placement.gpus_per_engine=2"], [RankSends(0, (), (0,)), RankSends(1, (), ())]),
+        (
+            "2gpu-colocate",
+            ["placement.gpus_per_engine=2"],
+            [RankSends(0, (0,), ()), RankSends(1, (), (), exports=((0, 1),))],
+        ),
     ],
 )
 def test_the_plan_matches_the_gpus_ray_hands_out(
@@ -75,14 +79,17 @@ def test_the_plan_matches_the_gpus_ray_hands_out(
             [_gpu_of(rollout, i * g + j) for j in range(g)] for i in range(placements.layout.engine_count)
         ]
         # The same plan from what Ray really assigned: same GPU <=> same (node, GPU id).
-        assert plan_senders(ranks, engines, ipc=g == 1) == planned
+        assert plan_senders(ranks, engines) == planned
         for sends in planned.ranks:
             for i in sends.ipc:
-                assert engines[i] == [ranks[sends.rank]]  # IPC only to the engine on the rank's own GPU
+                assert engines[i][0] == ranks[sends.rank]  # IPC from the rank on the engine's (first) GPU
+            for i, tp_rank in sends.exports:
+                assert engines[i][tp_rank] == ranks[sends.rank]  # fed by the rank on that TP rank's GPU
             for i in sends.group:
                 assert ranks[0] not in engines[i] or g > 1  # NCCL never to rank 0's own GPU
     finally:
         remove_placement_groups(placements)
     actor_config = build.actor_trainer_config(config, "/m")
     assert actor_config.weight_sync_colocated == planned.ipc_by_rank
+    assert actor_config.weight_sync_colocated_tp == planned.tp_wire
     assert actor_config.weight_sync_backend == ("gloo" if g > 1 else "nccl")

@@ -54,6 +54,12 @@ def test_algorithm_config_rejects(kwargs: dict, field: str) -> None:
         ),
         ({"device": "cuda", "weight_sync_colocated": ((-1,),)}, "weight_sync_colocated"),
         ({"device": "cuda", "weight_sync_colocated": (0,)}, "weight_sync_colocated"),
+        ({"weight_sync_colocated_tp": ((0, 0, 1),)}, "weight_sync_colocated_tp needs device='cuda'"),
+        (
+            {"device": "cuda", "weight_sync_colocated_tp": ((0, 1, 1),)},
+            r"weight_sync_colocated_tp entry \(0, 1, 1\): .* at least two distinct ranks",
+        ),
+        ({"device": "cuda", "weight_sync_colocated_tp": ((0, 1),)}, "at least two distinct ranks"),
         ({"data_parallel": "ddp"}, "data_parallel"),
         ({"role": "critic", "algorithm": AlgorithmConfig(estimator="grpo")}, "grpo"),
     ],

@@ -19,7 +19,7 @@ timeout -k 5 "${BENCH_TIMEOUT_S:-400}" "$PY" "$HERE/bench_ipc.py" --json "${OUT:
 echo "== GPU tests: colocated IPC =="
 if "$PY" -m pytest --version >/dev/null 2>&1; then
     (cd "$PKG" && timeout -k 5 "${TEST_TIMEOUT_S:-300}" "$PY" -m pytest tests/test_ipc_update_gpu.py \
-        tests/test_ipc_gpu.py -v -s -x -p no:cacheprovider -o addopts="" -o faulthandler_timeout=100 -rA) \
+        tests/test_ipc_gpu.py tests/test_ipc_tp_gpu.py -v -s -x -p no:cacheprovider -o addopts="" -o faulthandler_timeout=100 -rA) \
         || { echo "GPU TESTS FAILED (exit $?)"; failed=1; }
 else
     echo "GPU TESTS NOT RUN: pytest is not installed here"; failed=1

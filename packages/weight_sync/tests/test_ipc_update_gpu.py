@@ -60,6 +60,13 @@ def test_update_over_ipc_alone_is_bit_identical_and_frees_its_buffers(
     sender = WeightSender(
         backend="nccl", bucket_bytes=256 << 10, timeout_s=30, transports=[_near(256 << 10, stream)]
     )
+    # A warm-up connection first: the engine process loads its copy kernels lazily on first use (CUDA's
+    # lazy module loading), which the GPU's used figure would otherwise count as growth.
+    sender.connect([ep])
+    sender.update(make_weights(SPEC, seed=99, device="cuda").items(), "warm-up")
+    sender.disconnect()
+    sender.pop_metrics()
+    torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(0)
     used_before = _used_mib()
     sender.connect([ep])

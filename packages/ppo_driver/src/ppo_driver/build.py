@@ -50,6 +50,7 @@ def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerCo
         memory_backend=config.offload.backend,
         weight_sync_backend=weight_sync_backend(config),
         weight_sync_colocated=weight_sync_colocated(config),
+        weight_sync_colocated_tp=weight_sync_plan(config).tp_wire,
         # The engines hold the weights in the rollout dtype and reject any other.
         weight_sync_dtype=_rollout_dtype(config),
     )
@@ -83,8 +84,10 @@ def weight_sync_backend(config: RunConfig) -> Literal["nccl", "gloo"]:
     """NCCL between the actor's GPU and engines on other GPUs; gloo on CPU.
 
     Engines on an actor rank's own GPU get CUDA IPC from that rank (:func:`weight_sync_plan`), not the
-    group: NCCL refuses two ranks of one communicator on one device ("Duplicate GPU detected"). The one
-    case left on gloo (through host memory) is a colocated engine of several GPUs, which IPC does not serve.
+    group: NCCL refuses two ranks of one communicator on one device ("Duplicate GPU detected"). A
+    colocated engine of several GPUs gets CUDA IPC too, from the ranks on its GPUs; gloo (through host
+    memory) stays for the colocated ones the plan leaves on the group (partly on GPUs no actor rank
+    trains on, see ``ppo_weight_sync.plan_senders``).
     """
     p = config.placement
     if p.device != "cuda" or (p.colocate and p.gpus_per_engine > 1):
@@ -98,7 +101,9 @@ def weight_sync_plan(config: RunConfig) -> SenderPlan:
     Actor rank ``r`` sits on bundle ``actor.offset + r``; engine ``i`` on bundles
     ``[rollout.offset + i*g, rollout.offset + (i+1)*g)``. A bundle is one GPU, shared by every role placed
     on it, so equal bundles mean the same GPU. An engine of one GPU on actor rank r's bundle gets CUDA IPC
-    from rank r (colocated: engine r on rank r's GPU); every other engine gets the group from rank 0.
+    from rank r (colocated: engine r on rank r's GPU); an engine of several GPUs, all actor ranks' bundles,
+    gets it from those ranks (the one on its first bundle posts, the others feed their TP ranks); every
+    other engine gets the group from rank 0.
     """
     from ppo_weight_sync import SenderPlan, plan_senders
 

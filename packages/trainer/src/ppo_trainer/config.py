@@ -251,6 +251,12 @@ class TrainerConfig(TrainSettings):
         description="per actor rank, the engines (by index in connect_engines' list) on that rank's GPU: "
         "it sends to them over CUDA IPC; rank 0 sends to every other engine over the group",
     )
+    weight_sync_colocated_tp: tuple[tuple[Annotated[int, Field(ge=0)], ...], ...] = Field(
+        default=(),
+        description="colocated engines of several GPUs served over CUDA IPC, each (engine, rank on its TP "
+        "rank 0's GPU, rank on TP rank 1's GPU, ...): the first rank posts (list the engine in its "
+        "weight_sync_colocated entry), the others feed their TP rank (ppo_weight_sync.SenderPlan.tp_wire)",
+    )
     bucket_bytes: int = Field(default=512 << 20, ge=1)
     weight_sync_group: str = Field(default="ppo_weights", min_length=1)
     weight_sync_dtype: WeightSyncDType = "float32"
@@ -274,6 +280,14 @@ class TrainerConfig(TrainSettings):
             )
         if named and self.device != "cuda":
             raise ValueError("weight_sync_colocated needs device='cuda' (CUDA IPC); leave it empty on CPU")
+        for entry in self.weight_sync_colocated_tp:
+            if len(entry) < 3 or len(set(entry[1:])) != len(entry) - 1:
+                raise ValueError(
+                    f"weight_sync_colocated_tp entry {entry!r}: (engine, rank of TP rank 0, rank of TP "
+                    "rank 1, ...) with at least two distinct ranks"
+                )
+        if self.weight_sync_colocated_tp and self.device != "cuda":
+            raise ValueError("weight_sync_colocated_tp needs device='cuda' (CUDA IPC); leave it empty on CPU")
         if self.device == "cpu" and self.weight_sync_backend == "nccl":
             raise ValueError("weight_sync_backend='nccl' needs device='cuda'; use 'gloo' on CPU")
         if self.role == "critic" and self.algorithm.estimator == "grpo":

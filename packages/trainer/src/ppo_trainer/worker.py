@@ -6,10 +6,12 @@ the weight update: ``update_weights`` and ``weights_checksum`` called while asle
 do their work, and put it back to sleep, so the caller finds it in the state it left it in.
 
 Every actor rank that sends owns a ``WeightSender`` (``ppo_weight_sync.SenderPlan``, from
-``TrainerConfig.weight_sync_colocated``): rank r sends to the engines on its own GPU over CUDA IPC, and
-rank 0 also sends to every other engine over the weight group. A pre-sleep hook disconnects it from the
-engines (so no communicator or shared buffer outlives the process groups and memory it needs); the next
-update reconnects. While resident, the connection is kept across updates.
+``TrainerConfig.weight_sync_colocated`` and ``weight_sync_colocated_tp``): rank r sends to the engines on
+its own GPU over CUDA IPC (for an engine of several GPUs, the rank on its TP rank 0's GPU posts and the
+ranks on its other GPUs feed their TP ranks through an ``IpcExporter``, after an exchange over a gloo
+subgroup of those ranks), and rank 0 also sends to every other engine over the weight group. A pre-sleep
+hook disconnects it from the engines (so no communicator or shared buffer outlives the process groups and
+memory it needs); the next update reconnects. While resident, the connection is kept across updates.
 """
 
 from __future__ import annotations
@@ -51,9 +53,12 @@ from ppo_value_transport import Box, Pieces, pack, pack_fields, require_values, 
 from ppo_weight_sync import (
     ColocatedIpc,
     EngineEndpoint,
+    GlooExchange,
+    IpcExporter,
     NonFiniteTensorsError,
     RankSends,
     SenderPlan,
+    TpLink,
     WeightSender,
     checksum,
     free_port,
@@ -104,6 +109,8 @@ class TrainWorker:
         self._groups: ReloadableProcessGroups | None = None
         self._dp: GroupHandle | None = None
         self._sender: WeightSender | None = None
+        self._exporter: IpcExporter | None = None  # feeds a TP rank of an engine another rank posts
+        self._tp_groups: dict[int, GroupHandle] = {}  # per colocated TP engine: its ranks' gloo channel
         self._engines: list[EngineEndpoint] = []
         self._targets: list[EngineEndpoint] = []  # the engines this rank sends to
         self._last_step: int | None = None
@@ -161,6 +168,12 @@ class TrainWorker:
         self._lifecycle.add_post_wake_hook("rebind_process_groups", trainer.after_groups_rebuilt)
         if self.role == "actor":
             self._lifecycle.add_pre_sleep_hook("disconnect_engines", self._disconnect)
+            # One small gloo channel per colocated TP engine, among the ranks on its GPUs (every rank
+            # creates every one, in the same order; rebuilt with the role's groups when it wakes).
+            for entry in self.config.weight_sync_colocated_tp:
+                self._tp_groups[entry[0]] = groups.new_group(
+                    sorted(entry[1:]), backend="gloo", timeout=timedelta(seconds=self.timeout_s)
+                )
         return {
             "rank": self.rank,
             "device": str(self.device),
@@ -349,6 +362,8 @@ class TrainWorker:
             out["sleep/empty_cache/seconds"], self._cache_release_s = self._cache_release_s, 0.0
         if self._sender is not None:
             out.update({k: v for k, v in self._sender.pop_metrics().items() if v})
+        if self._exporter is not None:
+            out.update({k: v for k, v in self._exporter.pop_metrics().items() if v})
         return out
 
     def memory_info(self) -> dict[str, float]:
@@ -386,6 +401,8 @@ class TrainWorker:
     def _disconnect(self) -> None:
         if self._sender is not None and self._sender.is_connected:
             self._sender.disconnect()
+        if self._exporter is not None:
+            self._exporter.disconnect()
 
     def disconnect_engines(self) -> None:
         """What the pre-sleep hook does, on its own (the driver's, before a background sleep)."""
@@ -397,7 +414,25 @@ class TrainWorker:
         return self._plan().for_rank(self.rank)
 
     def _plan(self) -> SenderPlan:
-        return SenderPlan.from_ipc(self.config.weight_sync_colocated, len(self._engines), self.world_size)
+        return SenderPlan.from_ipc(
+            self.config.weight_sync_colocated,
+            len(self._engines),
+            self.world_size,
+            self.config.weight_sync_colocated_tp,
+        )
+
+    def _tp_link(self, plan: SenderPlan, engine: int) -> TpLink:
+        """This rank's part in colocated TP engine ``engine``: its TP rank, and the channel to the others."""
+        tp = plan.tp_engine(engine)
+        if tp is None or self.rank not in tp.ranks:
+            raise ValueError(f"rank {self.rank} has no part in a colocated TP engine {engine}")
+        handle = self._tp_groups[engine]
+        return TpLink(
+            engine=self._engines[engine].name,
+            tp_rank=tp.ranks.index(self.rank),
+            tp_size=len(tp.ranks),
+            exchange=GlooExchange(lambda: handle.group, self.timeout_s),  # the live group, after a wake too
+        )
 
     def connect_engines(self, engines: list[EngineEndpoint]) -> None:
         """Remember the engines; a rank that sends connects to its own now if resident (else at the next
@@ -420,10 +455,15 @@ class TrainWorker:
                 "; ".join(plan.describe(self.config.weight_sync_backend)) or "none",
             )
         self._targets = [self._engines[i] for i in (*mine.ipc, *mine.group)]
+        if mine.exports and self._exporter is None:
+            self._exporter = IpcExporter(self._tp_link(plan, mine.exports[0][0]), timeout_s=self.timeout_s)
+        if self._exporter is not None and not self.lifecycle.is_asleep:
+            self._exporter.connect()  # with the lead's connect (every rank runs this at once)
         if not self._targets:
             return
         if self._sender is None:
             colocated = [self._engines[i].name for i in mine.ipc]
+            tp = {self._engines[i].name: self._tp_link(plan, i) for i in mine.ipc if plan.tp_engine(i)}
             self._sender = WeightSender(
                 backend=self.config.weight_sync_backend,
                 bucket_bytes=self.config.bucket_bytes,
@@ -432,7 +472,7 @@ class TrainWorker:
                 timeout_s=self.timeout_s,
                 # Engines on this rank's GPU load over CUDA IPC (buckets sized from the model:
                 # ColocatedIpc's auto_bucket_bytes); the others (rank 0's) join the group.
-                transports=[ColocatedIpc(colocated)] if colocated else [],
+                transports=[ColocatedIpc(colocated, tp=tp)] if colocated else [],
             )
         if not self.lifecycle.is_asleep:
             self._sender.connect(self._targets)
@@ -454,8 +494,14 @@ class TrainWorker:
             # Sharded, every rank gathers before any rank talks to the engines: were a rank to fail to
             # connect while its peers waited in a gather, they would hang until the collective timeout.
             # After the gather no collective is left: each sending rank updates its own engines.
-            sender = self._sender
-            weights = self._sync_weights(keep=sender is not None)
+            sender, exporter = self._sender, self._exporter
+            weights = self._sync_weights(keep=sender is not None or exporter is not None)
+            if exporter is not None:  # this rank feeds a TP rank of an engine another rank posts
+                try:
+                    exporter.update(weights, version)  # connects (with the lead) when not connected
+                except NonFiniteTensorsError as exc:
+                    raise NonFiniteWeightsError(self.role, self.rank, exc.names, "send") from exc
+                return exporter.pop_metrics() | {"reconnected": float(was_asleep)}
             if sender is None:
                 return {}
             if not sender.is_connected:
@@ -565,6 +611,8 @@ class TrainWorker:
             # The driver waits for a save it will mark complete; one left here belongs to a run that
             # failed, and its folder is never marked complete: the daemon thread ends with the process.
             log.warning("%s rank %d: shutting down during a background save", self.role, self.rank)
+        if self._exporter is not None:
+            self._exporter.disconnect()  # never raises
         if self._sender is not None and self._sender.is_connected:
             try:
                 self._sender.disconnect()

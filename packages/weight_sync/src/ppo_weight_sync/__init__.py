@@ -20,11 +20,13 @@ from ppo_weight_sync.errors import (
     check_reply,
 )
 from ppo_weight_sync.finite import non_finite_names
+from ppo_weight_sync.ipc.exchange import ExchangeError, GlooExchange, RankExchange
+from ppo_weight_sync.ipc.tp import IpcExporter, TpLink
 from ppo_weight_sync.ipc.transport import ColocatedIpc
 from ppo_weight_sync.lock import PROCESS_LOCK, RayUpdateLock, ThreadUpdateLock, UpdateLock
 from ppo_weight_sync.net import free_port, node_address
 from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps, WeightOps
-from ppo_weight_sync.plan import RankSends, SenderPlan, plan_senders
+from ppo_weight_sync.plan import RankSends, SenderPlan, TpIpc, plan_senders
 from ppo_weight_sync.receiver import WeightReceiver
 from ppo_weight_sync.receiving_engine import ReceivingEngine
 from ppo_weight_sync.sender import WeightSender
@@ -44,9 +46,13 @@ __all__ = [
     "EngineReply",
     "EngineTimeoutError",
     "EngineUnavailableError",
+    "ExchangeError",
+    "GlooExchange",
     "HttpEngineEndpoint",
+    "IpcExporter",
     "NonFiniteTensorsError",
     "Pending",
+    "RankExchange",
     "RankSends",
     "RayEngineEndpoint",
     "RayUpdateLock",
@@ -55,6 +61,8 @@ __all__ = [
     "Sent",
     "TensorOps",
     "ThreadUpdateLock",
+    "TpIpc",
+    "TpLink",
     "Transport",
     "TransportFactory",
     "UpdateLock",

@@ -8,13 +8,12 @@ engines in the same pause / flush / continue sequence, under the same lock, vers
 Which rank sends what: every trainer rank that holds a sender packs the full weights (gathered, in
 Hugging Face names) into its own two buffers and sends each engine on its GPU one message per bucket.
 The body carries one entry per TP rank of the engine (SGLang's TP rank *i* reads
-``serialized_named_tensors[i]`` only; :meth:`IpcTransport._serialized` builds the list, one fresh export per
-SGLang entry). What is supported: colocated engines of one GPU (TP 1), each served by the trainer rank on
-its GPU. An engine of TP *T* over GPUs *g0..gT-1* would either map one trainer rank's buffer from every
-GPU (a peer mapping, never run on a GPU machine here) or take entry *i* from the rank on *gi*, which slime
-gathers over the trainer ranks of those GPUs before rank *g0* posts; neither is verified, so
-:meth:`IpcTransport.connect` refuses colocated engines of more than one GPU with a ValueError that names
-the fix (the group transport).
+``serialized_named_tensors[i]`` only). An engine of TP 1 gets entries naming this rank's buffer. An
+engine of TP *T* over GPUs *g0..gT-1* (given a :class:`~ppo_weight_sync.ipc.tp.TpLink` per engine in
+``ColocatedIpc(tp=...)``) gets entry *i* naming the buffer of the trainer rank on *gi*: this rank is
+the lead (on *g0*) and posts; the others run :class:`~ppo_weight_sync.ipc.tp.IpcExporter` and hand their
+handles over (:mod:`.tp`). Such engines get one request per bucket (``ppo_ipc_bucket`` or
+``flattened_bucket``), not the one-request stream.
 
 Engines that list ``ppo_ipc_bucket`` in their ``load_formats`` get our format (buffers exported once per
 connection, mapped once, unmapped at close); any other engine (SGLang) gets ``flattened_bucket`` with a
@@ -26,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -52,6 +51,7 @@ from ppo_weight_sync.ipc.payload import (
     encode_ipc_stream,
 )
 from ppo_weight_sync.ipc.signals import BucketSignals
+from ppo_weight_sync.ipc.tp import TpLead, TpLink
 from ppo_weight_sync.ops import EngineReply
 from ppo_weight_sync.transports.base import Sent
 
@@ -70,7 +70,9 @@ class ColocatedIpc:
     (an eighth of it, rounded to a power of two, 64 MiB to 1 GiB); ``device``: this process's GPU
     (default: the current CUDA device when the transport opens); ``stream``: one request per update
     (``ppo_ipc_stream``, buckets announced through shared counters) to engines that accept it, rather
-    than one request per bucket (``ppo_ipc_bucket``).
+    than one request per bucket (``ppo_ipc_bucket``); ``tp``: for each engine of several GPUs (by name),
+    this rank's :class:`~ppo_weight_sync.ipc.tp.TpLink` as its lead (TP rank 0), whose ranks feed the
+    other TP ranks (see :mod:`.tp`).
     """
 
     def __init__(
@@ -80,12 +82,24 @@ class ColocatedIpc:
         bucket_bytes: int | None = None,
         device: torch.device | None = None,
         stream: bool = True,
+        tp: Mapping[str, TpLink] | None = None,
     ) -> None:
         if isinstance(engines, str):
             raise ValueError(f"engines must be a collection of engine names, got the string {engines!r}")
         if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
             raise ValueError(f"bucket_bytes must be a positive int or None (auto), got {bucket_bytes!r}")
         self.names = frozenset(engines)
+        self.tp = dict(tp or {})
+        for name, link in self.tp.items():
+            if name not in self.names or link.engine != name:
+                raise ValueError(
+                    f"tp[{name!r}] (engine {link.engine!r}) must name one of the engines {sorted(self.names)}"
+                )
+            if link.tp_rank != 0:
+                raise ValueError(
+                    f"tp[{name!r}]: this rank feeds TP rank {link.tp_rank}; only TP rank 0's rank (the lead) "
+                    "posts, the others run an IpcExporter"
+                )
         self.bucket_bytes = bucket_bytes
         self.device = device
         self.stream = stream
@@ -100,7 +114,7 @@ class ColocatedIpc:
         transport = IpcTransport(
             device=device, bucket_bytes=self.bucket_bytes, timeout_s=timeout_s, stream=self.stream
         )
-        transport.connect(engines, session=f"ppo_ipc-{uuid.uuid4().hex[:8]}")
+        transport.connect(engines, session=f"ppo_ipc-{uuid.uuid4().hex[:8]}", tp=self.tp)
         return transport
 
 
@@ -128,6 +142,7 @@ class IpcTransport:
         self._entries: dict[tuple[str, int], str] = {}
         self._entries_key: tuple[object, ...] = ()
         self._prepared: Sequence[tuple[str, torch.Tensor]] | None = None
+        self._leads: dict[str, TpLead] = {}
 
     @property
     def engines(self) -> tuple[EngineEndpoint, ...]:
@@ -141,17 +156,30 @@ class IpcTransport:
     def format_of(self, engine: EngineEndpoint) -> str:
         return self._formats[engine.name]
 
-    def connect(self, engines: Sequence[EngineEndpoint], session: str) -> None:
-        wide = [f"{e.name} ({e.num_gpus} GPUs)" for e in engines if e.num_gpus != 1]
+    def connect(
+        self, engines: Sequence[EngineEndpoint], session: str, tp: Mapping[str, TpLink] | None = None
+    ) -> None:
+        """Choose each engine's format; for an engine of several GPUs, exchange with the trainer ranks that
+        feed its other TP ranks (they connect at the same time; bounded by their exchange's timeout)."""
+        tp = dict(tp or {})
+        wide = [f"{e.name} ({e.num_gpus} GPUs)" for e in engines if e.num_gpus != 1 and e.name not in tp]
         if wide:
             raise ValueError(
-                f"colocated engines {wide}: CUDA IPC updates are built for engines of one GPU (TP 1) per "
-                "trainer rank; give those engines the group transport (NCCL) or one GPU each"
+                f"colocated engines {wide}: an engine of several GPUs needs every TP rank's trainer rank "
+                "(ColocatedIpc(tp={name: TpLink}) on the lead, an IpcExporter on the others: "
+                "ppo_weight_sync.plan_senders says which); else give it the group transport"
             )
+        for e in engines:
+            link = tp.get(e.name)
+            if link is not None and link.tp_size != e.num_gpus:
+                raise ValueError(
+                    f"engine {e.name!r} has {e.num_gpus} GPUs, its TpLink {link.tp_size} TP ranks"
+                )
         self._engines = list(engines)
         # One request per update when every engine here takes it (the buckets are announced to all of
-        # them at once); else one per bucket: ours, or SGLang's for an engine without ours.
-        streaming = self.stream and all(PPO_IPC_STREAM in e.load_formats for e in engines)
+        # them at once); else one per bucket: ours, or SGLang's for an engine without ours. TP engines
+        # take a request per bucket (the lead gathers the other ranks' handles per bucket, tp.py).
+        streaming = self.stream and not tp and all(PPO_IPC_STREAM in e.load_formats for e in engines)
         self._formats = {
             e.name: PPO_IPC_STREAM
             if streaming
@@ -163,6 +191,15 @@ class IpcTransport:
         self.session = session
         if streaming:
             self._signals = {e.name: BucketSignals.create() for e in engines}
+        try:
+            for e in engines:
+                if e.name in tp:
+                    self._leads[e.name] = TpLead(tp[e.name], session, self._formats[e.name], self.timeout_s)
+        except BaseException:
+            for lead in self._leads.values():
+                lead.close(released=False)
+            self._leads = {}
+            raise
 
     def layouts(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[BucketLayout]:
         """The update's buckets (cached while the tensors' names, dtypes and shapes stay the same)."""
@@ -202,9 +239,15 @@ class IpcTransport:
         size takes the server down (an IndexError in the scheduler). Each SGLang entry is a fresh export,
         because torch counts the consumers of each export; ours names the connection's export, which each
         rank maps once per session."""
+        lead = self._leads.get(engine.name)
         if fmt == PPO_IPC_FORMAT:
-            return [self._entry(engine, k, slot, layout)] * engine.num_gpus
+            own = self._entry(engine, k, slot, layout)
+            return lead.entries(k, slot, layout, lambda: own) if lead else [own] * engine.num_gpus
         buffer = self.packer.buffer(slot)
+        if lead is not None:  # entry i: TP rank i's trainer rank's buffer (tp.py)
+            return lead.entries(
+                k, slot, layout, lambda: encode_flattened_bucket(export_buffer(buffer), layout)
+            )
         return [encode_flattened_bucket(export_buffer(buffer), layout) for _ in range(engine.num_gpus)]
 
     def send(self, items: Sequence[tuple[str, torch.Tensor]], version: str) -> Sent:
@@ -216,23 +259,33 @@ class IpcTransport:
 
         def post(slot: int, layout: BucketLayout, last: bool) -> list[Callable[[float], None]]:
             waiters: list[Callable[[float], None]] = []
+            k = index[id(layout)]
             for engine in engines:
                 fmt = self._formats[engine.name]
                 pending = engine.update_weights_from_tensor(
-                    serialized_named_tensors=self._serialized(engine, fmt, index[id(layout)], slot, layout),
+                    serialized_named_tensors=self._serialized(engine, fmt, k, slot, layout),
                     load_format=fmt,
                     flush_cache=last,
                     abort_all_requests=False,
                     weight_version=version if last else None,
                 )
-                waiters.append(_waiter(engine, pending))
+                waiters.append(_waiter(engine, pending, self._leads.get(engine.name), k))
             return waiters
 
         start = time.perf_counter()
-        if self._signals:
-            stats = self._send_stream(items, layouts, version, first_packed)
-        else:
-            stats = send_buckets(self.packer, items, layouts, post, self.timeout_s, first_packed=first_packed)
+        try:
+            for lead in self._leads.values():
+                lead.start()
+            if self._signals:
+                stats = self._send_stream(items, layouts, version, first_packed)
+            else:
+                stats = send_buckets(
+                    self.packer, items, layouts, post, self.timeout_s, first_packed=first_packed
+                )
+        except BaseException:
+            for lead in self._leads.values():
+                lead.abort()  # the feeding ranks stop waiting now, and reconnect with this rank
+            raise
         self.last = stats
         log.debug("colocated update: %s in %.1f ms", stats, (time.perf_counter() - start) * 1e3)
         return Sent(nbytes=stats.nbytes, buckets=stats.buckets)
@@ -309,6 +362,9 @@ class IpcTransport:
                 calls.append((engine, engine.destroy_weights_update_group(group_name=self.session), ""))
             except WeightSyncError as exc:
                 calls.append((engine, None, str(exc)))
+        for engine in engines:
+            if self._formats.get(engine.name) == FLATTENED_BUCKET and engine.name in self._leads:
+                self._leads.pop(engine.name).close(released=True)  # SGLang unmapped after each call
         for engine, call, error in calls:
             released = False
             dead = bool(error)
@@ -324,10 +380,16 @@ class IpcTransport:
                     error = str(exc)
             if error:
                 errors.append(error)
+            lead = self._leads.pop(engine.name, None)
+            if lead is not None:
+                lead.close(released=released)  # the feeding ranks free their buffers once released
             if released or dead:
                 self.packer.forget(engine.name, released=released)
             else:
                 log.warning("engine %s did not release its colocated buffers: %s", engine.name, error)
+        for lead in self._leads.values():
+            lead.close(released=False)
+        self._leads = {}
         self._formats = {}
         self._entries, self._entries_key, self._prepared = {}, (), None
         signals, self._signals = self._signals, {}
@@ -340,8 +402,12 @@ class IpcTransport:
         return errors
 
 
-def _waiter(engine: EngineEndpoint, pending: Pending[EngineReply]) -> Callable[[float], None]:
+def _waiter(
+    engine: EngineEndpoint, pending: Pending[EngineReply], lead: TpLead | None = None, k: int = 0
+) -> Callable[[float], None]:
     def wait(timeout_s: float) -> None:
         check_reply(engine.name, UPDATE_OP, pending.result(timeout_s))
+        if lead is not None:
+            lead.loaded(k)  # every TP rank copied bucket k out: its feeding ranks may pack that buffer
 
     return wait

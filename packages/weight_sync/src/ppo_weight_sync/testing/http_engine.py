@@ -87,6 +87,7 @@ class EngineHTTPServer(ClosingHTTPServer):
         extra_routes: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None,
         sglang_version: str | None = None,
         tp_size: int = 1,
+        tp_one_device: bool = False,
     ) -> None:
         super().__init__((host, port), _Handler)
         self.engine = engine
@@ -105,6 +106,7 @@ class EngineHTTPServer(ClosingHTTPServer):
                 tp_size=tp_size,
                 device=str(engine.device),
                 timeout_s=engine.timeout_s,
+                one_device=tp_one_device,
             )
             ranks = TPRanks(receiver, remotes, timeout_s=engine.timeout_s)
             self.sglang = SGLangServerState(sglang_version, ranks, _TensorHooks(engine), _die)
@@ -176,9 +178,17 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/health":
             self._send(200, "")
         elif self.path == "/state":
-            tp = self.server.sglang.ranks.remote_checksums() if self.server.sglang is not None else []
+            sglang = self.server.sglang
+            tp = sglang.ranks.remote_checksums() if sglang is not None else []
+            pids = [r.process.pid for r in sglang.ranks.remotes] if sglang is not None else []
             self._send(
-                200, {**engine.state(), "weight_version": self.server.weight_version(), "tp_checksums": tp}
+                200,
+                {
+                    **engine.state(),
+                    "weight_version": self.server.weight_version(),
+                    "tp_checksums": tp,
+                    "tp_pids": pids,
+                },
             )
         else:
             self._send(404, {"detail": "Not Found"})
@@ -266,9 +276,11 @@ def start_process(
     env: dict[str, str] | None = None,
     sglang_version: str | None = None,
     tp_size: int = 1,
+    tp_one_device: bool = False,
 ) -> tuple[subprocess.Popen[str], str]:
     """Start a server process for a TensorEngine of ``spec``; returns ``(process, base_url)``.
 
+    ``tp_one_device``: SGLang mode's TP ranks all on ``device`` (see ``sglang_tp.start_remote_ranks``).
     ``env`` is added to this process's environment (e.g. ``{"CUDA_VISIBLE_DEVICES": "1"}``). The caller
     owns the process: ``proc.kill(); proc.wait()`` when done.
     """
@@ -288,6 +300,7 @@ def start_process(
         str(load_delay_s),
         *(["--sglang-version", sglang_version] if sglang_version else []),
         *(["--tp-size", str(tp_size)] if tp_size != 1 else []),
+        *(["--tp-one-device"] if tp_one_device else []),
     ]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env)
@@ -351,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-delay", type=float, default=0.0)
     parser.add_argument("--sglang-version", default=None, help="serve as an SGLang server of this version")
     parser.add_argument("--tp-size", type=int, default=1, help="SGLang mode: TP ranks (1.. in processes)")
+    parser.add_argument("--tp-one-device", action="store_true", help="SGLang mode: every TP rank on --device")
     args = parser.parse_args(argv)
     engine = TensorEngine(
         json.loads(args.spec),
@@ -360,7 +374,12 @@ def main(argv: list[str] | None = None) -> None:
         load_delay_s=args.load_delay,
     )
     server = EngineHTTPServer(
-        engine, args.host, args.port, sglang_version=args.sglang_version, tp_size=args.tp_size
+        engine,
+        args.host,
+        args.port,
+        sglang_version=args.sglang_version,
+        tp_size=args.tp_size,
+        tp_one_device=args.tp_one_device,
     )
     print(f"READY {server.url}", flush=True)
     server.serve_forever()

@@ -158,10 +158,17 @@ class RemoteRank:
         """Run ``op`` on this rank; its answer, or :class:`~.sglang_like.SchedulerCrash` where SGLang's
         scheduler raises (the rank's process has exited)."""
         with self._lock:
-            self._conn.send((op, dict(kwargs)))
-            if not self._conn.poll(timeout_s):
-                raise TimeoutError(f"TP rank {self.tp_rank} did not answer {op} within {timeout_s:g} s")
-            kind, value = self._conn.recv()
+            try:
+                self._conn.send((op, dict(kwargs)))
+                if not self._conn.poll(timeout_s):
+                    raise TimeoutError(f"TP rank {self.tp_rank} did not answer {op} within {timeout_s:g} s")
+                kind, value = self._conn.recv()
+            except (EOFError, OSError) as exc:
+                # A scheduler process that dies takes SGLang's server down with it (its launcher kills
+                # the process tree): so does a rank of the stand-in.
+                raise SchedulerCrash(
+                    f"TP rank {self.tp_rank}'s process is gone ({type(exc).__name__})"
+                ) from None
         if kind == "crash":
             raise SchedulerCrash(f"TP rank {self.tp_rank}: {value}")
         if kind == "error":
@@ -289,11 +296,14 @@ def start_remote_ranks(
     device: str,
     timeout_s: float,
     start: Callable[..., RemoteRank] = RemoteRank,
+    one_device: bool = False,
 ) -> list[RemoteRank]:
-    """Ranks ``1..tp_size-1``, started side by side (each spends its start importing torch)."""
+    """Ranks ``1..tp_size-1``, started side by side (each spends its start importing torch).
+    ``one_device``: every rank on ``device`` itself (a TP engine on one GPU machine, whose ranks a test
+    plans as if on GPUs of their own); else rank ``i`` on the ``i``-th GPU after it, as SGLang places them."""
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    devices = [_device_of(device, i) for i in range(tp_size)]
+    devices = [device if one_device else _device_of(device, i) for i in range(tp_size)]
     with ThreadPoolExecutor(max(1, tp_size - 1)) as pool:
         return list(
             pool.map(
