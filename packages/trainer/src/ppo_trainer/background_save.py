@@ -6,6 +6,10 @@ the host copies into memory of its own (memcpy speed, ~1 s for 10 GB) and releas
 and fsyncs at disk speed from its copy: the next sleep waits for the memcpy at most, never for the
 disk. Without it (the host backend, which hands each sleep fresh buffers) the writer reads the host
 copies until every file is written. Host cost of the private copy: the shard's bytes, until written.
+
+A sharded role's capture (``sharded_save.ShardedCapture``) holds each rank's shards: after the private
+copy the writer assembles them (a collective over the role's save group; rank 0 gets whole tensors)
+and writes the same files as a replicated role's.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from pathlib import Path
 
 from ppo_trainer.checkpoint import ShardState, private_copy, write_shard
+from ppo_trainer.sharded_save import ShardedCapture
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +29,13 @@ log = logging.getLogger(__name__)
 class BackgroundSave:
     """One rank's shard of one checkpoint, written into ``folder`` by a daemon thread."""
 
-    def __init__(self, state: ShardState, folder: Path, *, name: str = "", copy_first: bool = False) -> None:
+    def __init__(
+        self, state: ShardState | ShardedCapture, folder: Path, *, name: str = "", copy_first: bool = False
+    ) -> None:
         self.folder = folder
         self._copy_first = copy_first
         self.nbytes = state.nbytes
-        self._state: ShardState | None = state
+        self._state: ShardState | ShardedCapture | None = state
         self._reading = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -45,11 +52,13 @@ class BackgroundSave:
             assert state is not None
             self._state = None  # only this frame holds the host copies now
             if self._copy_first:
-                state = private_copy(state)
+                state = state.private_copy() if isinstance(state, ShardedCapture) else private_copy(state)
                 self.reading_seconds = time.perf_counter() - start
                 self._reading.set()
-            write_shard(state, self.folder)
+            whole = state.assemble() if isinstance(state, ShardedCapture) else state
             del state
+            write_shard(whole, self.folder)
+            del whole
             if not self._reading.is_set():
                 self.reading_seconds = time.perf_counter() - start
                 self._reading.set()
