@@ -10,9 +10,11 @@ rows (9 + 8 over two ranks) with tied embeddings in the actor, and the critic's 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -124,6 +126,22 @@ def _rng(path: Path) -> tuple[dict[str, str], dict[str, list[int]]]:
         return f.metadata(), {k: f.get_tensor(k).tolist() for k in f.keys()}  # noqa: SIM118
 
 
+def save_from_a_private_copy(worker: Any, folder: str) -> bool:
+    """On one rank of an asleep role: a background save that copies the host copies first
+    (``copy_first``, as with the pinned backends), which are zeroed once it no longer reads them."""
+    from ppo_trainer import sharded_save
+    from ppo_trainer.background_save import BackgroundSave
+
+    memory = worker._memory
+    state = sharded_save.capture_shards(worker.trainer, worker._last_step, memory, worker._save_group)
+    save = BackgroundSave(state, Path(folder), copy_first=True)
+    save.wait_reading(60)
+    tensors = [t for t in worker.trainer.weight_tensors() + worker.trainer.optimizer_tensors() if t.numel()]
+    for copy in memory.host_copies(tensors):
+        copy.zero_()
+    return save.result(60) > 0
+
+
 def test_an_asleep_sharded_role_is_saved_with_the_bytes_of_a_foreground_save(
     roles: dict[str, TrainGroup], tmp_path: Path
 ) -> None:
@@ -138,8 +156,15 @@ def test_an_asleep_sharded_role_is_saved_with_the_bytes_of_a_foreground_save(
         assert started["bytes"] > 0
         assert group.save_wait() > 0
         assert group.is_asleep()  # written without waking the role
+        # The pinned backends' writers copy the host copies first: from then on the buffers may be
+        # overwritten (here: zeroed) by the next sleep without changing the checkpoint.
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        refs = [w.__ray_call__.remote(save_from_a_private_copy, str(tmp_path / "copied" / name)) for w in group.workers]
+        assert all(ray.get(refs, timeout=120))
         group.wake_up()
         same_files(tmp_path / "fg" / name, tmp_path / "bg" / name)
+        same_files(tmp_path / "fg" / name, tmp_path / "copied" / name)
+        group.load(tmp_path / "fg" / name)  # the state the zeroed host copies held
     # Whole tensors of the uneven shapes, the tied embedding written once.
     model = load_file(str(tmp_path / "bg" / "actor" / "model.safetensors"))
     assert model["model.embed_tokens.weight"].shape == (ODD_VOCAB, 32)
