@@ -333,8 +333,10 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
-        if self._save is not None:
-            # The next release writes the host buffers a background save may still be reading.
+        if self._save is not None and not isinstance(self._memory, HostMemoryBackend):
+            # The next release writes the host buffers a background save may still be reading. The
+            # host backend gives every release fresh buffers: its writer reads the previous ones on
+            # (host memory holds both until the files are written) and the loop does not wait.
             self._save.wait_reading(self.timeout_s)
         self.lifecycle.sleep()
         if self.device.type == "cuda":
