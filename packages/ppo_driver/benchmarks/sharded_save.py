@@ -68,7 +68,8 @@ def _rank(rank: int, world: int, port: int, model: str, out: str) -> None:
     )
     worker = TrainWorker(config, rank, world, timeout_s=600)
     worker.setup(f"tcp://127.0.0.1:{port}")
-    assert worker.trainer.layout == "fsdp2" and worker.saves_asleep()
+    if worker.trainer.layout != "fsdp2" or not worker.saves_asleep():
+        raise RuntimeError(f"rank {rank}: expected an FSDP2 role that saves asleep ({worker.trainer.layout})")
     folder = Path(out)
     _train_step(worker, 1)
     figures: dict[str, Any] = {}
@@ -116,7 +117,9 @@ def _content(path: Path) -> object:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=1024)

@@ -147,7 +147,8 @@ def test_an_asleep_sharded_role_is_saved_with_the_bytes_of_a_foreground_save(
 ) -> None:
     actor, critic = roles["actor"], roles["critic"]
     assert (actor.data_parallel, critic.data_parallel) == ("fsdp2", "fsdp2")
-    assert actor.saves_asleep and critic.saves_asleep
+    assert actor.saves_asleep
+    assert critic.saves_asleep
     step(actor, critic, 1, seed=11, offload=False)
     for name, group in (("actor", actor), ("critic", critic)):
         group.save(tmp_path / "fg" / name)
@@ -159,7 +160,8 @@ def test_an_asleep_sharded_role_is_saved_with_the_bytes_of_a_foreground_save(
         # The pinned backends' writers copy the host copies first: from then on the buffers may be
         # overwritten (here: zeroed) by the next sleep without changing the checkpoint.
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-        refs = [w.__ray_call__.remote(save_from_a_private_copy, str(tmp_path / "copied" / name)) for w in group.workers]
+        copied = str(tmp_path / "copied" / name)
+        refs = [w.__ray_call__.remote(save_from_a_private_copy, copied) for w in group.workers]
         assert all(ray.get(refs, timeout=120))
         group.wake_up()
         same_files(tmp_path / "fg" / name, tmp_path / "bg" / name)
@@ -169,7 +171,8 @@ def test_an_asleep_sharded_role_is_saved_with_the_bytes_of_a_foreground_save(
     model = load_file(str(tmp_path / "bg" / "actor" / "model.safetensors"))
     assert model["model.embed_tokens.weight"].shape == (ODD_VOCAB, 32)
     assert "lm_head.weight" not in model
-    assert load_file(str(tmp_path / "bg" / "critic" / "model.safetensors"))["value_head.weight"].shape == (1, 32)
+    critic_model = load_file(str(tmp_path / "bg" / "critic" / "model.safetensors"))
+    assert critic_model["value_head.weight"].shape == (1, 32)
     optimizer = torch.load(tmp_path / "bg" / "actor" / "optimizer.pt", weights_only=True)
     assert optimizer["state"]["model.embed_tokens.weight"]["exp_avg"].shape == (ODD_VOCAB, 32)
 
@@ -211,7 +214,7 @@ def test_a_rank_that_dies_mid_save_leaves_nothing_to_commit(odd_model: Path, tmp
         ref = group.workers[0].save_async.remote(str(staging))
         assert ray.get(ref, timeout=60)["bytes"] > 0
         ray.kill(group.workers[1])
-        with pytest.raises(ray.exceptions.RayTaskError, match="save group rank 0: .* did not complete"):
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"save group rank 0: .* did not complete"):
             ray.get(group.workers[0].save_wait.remote(), timeout=120)
         assert not (staging / "model.safetensors").exists()
         assert not (tmp_path / "actor").exists()  # never renamed into place, so never marked COMPLETE

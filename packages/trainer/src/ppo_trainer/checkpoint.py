@@ -269,7 +269,7 @@ def _compact(optimizer_state: dict[str, Any]) -> dict[str, Any]:
 
     if "state" not in optimizer_state:  # ranks other than 0 gather nothing
         return optimizer_state
-    state = {name: {k: own(v) for k, v in values.items()} for name, values in optimizer_state["state"].items()}
+    state = {n: {k: own(v) for k, v in values.items()} for n, values in optimizer_state["state"].items()}
     return {**optimizer_state, "state": state}
 
 

@@ -59,7 +59,9 @@ class SaveGroup:
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
         options._timeout = self.timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, options)
+        # Any: torch's stubs lack the Backend collectives (allgather, gather) ProcessGroupGloo has.
+        keys = dist.PrefixStore(STORE_PREFIX, store)
+        self._pg: Any = dist.ProcessGroupGloo(keys, rank, world_size, options)
         self._lock = threading.Lock()  # one writer at a time (the worker's rule, checked here too)
         self.broken: str | None = None
 
