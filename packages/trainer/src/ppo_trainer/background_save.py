@@ -58,11 +58,16 @@ class BackgroundSave:
             whole = state.assemble() if isinstance(state, ShardedCapture) else state
             del state
             write_shard(whole, self.folder)
+            rank, rng_only = whole.rank, whole.model is None
             del whole
             if not self._reading.is_set():
                 self.reading_seconds = time.perf_counter() - start
                 self._reading.set()
-            fsync_tree(self.folder)
+            if rng_only:
+                # Only its own file: rank 0's writer may still be writing (and renaming) in this folder.
+                fsync_paths([self.folder / f"rng_rank{rank}.safetensors", self.folder])
+            else:
+                fsync_tree(self.folder)
         except BaseException as exc:  # reported by result(); the thread must not die silently
             log.error("background save into %s failed: %s", self.folder, exc)
             self._error = exc
@@ -93,12 +98,22 @@ class BackgroundSave:
 
 
 def fsync_tree(folder: Path) -> None:
-    """fsync every file and folder under ``folder``, deepest first."""
+    """fsync every file and folder under ``folder``, deepest first. A file gone between listing and
+    opening (another rank's writer renamed its temporary file) is that writer's to fsync."""
     for here, _dirs, files in os.walk(folder, topdown=False):
-        for name in files:
-            with open(os.path.join(here, name), "rb") as f:
-                os.fsync(f.fileno())
-        fd = os.open(here, os.O_RDONLY)
+        fsync_paths([Path(here, name) for name in files], missing_ok=True)
+        fsync_paths([Path(here)])
+
+
+def fsync_paths(paths: list[Path], *, missing_ok: bool = False) -> None:
+    """fsync each file or folder of ``paths``."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            if missing_ok:
+                continue
+            raise
         try:
             os.fsync(fd)
         finally:
