@@ -12,7 +12,8 @@ Layout of ``<folder>/<role>/``::
 The files hold whole tensors whichever data parallelism wrote them, so a checkpoint written by
 replicated ranks loads into FSDP2 ranks and back, at any world size. Replicated, rank 0 writes its
 model and optimizer; sharded, every rank takes part in gathering them (``torch.distributed.checkpoint``'s
-full state dicts) and rank 0 writes. Every rank writes its RNG state. The group writes into
+full state dicts) and rank 0 writes; asleep, ``sharded_save`` gathers the ranks' host copies of their
+shards to rank 0 instead, into the same files. Every rank writes its RNG state. The group writes into
 ``<role>.tmp`` and renames it into place, so a crash never leaves a half-written ``<role>/``.
 
 Format 1 keyed the optimizer state by parameter index; it still loads.
