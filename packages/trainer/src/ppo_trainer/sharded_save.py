@@ -26,7 +26,8 @@ message order unknown: the group refuses later saves (the run stops on the faile
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -59,11 +60,23 @@ class SaveGroup:
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
         options._timeout = self.timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-        # Any: torch's stubs lack the Backend collectives (allgather, gather) ProcessGroupGloo has.
         keys = dist.PrefixStore(STORE_PREFIX, store)
+        # Any: torch's stubs lack the Backend collectives (allgather, gather) ProcessGroupGloo has.
         self._pg: Any = dist.ProcessGroupGloo(keys, rank, world_size, options)
-        self._lock = threading.Lock()  # one writer at a time (the worker's rule, checked here too)
-        self.broken: str | None = None
+        self._lock = threading.Lock()  # one save's collectives at a time (the worker's rule too)
+        self._broken: str | None = None
+
+    @contextmanager
+    def session(self, what: str) -> Iterator[None]:
+        """One save's collectives, alone on the group. Refused once a save failed midway: the ranks'
+        messages may then be out of step, and a later save must not read a failed one's."""
+        with self._lock:
+            if self._broken is not None:
+                raise RuntimeError(
+                    f"{what}: the save group of rank {self.rank} is unusable since an earlier save "
+                    f"({self._broken}); restart the run"
+                )
+            yield
 
     def all_gather_rows(self, rows: torch.Tensor, what: str) -> list[torch.Tensor]:
         """Every rank's int64 ``rows`` vector (same length on every rank), in rank order."""
@@ -81,9 +94,10 @@ class SaveGroup:
 
     def _wait(self, work: Any, what: str) -> None:
         try:
-            work.wait(self.timeout)
+            if work.wait(self.timeout) is False:  # gloo raises on a timeout; a False would mean the same
+                raise TimeoutError(f"not done after {self.timeout.total_seconds():.0f} s")
         except Exception as exc:
-            self.broken = f"{what} failed: {exc}"
+            self._broken = f"{what} failed: {exc}"
             raise RuntimeError(
                 f"save group rank {self.rank}: {what} did not complete within "
                 f"{self.timeout.total_seconds():.0f} s (a rank's writer failed or its process died): {exc}"
@@ -119,8 +133,8 @@ class ShardedCapture:
         return sum(p.local.numel() * p.local.element_size() for p in self.pieces)
 
     def private_copy(self) -> ShardedCapture:
-        """The capture with every local tensor copied into memory of its own (the pinned backends
-        reuse their host buffers at the next sleep)."""
+        """This capture, every local tensor now copied into memory of its own (in place: the pieces
+        are this capture's alone), as the pinned backends reuse their host buffers at the next sleep."""
         for piece in self.pieces:
             piece.local = piece.local.detach().clone()
         return self
@@ -128,13 +142,7 @@ class ShardedCapture:
     def assemble(self) -> ShardState:
         """Collective over the save group: rank 0 gets the whole tensors and the ``ShardState`` that
         ``capture`` would give a resident role; the other ranks their RNG state only."""
-        group = self.group
-        if group.broken is not None:
-            raise RuntimeError(
-                f"the save group of this {self.trainer.config.role} rank is unusable since an earlier save "
-                f"({group.broken}); restart the run"
-            )
-        with group._lock:
+        with self.group.session(f"{self.trainer.config.role} checkpoint"):
             whole = self._gather_all()
         rank = self.trainer.dp.rank
         if rank != 0:
