@@ -12,7 +12,10 @@ in Hugging Face names), read by the same ``load_shard`` at any world size and ei
 and completing a checkpoint stays a rename in the driver; joining at COMPLETE would read and write the
 whole state again on the loop's path (or need a second format that resume learns). The cost: rank 0
 holds the role's whole state in host memory until written (as the foreground gather's ``cpu_offload``
-does) and every shard crosses the network once, all of it in the writer threads.
+does) and every shard crosses the network once, all of it in the writer threads. Not
+``torch.distributed.checkpoint.async_save``: it writes a format of its own (per-rank ``.distcp`` files
+and a metadata file), which resume would have to learn and a replicated role could not read as it
+reads these, and it plans the save with collectives over the role's groups, which the sleep destroyed.
 
 Why a gloo group of its own (``SaveGroup``): the role's groups are destroyed by every sleep, which is
 exactly when these writers run, and the next step's collectives use them meanwhile. The save group is
