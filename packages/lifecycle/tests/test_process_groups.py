@@ -146,3 +146,18 @@ def test_a_retried_reload_keeps_shared_subgroups_shared(
 
 def _gloo_options() -> object:
     return dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+
+
+def test_a_group_of_ones_own_on_the_store_outlives_destroy(single: ReloadableProcessGroups) -> None:
+    with pytest.raises(RuntimeError, match="init_default"):
+        _ = ReloadableProcessGroups().store
+    # Built like ppo_trainer's save group: a gloo group outside torch's registry, on the kept store.
+    own = dist.ProcessGroupGloo(dist.PrefixStore("mine/", single.store), 0, 1, timedelta(seconds=30))
+    single.destroy()  # destroy_process_group: the default group and every registered group go
+    assert not dist.is_initialized()
+    t = torch.full((2,), 3.0)
+    own.allreduce([t]).wait()  # type: ignore[attr-defined]  # torch's stubs lack Backend collectives
+    assert t.tolist() == [3.0, 3.0]
+    single.store.set("mine/key", "kept")
+    single.reload()
+    assert single.store.get("mine/key") == b"kept"

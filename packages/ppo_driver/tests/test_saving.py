@@ -40,7 +40,7 @@ class Role:
 
 
 class ForegroundGroup(Role):
-    """A group that saves only while resident (a sharded role)."""
+    """A group that saves only while resident (a megatron role, or one without host copies)."""
 
     def __init__(self, name: str, log: list[str], resident_log: list[tuple[str, ...]], everyone: list[Role]):
         super().__init__(name, log)

@@ -186,6 +186,15 @@ class ReloadableProcessGroups:
             return GroupHandle(self, index, spec)
 
     @property
+    def store(self) -> dist.Store:
+        """The rendezvous store, kept alive across every ``destroy``/``reload``: for a group of the
+        caller's own that must outlive them (under a ``PrefixStore`` of its own; never ``ppo_lifecycle/``)."""
+        with self._lock:
+            self._require_default()
+            assert self._store is not None  # set together with _default
+            return self._store
+
+    @property
     def default(self) -> GroupHandle:
         """Handle of the default group."""
         spec = self._require_default()

@@ -3,10 +3,12 @@
 At a save point (after the step's training) the saver writes the driver's state into a ``.tmp-``
 folder and decides per trainer role:
 
-* **background**: a replicated role whose workers keep host copies and which the plan puts to sleep
-  for ``generate``: once the loop has entered that phase (the role asleep, its copies current), the
-  role's workers write its folder from them in a thread (``TrainGroup.save_async``). No wake.
-* **foreground** (sharded roles gather over process groups a sleep destroys; runs without offload):
+* **background**: a role whose workers keep host copies (``saves_asleep``: replicated or FSDP2, torch
+  backend) and which the plan puts to sleep for ``generate``: once the loop has entered that phase
+  (the role asleep, its copies current), the role's workers write its folder from them in a thread
+  (``TrainGroup.save_async``; FSDP2 ranks gather their shards to rank 0 over a group of their own).
+  No wake.
+* **foreground** (the megatron backend, memory backends without host copies, runs without offload):
   saved at once, one role resident at a time (``PhaseTracker.alone``).
 
 The checkpoint is marked COMPLETE only when every role's writers have written and fsynced every

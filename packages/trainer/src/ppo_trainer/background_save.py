@@ -6,6 +6,10 @@ the host copies into memory of its own (memcpy speed, ~1 s for 10 GB) and releas
 and fsyncs at disk speed from its copy: the next sleep waits for the memcpy at most, never for the
 disk. Without it (the host backend, which hands each sleep fresh buffers) the writer reads the host
 copies until every file is written. Host cost of the private copy: the shard's bytes, until written.
+
+A sharded role's capture (``sharded_save.ShardedCapture``) holds each rank's shards: after the private
+copy the writer assembles them (a collective over the role's save group; rank 0 gets whole tensors)
+and writes the same files as a replicated role's.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from pathlib import Path
 
 from ppo_trainer.checkpoint import ShardState, private_copy, write_shard
+from ppo_trainer.sharded_save import ShardedCapture
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +29,13 @@ log = logging.getLogger(__name__)
 class BackgroundSave:
     """One rank's shard of one checkpoint, written into ``folder`` by a daemon thread."""
 
-    def __init__(self, state: ShardState, folder: Path, *, name: str = "", copy_first: bool = False) -> None:
+    def __init__(
+        self, state: ShardState | ShardedCapture, folder: Path, *, name: str = "", copy_first: bool = False
+    ) -> None:
         self.folder = folder
         self._copy_first = copy_first
         self.nbytes = state.nbytes
-        self._state: ShardState | None = state
+        self._state: ShardState | ShardedCapture | None = state
         self._reading = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -45,15 +52,22 @@ class BackgroundSave:
             assert state is not None
             self._state = None  # only this frame holds the host copies now
             if self._copy_first:
-                state = private_copy(state)
+                state = state.private_copy() if isinstance(state, ShardedCapture) else private_copy(state)
                 self.reading_seconds = time.perf_counter() - start
                 self._reading.set()
-            write_shard(state, self.folder)
+            whole = state.assemble() if isinstance(state, ShardedCapture) else state
             del state
+            write_shard(whole, self.folder)
+            rank, rng_only = whole.rank, whole.model is None
+            del whole
             if not self._reading.is_set():
                 self.reading_seconds = time.perf_counter() - start
                 self._reading.set()
-            fsync_tree(self.folder)
+            if rng_only:
+                # Only its own file: rank 0's writer may still be writing (and renaming) in this folder.
+                fsync_paths([self.folder / f"rng_rank{rank}.safetensors", self.folder])
+            else:
+                fsync_tree(self.folder)
         except BaseException as exc:  # reported by result(); the thread must not die silently
             log.error("background save into %s failed: %s", self.folder, exc)
             self._error = exc
@@ -84,12 +98,22 @@ class BackgroundSave:
 
 
 def fsync_tree(folder: Path) -> None:
-    """fsync every file and folder under ``folder``, deepest first."""
+    """fsync every file and folder under ``folder``, deepest first. A file gone between listing and
+    opening (another rank's writer renamed its temporary file) is that writer's to fsync."""
     for here, _dirs, files in os.walk(folder, topdown=False):
-        for name in files:
-            with open(os.path.join(here, name), "rb") as f:
-                os.fsync(f.fileno())
-        fd = os.open(here, os.O_RDONLY)
+        fsync_paths([Path(here, name) for name in files], missing_ok=True)
+        fsync_paths([Path(here)])
+
+
+def fsync_paths(paths: list[Path], *, missing_ok: bool = False) -> None:
+    """fsync each file or folder of ``paths``."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            if missing_ok:
+                continue
+            raise
         try:
             os.fsync(fd)
         finally:

@@ -12,7 +12,8 @@ Layout of ``<folder>/<role>/``::
 The files hold whole tensors whichever data parallelism wrote them, so a checkpoint written by
 replicated ranks loads into FSDP2 ranks and back, at any world size. Replicated, rank 0 writes its
 model and optimizer; sharded, every rank takes part in gathering them (``torch.distributed.checkpoint``'s
-full state dicts) and rank 0 writes. Every rank writes its RNG state. The group writes into
+full state dicts) and rank 0 writes; asleep, ``sharded_save`` gathers the ranks' host copies of their
+shards to rank 0 instead, into the same files. Every rank writes its RNG state. The group writes into
 ``<role>.tmp`` and renames it into place, so a crash never leaves a half-written ``<role>/``.
 
 Format 1 keyed the optimizer state by parameter index; it still loads.
@@ -174,11 +175,13 @@ def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = N
     """This rank's checkpoint state. Sharded, a collective (every rank gathers).
 
     ``host``: the trainer is asleep and its tensors are read from the host copies its sleep made
-    (replicated only: a sharded role gathers over process groups that are gone while it sleeps).
+    (replicated only: a sharded role gathers over process groups that are gone while it sleeps;
+    ``ppo_trainer.sharded_save`` writes an asleep sharded role over a group of its own).
     """
     if host is not None and trainer.sharded:
         raise ValueError(
-            "capture(host=...): a sharded role gathers its state over its process group; wake it"
+            "capture(host=...): a sharded role gathers its state over its process group; wake it, "
+            "or write it with ppo_trainer.sharded_save"
         )
     rank = trainer.dp.rank
     rng = _rng_state()
@@ -190,8 +193,8 @@ def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = N
         # which would count as Adam's first step: an empty state (never since the state is made at
         # setup, kept for optimizers without that) has nothing to gather anyway.
         if trainer.optimizer.state:
-            optimizer_state = dict(
-                get_optimizer_state_dict(trainer.model, trainer.optimizer, options=_GATHER)
+            optimizer_state = _compact(
+                dict(get_optimizer_state_dict(trainer.model, trainer.optimizer, options=_GATHER))
             )
         else:
             optimizer_state = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
@@ -208,6 +211,23 @@ def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = N
             }
     if rank != 0:
         return ShardState(rank=rank, rng=rng)
+    return whole_state(trainer, step, rng, model_state, optimizer_state, given=host is not None)
+
+
+def whole_state(
+    trainer: TorchTrainer,
+    step: int | None,
+    rng: tuple[dict[str, torch.Tensor], dict[str, str]],
+    model_state: Mapping[str, Any],
+    optimizer_state: dict[str, Any],
+    *,
+    given: bool,
+) -> ShardState:
+    """Rank 0's ``ShardState`` from whole tensors in the trainer's names (what ``capture`` gathered or
+    read; ``ppo_trainer.sharded_save`` assembles them from a sharded role's host copies). ``given``:
+    the model's own tensors cannot be read for ``hf/`` (asleep), so it is written from ``model_state``.
+    Raises ``NonFiniteWeightsError`` for a non-finite weight."""
+    rank = trainer.dp.rank
     # Per tensor, before anything is written: a checkpoint never holds non-finite weights (the
     # staging folder is never committed, so no COMPLETE checkpoint does either).
     bad = non_finite_names([(k, v) for k, v in model_state.items() if isinstance(v, torch.Tensor)])
@@ -215,7 +235,7 @@ def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = N
         raise NonFiniteWeightsError(trainer.config.role, rank, bad, "save")
     policy = None
     if trainer.config.role == "actor":
-        as_given = trainer.sharded or host is not None
+        as_given = trainer.sharded or given
         policy = PolicyExport(
             model=cast(PreTrainedModel, trainer.model),  # the actor's model is a causal LM
             state_dict=dict(model_state) if as_given else None,
@@ -236,6 +256,23 @@ def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = N
         },
         policy=policy,
     )
+
+
+def _compact(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """The state with each tensor in storage of its own size. A gathered tensor whose rows did not
+    split evenly is a view of the gather's padded buffer on CPU (``.cpu()`` compacts it on a GPU), and
+    ``torch.save`` writes a tensor's whole storage: the file would then depend on the device and on how
+    it was gathered (``sharded_save`` assembles compact tensors)."""
+
+    def own(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() != v.numel() * v.element_size():
+            return v.clone()
+        return v
+
+    if "state" not in optimizer_state:  # ranks other than 0 gather nothing
+        return optimizer_state
+    state = {n: {k: own(v) for k, v in values.items()} for n, values in optimizer_state["state"].items()}
+    return {**optimizer_state, "state": state}
 
 
 def _from_host(tensors: Mapping[str, Any], host: HostCopies) -> dict[str, Any]:

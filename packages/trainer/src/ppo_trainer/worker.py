@@ -23,6 +23,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -40,9 +41,9 @@ from ppo_lifecycle import (
     TorchMemorySaverBackend,
     default_backend,
 )
-from ppo_trainer import checkpoint, fault_injection
+from ppo_trainer import checkpoint, fault_injection, sharded_save
 from ppo_trainer.addresses import peer_address
-from ppo_trainer.backend import DataParallel
+from ppo_trainer.backend import DataParallel, TorchTrainer
 from ppo_trainer.backend_protocol import CheckpointIO, TrainerBackend, make_trainer
 from ppo_trainer.background_save import BackgroundSave
 from ppo_trainer.batch import Samples
@@ -106,6 +107,7 @@ class TrainWorker:
         self._lifecycle: Lifecycle | None = None
         self._memory: MemoryBackend | None = None
         self._save: BackgroundSave | None = None  # a checkpoint shard being written from host copies
+        self._save_group: sharded_save.SaveGroup | None = None  # a sharded role's writers' own group
         self._groups: ReloadableProcessGroups | None = None
         self._dp: GroupHandle | None = None
         self._sender: WeightSender | None = None
@@ -159,6 +161,12 @@ class TrainWorker:
         # train.backend picks the trainer; megatron makes its model-parallel groups through `groups`.
         trainer = make_trainer(self.config, dp, memory.region, groups)
         self._trainer = trainer
+        if shard and isinstance(memory, HostCopies) and memory.keeps_host_copies:
+            # Built now, while every rank is here: the writers of an asleep sharded role gather on it.
+            host = urlparse(init_method).hostname or peer_address()
+            self._save_group = sharded_save.SaveGroup(
+                groups.store, self.rank, self.world_size, host, self.timeout_s
+            )
         memory.track(trainer.WEIGHTS_TAG, trainer.weight_tensors)
         memory.track(trainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
         # Before the groups go: nothing gathered (FSDP) may stay outside the tracked tensors. After
@@ -184,12 +192,12 @@ class TrainWorker:
 
     def saves_asleep(self) -> bool:
         """Whether ``save_async`` can write this rank's checkpoint from the host copies of a sleep:
-        a replicated role of the torch backend on a memory backend that keeps them (a sharded one
-        gathers over its groups; the megatron backend converts to Hugging Face names while resident)."""
+        a role of the torch backend on a memory backend that keeps them (a sharded one gathers its
+        shards over its save group; the megatron backend converts to Hugging Face names while resident)."""
         memory = self._memory
         return (
             self.config.backend == "torch"
-            and not self.trainer.sharded
+            and (not self.trainer.sharded or self._save_group is not None)
             and isinstance(memory, HostCopies)
             and memory.keeps_host_copies
         )
@@ -340,8 +348,10 @@ class TrainWorker:
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
         fault_injection.before_transition(self.role, "sleep")
-        if self._save is not None:
-            # The next release writes the host buffers a background save may still be reading.
+        if self._save is not None and not isinstance(self._memory, HostMemoryBackend):
+            # The next release writes the host buffers a background save may still be reading. The
+            # host backend gives every release fresh buffers: its writer reads the previous ones on
+            # (host memory holds both until the files are written) and the loop does not wait.
             self._save.wait_reading(self.timeout_s)
         self.lifecycle.sleep()
         if self.device.type == "cuda":
@@ -555,14 +565,19 @@ class TrainWorker:
             )
         if not self.saves_asleep():
             raise RuntimeError(
-                f"{self.role} rank {self.rank}: save_async() needs a replicated role on a memory backend "
+                f"{self.role} rank {self.rank}: save_async() needs the torch backend on a memory backend "
                 "that keeps host copies (host or pinned); use save() while resident"
             )
         self._finish_save()
         start = time.perf_counter()
         memory = self._memory
         assert isinstance(memory, HostCopies)  # saves_asleep() checked it
-        state = checkpoint.capture(self.trainer, self._last_step, host=memory)
+        state: checkpoint.ShardState | sharded_save.ShardedCapture
+        if self._save_group is not None:  # sharded: the writers gather the shards on their own group
+            assert isinstance(self.trainer, TorchTrainer)  # saves_asleep(): the torch backend
+            state = sharded_save.capture_shards(self.trainer, self._last_step, memory, self._save_group)
+        else:
+            state = checkpoint.capture(self.trainer, self._last_step, host=memory)
         # The pinned backends reuse their buffers at the next sleep: the writer copies them first.
         reused = not isinstance(memory, HostMemoryBackend)
         self._save = BackgroundSave(state, Path(staging), name=f"{self.role}-{self.rank}", copy_first=reused)
