@@ -238,9 +238,8 @@ def transition_breakdown(records: Sequence[dict[str, float]]) -> str:
                     if k.startswith((f"{role}/{kind}/step/", f"{role}/{kind}/empty_cache/seconds"))
                 }
             )
-            steps = ", ".join(
-                f"{k.split('/', 2)[2].removeprefix('step/').removesuffix('/seconds')} {mean(k):.3f}" for k in inner
-            )
+            names = [k.split("/", 2)[2].removeprefix("step/").removesuffix("/seconds") for k in inner]
+            steps = ", ".join(f"{name} {mean(k):.3f}" for name, k in zip(names, inner, strict=True))
             rows.append(f"| {role}/{kind} | {driver:.3f} | {worker:.3f} | {steps} |")
     return "\n".join(rows)
 
