@@ -39,6 +39,18 @@ def _folder() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def new_shared_file(prefix: str, size: int) -> str:
+    """A fresh zeroed file of ``size`` bytes in shared memory (``/dev/shm`` where there is one), only for
+    this user, named ``<prefix>-<pid>-<random>``; the caller maps it and removes it."""
+    path = os.path.join(_folder(), f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, b"\0" * size)
+    finally:
+        os.close(fd)
+    return path
+
+
 class BucketSignals:
     """The shared counters of one sender's colocated connection: :meth:`create` on the sender (it owns
     and removes the file), :meth:`attach` on the engine."""
@@ -52,13 +64,7 @@ class BucketSignals:
 
     @classmethod
     def create(cls) -> BucketSignals:
-        path = os.path.join(_folder(), f"ppo-ipc-signals-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.write(fd, b"\0" * _SIZE)
-        finally:
-            os.close(fd)
-        return cls(path, owner=True)
+        return cls(new_shared_file("ppo-ipc-signals", _SIZE), owner=True)
 
     @classmethod
     def attach(cls, path: str) -> BucketSignals:

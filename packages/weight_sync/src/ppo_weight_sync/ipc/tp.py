@@ -37,7 +37,6 @@ import logging
 import mmap
 import os
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,7 +50,7 @@ from ppo_weight_sync.ipc.handles import IpcHandle, export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout
 from ppo_weight_sync.ipc.packer import MAX_AUTO_BUCKET, BucketPacker, auto_bucket_bytes, split_tensors
 from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, encode_flattened_bucket, encode_ipc_bucket
-from ppo_weight_sync.ipc.signals import POLL_S
+from ppo_weight_sync.ipc.signals import POLL_S, new_shared_file
 
 __all__ = ["TP_FORMATS", "IpcExporter", "PeerBoard", "TpLead", "TpLink"]
 
@@ -63,10 +62,6 @@ _COUNTERS = ("epoch", "packed", "loaded", "abort", "released")
 _HEAD = 8 * len(_COUNTERS)
 _SLOT = 4096  # 8 bytes of length, then the JSON of one handle (about 400 bytes)
 _SIZE = _HEAD + 2 * _SLOT
-
-
-def _folder() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
 class PeerBoard:
@@ -82,13 +77,7 @@ class PeerBoard:
 
     @classmethod
     def create(cls) -> PeerBoard:
-        path = os.path.join(_folder(), f"ppo-ipc-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.write(fd, b"\0" * _SIZE)
-        finally:
-            os.close(fd)
-        return cls(path, owner=True)
+        return cls(new_shared_file("ppo-ipc-tp", _SIZE), owner=True)
 
     @classmethod
     def attach(cls, path: str) -> PeerBoard:
