@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 
 from ppo_weight_sync.errors import WeightSyncError
@@ -63,13 +64,30 @@ class GlooExchange:
             raise ValueError(
                 f"GlooExchange needs a gloo group (a small CPU channel), got {dist.get_backend(group)!r}"
             )
-        out: list[object] = [None] * dist.get_world_size(group)
         try:
-            dist.all_gather_object(out, text, group=group)
+            return _gather_texts(text, group)
         except Exception as exc:  # gloo raises RuntimeError subclasses (DistBackendError) on a lost peer
             ranks = dist.get_process_group_ranks(group)
             raise ExchangeError(
                 f"waiting for {what} from trainer ranks {ranks} (timeout {self.timeout_s:g} s) failed: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from None
-        return [str(t) for t in out]
+
+
+def _gather_texts(text: str, group: dist.ProcessGroup) -> list[str]:
+    """Every rank's UTF-8 ``text``, as two tensor all-gathers (lengths, then padded bytes).
+
+    Not ``all_gather_object``: it pickles through numpy in recent torch builds, and this package does not
+    depend on numpy (an environment without it fails there with "Numpy is not available")."""
+    data = text.encode()
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n.item()) for n in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    return [bytes(t[: int(n.item())].tolist()).decode() for t, n in zip(gathered, lengths, strict=True)]
