@@ -25,6 +25,7 @@ from ppo_weight_sync import (
     non_finite_names,
 )
 from ppo_weight_sync.endpoints import EngineEndpoint
+from ppo_weight_sync.finite import fused_abs_sums
 from ppo_weight_sync.routes import serve_engine_route
 from ppo_weight_sync.testing import TensorEngine
 
@@ -213,3 +214,21 @@ def test_non_finite_names_finds_nan_and_inf_in_every_float_dtype() -> None:
     )
     assert non_finite_names(items) == expected
     assert non_finite_names([("fine", ok), ("ints", torch.tensor([1]))]) == []
+
+
+def test_the_fused_scan_of_cuda_devices_tells_finite_tensors_from_the_rest() -> None:
+    # The multi-tensor kernel non_finite_names uses on CUDA devices also runs on CPU: the same
+    # proof (a NaN or an infinity makes a tensor's L1 norm non-finite) checked on every float dtype.
+    tensors = {
+        "fine_bf16": torch.randn(1000, dtype=torch.bfloat16),
+        "fine_fp32": torch.randn(33, 7),
+        "fine_fp64": torch.randn(5, dtype=torch.float64),
+        "nan_bf16": torch.tensor([1.0, float("nan"), 2.0], dtype=torch.bfloat16),
+        "inf_fp16": torch.tensor([float("inf"), 1.0], dtype=torch.float16),
+        "neg_inf_fp32": torch.tensor([[0.0, float("-inf")]]),
+        "nan_fp64": torch.tensor([float("nan")], dtype=torch.float64),
+    }
+    totals = fused_abs_sums(list(tensors.values()))
+    finite = {name: bool(torch.isfinite(t)) for name, t in zip(tensors, totals, strict=True)}
+    assert finite == {name: name.startswith("fine") for name in tensors}
+    assert float(totals[1]) == pytest.approx(float(tensors["fine_fp32"].abs().sum()), rel=1e-5)
