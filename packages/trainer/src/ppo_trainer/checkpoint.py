@@ -424,6 +424,23 @@ def _into_previous_tensors(optimizer: torch.optim.Optimizer, before: Mapping[Any
                 state[key] = value.clone()
 
 
+def load_optimizer_state(trainer: TorchTrainer, state: Mapping[str, Any]) -> None:
+    """An ``optimizer.pt`` dict (keyed by index or by name; either backend's) into ``trainer``'s AdamW,
+    in the tensors it holds (the memory backend tracks them). Every rank passes the whole dict."""
+    whole = dict(state)
+    with trainer.region(trainer.OPTIMIZER_TAG):
+        before = {p: dict(s) for p, s in trainer.optimizer.state.items()}
+        named = optimizer_state_by_name(trainer.model, whole)
+        if trainer.sharded and named["state"]:
+            set_optimizer_state_dict(
+                trainer.model, trainer.optimizer, named, options=StateDictOptions(full_state_dict=True)
+            )
+        else:  # also an empty state into sharded ranks (see save_shard): no tensors to shard
+            trainer.optimizer.load_state_dict(optimizer_state_by_index(trainer.model, whole))
+        _into_previous_tensors(trainer.optimizer, before)
+        init_adam_state(trainer.optimizer)  # a checkpoint written before any step may hold none
+
+
 def commit(tmp: Path, final: Path) -> None:
     """Move a finished ``tmp`` into ``final``, replacing an older one; safe to call again after a crash."""
     if not tmp.exists():
@@ -485,18 +502,7 @@ def load_shard(trainer: TrainerBackend, folder: Path) -> int | None:
     optimizer_file = folder / "optimizer.pt"
     if optimizer_file.is_file():
         location = torch.device("cpu") if trainer.sharded else trainer.device
-        optimizer_state = torch.load(optimizer_file, map_location=location, weights_only=True)
-        with trainer.region(trainer.OPTIMIZER_TAG):
-            before = {p: dict(state) for p, state in trainer.optimizer.state.items()}
-            named = optimizer_state_by_name(trainer.model, optimizer_state)
-            if trainer.sharded and named["state"]:
-                set_optimizer_state_dict(
-                    trainer.model, trainer.optimizer, named, options=StateDictOptions(full_state_dict=True)
-                )
-            else:  # also an empty state into sharded ranks (see save_shard): no tensors to shard
-                trainer.optimizer.load_state_dict(optimizer_state_by_index(trainer.model, optimizer_state))
-            _into_previous_tensors(trainer.optimizer, before)
-            init_adam_state(trainer.optimizer)  # a checkpoint written before any step may hold none
+        load_optimizer_state(trainer, torch.load(optimizer_file, map_location=location, weights_only=True))
     rng_file = folder / f"rng_rank{trainer.dp.rank}.safetensors"
     if rng_file.is_file():
         _set_rng_state(rng_file)

@@ -151,25 +151,9 @@ def torch_optimizer_state(trainer: TorchTrainer) -> dict[str, Any]:
 def load_torch_optimizer_state(trainer: TorchTrainer, state: Mapping[str, Any]) -> None:
     """An ``optimizer.pt`` dict (either backend's) into the torch backend's AdamW, in the tensors it
     holds (the memory backend tracks them). Every rank passes the whole dict."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from ppo_trainer.checkpoint import load_optimizer_state
 
-    from ppo_trainer.backend import init_adam_state
-    from ppo_trainer.checkpoint import (
-        _into_previous_tensors,
-        optimizer_state_by_index,
-        optimizer_state_by_name,
-    )
-
-    with trainer.region(trainer.OPTIMIZER_TAG):
-        before = {p: dict(s) for p, s in trainer.optimizer.state.items()}
-        named = optimizer_state_by_name(trainer.model, dict(state))
-        if trainer.sharded and named["state"]:
-            options = StateDictOptions(full_state_dict=True)
-            set_optimizer_state_dict(trainer.model, trainer.optimizer, named, options=options)
-        else:
-            trainer.optimizer.load_state_dict(optimizer_state_by_index(trainer.model, dict(state)))
-        _into_previous_tensors(trainer.optimizer, before)
-        init_adam_state(trainer.optimizer)
+    load_optimizer_state(trainer, state)
 
 
 __all__ = [

@@ -34,8 +34,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import mmap
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,12 +43,12 @@ import torch
 from ppo_weight_sync.buckets import FLATTENED_BUCKET
 from ppo_weight_sync.errors import EngineUnavailableError, NonFiniteTensorsError, WeightSyncError
 from ppo_weight_sync.finite import non_finite_names
+from ppo_weight_sync.ipc.counters import SharedCounters
 from ppo_weight_sync.ipc.exchange import ExchangeError, RankExchange
 from ppo_weight_sync.ipc.handles import IpcHandle, export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout
 from ppo_weight_sync.ipc.packer import MAX_AUTO_BUCKET, BucketPacker, auto_bucket_bytes, split_tensors
 from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, encode_flattened_bucket, encode_ipc_bucket
-from ppo_weight_sync.ipc.signals import POLL_S, new_shared_file
 
 __all__ = ["TP_FORMATS", "IpcExporter", "PeerBoard", "TpLead", "TpLink"]
 
@@ -58,89 +56,35 @@ log = logging.getLogger(__name__)
 
 TP_FORMATS = (PPO_IPC_FORMAT, FLATTENED_BUCKET)
 
-_COUNTERS = ("epoch", "packed", "loaded", "abort", "released")
-_HEAD = 8 * len(_COUNTERS)
 _SLOT = 4096  # 8 bytes of length, then the JSON of one handle (about 400 bytes)
-_SIZE = _HEAD + 2 * _SLOT
 
 
-class PeerBoard:
-    """The shared file between a lead and one exporting rank (see the module docstring). Each counter
-    has one writer (``epoch``, ``packed``, the slots: the exporter; ``loaded``, ``released``: the lead;
-    ``abort``: either); aligned 8-byte stores and loads, as in :mod:`.signals`."""
+class PeerBoard(SharedCounters):
+    """The shared file between a lead and one exporting rank (see the module docstring): its counters,
+    then two slots of one handle each. Each counter has one writer (``epoch``, ``packed``, the slots:
+    the exporter; ``loaded``, ``released``: the lead; ``abort``: either)."""
 
-    def __init__(self, path: str, owner: bool) -> None:
-        self.path, self.owner = path, owner
-        with open(path, "r+b") as f:
-            self._map: mmap.mmap | None = mmap.mmap(f.fileno(), _SIZE)
-        self._view: memoryview | None = memoryview(self._map)[:_HEAD].cast("q")
-
-    @classmethod
-    def create(cls) -> PeerBoard:
-        return cls(new_shared_file("ppo-ipc-tp", _SIZE), owner=True)
-
-    @classmethod
-    def attach(cls, path: str) -> PeerBoard:
-        if not isinstance(path, str) or not os.path.isfile(path) or os.path.getsize(path) < _SIZE:
-            raise ValueError(f"{path!r} is not an exporting rank's board on this host")
-        return cls(path, owner=False)
-
-    @property
-    def exists(self) -> bool:
-        """Whether the owner still has it (an exporter that reset removed it)."""
-        return os.path.exists(self.path)
-
-    def _v(self) -> memoryview:
-        if self._view is None:
-            raise RuntimeError(f"the board {self.path!r} is closed")
-        return self._view
-
-    def get(self, field: str) -> int:
-        return int(self._v()[_COUNTERS.index(field)])
-
-    def set(self, field: str, value: int) -> None:
-        self._v()[_COUNTERS.index(field)] = value
+    FIELDS = ("epoch", "packed", "loaded", "abort", "released")
+    PREFIX = "ppo-ipc-tp"
+    LABEL = "an exporting rank's board"
+    EXTRA_BYTES = 2 * _SLOT
 
     def put(self, slot: int, text: str) -> None:
         data = text.encode()
         if len(data) > _SLOT - 8:
             raise ValueError(f"a board slot holds {_SLOT - 8} bytes, the entry has {len(data)}")
-        assert self._map is not None
-        start = _HEAD + slot * _SLOT
-        self._map[start + 8 : start + 8 + len(data)] = data
-        self._map[start : start + 8] = len(data).to_bytes(8, "little")
+        # The text first, then its length: a reader that sees the new length sees the whole text.
+        self.write(slot * _SLOT + 8, data)
+        self.write(slot * _SLOT, len(data).to_bytes(8, "little"))
 
     def take(self, slot: int) -> str:
-        assert self._map is not None
-        start = _HEAD + slot * _SLOT
-        n = int.from_bytes(self._map[start : start + 8], "little")
-        return self._map[start + 8 : start + 8 + min(n, _SLOT - 8)].decode()
+        n = int.from_bytes(self.read(slot * _SLOT, 8), "little")
+        return self.read(slot * _SLOT + 8, min(n, _SLOT - 8)).decode()
 
     def wait(self, field: str, value: int, timeout_s: float, what: str, check: Callable[[], None]) -> None:
         """Block until ``field >= value`` (polling; ``check`` runs between polls and raises to stop);
         TimeoutError saying ``what`` after ``timeout_s``."""
-        index = _COUNTERS.index(field)
-        view = self._v()
-        deadline = time.monotonic() + timeout_s
-        while view[index] < value:
-            check()
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{what}: not done within {timeout_s:g} s ({field} {view[index]} < {value})"
-                )
-            time.sleep(POLL_S)
-
-    def close(self) -> None:
-        view, self._view = self._view, None
-        if view is None:
-            return
-        view.release()
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        self.wait_at_least(field, value, timeout_s, what, check)
 
 
 @dataclass(frozen=True)
