@@ -11,8 +11,13 @@ model (embeddings, per-layer attention/MLP/norms, head) scaled to each target si
 - ``raw``: one pre-packed contiguous buffer of the same size, broadcast in ``--bucket-mb`` messages
   back to back, with no metadata, packing or loading (the upper bound).
 
-``update GB/s`` counts the whole ``WeightSender.update`` (pause, flush, transfer, continue); ``transfer
-GB/s`` only the transfer (metadata call, broadcasts, engine reply). Median of ``--reps`` after a warm-up.
+``update GB/s`` counts the whole ``WeightSender.update`` (scan, pause, flush, transfer, continue);
+``transfer GB/s`` only the transfer (metadata call, broadcasts, engine reply). Median of ``--reps`` after
+a warm-up. Each row also says where the update's time went, in ms (the repetition of median wall time,
+split by the sender's metrics, parts that never overlap): ``scan`` (the host's time in the non-finite
+scan, beyond what the pause and flush in flight hide), ``control before`` (pause, flush, session, the
+first bucket's packing), ``transfer``, ``control after`` (session end, continue) and ``other`` (argument
+checks, the lock; the rest of the wall time). Each repetition prints the same split as it runs.
 
     python benchmarks/bench_update.py --backend nccl --sizes-gb 1 4 16      # 2 GPUs
     python benchmarks/bench_update.py --backend gloo --sizes-gb 0.0625 0.25  # CPU
@@ -194,22 +199,28 @@ def bench_size(
         sender.update(weights, "warmup")
         say(f"{gb:g} GB {mode}: warm-up took {time.perf_counter() - t0:.2f} s")
         sender.pop_metrics()
-        walls = []
+        walls, splits = [], []
         for r in range(reps):
             sync(device)
             t0 = time.perf_counter()
             sender.update(weights, f"v{r}")
             walls.append(time.perf_counter() - t0)
-            say(f"{gb:g} GB {mode}: rep {r}: {walls[-1]:.3f} s = {nbytes / walls[-1] / GB:.1f} GB/s")
-        m = sender.pop_metrics()
+            splits.append(sender.pop_metrics())  # this repetition's own split
+            say(
+                f"{gb:g} GB {mode}: rep {r}: {walls[-1]:.3f} s = {nbytes / walls[-1] / GB:.1f} GB/s "
+                f"({breakdown_text(split_ms(splits[-1], walls[-1]))})"
+            )
+        median = sorted(range(reps), key=lambda i: walls[i])[reps // 2]  # the median repetition
+        transfer_s = sum(m["weight_sync/seconds"] for m in splits)
         rows.append(
             {
                 "size_gb": nbytes / GB,
                 "tensors": len(weights),
                 "mode": mode,
                 "update_gbps": nbytes / statistics.median(walls) / GB,
-                "transfer_gbps": m["weight_sync/gb_per_s"],
-                "buckets": m["weight_sync/buckets"] / reps,
+                "transfer_gbps": nbytes * reps / transfer_s / GB,
+                "buckets": sum(m["weight_sync/buckets"] for m in splits) / reps,
+                **split_ms(splits[median], walls[median]),
             }
         )
         if mode == "stream":
@@ -253,6 +264,8 @@ def bench_size(
             "update_gbps": raw_gbps,
             "transfer_gbps": raw_gbps,
             "buckets": -(-nbytes // bucket_bytes),
+            "update_ms": statistics.median(times) * 1e3,
+            "transfer_ms": statistics.median(times) * 1e3,
         }
     )
     for row in rows:
@@ -264,17 +277,48 @@ def bench_size(
     return rows
 
 
+# Where one update's time went (the sender's metrics, weight_sync/*_seconds: parts that never overlap),
+# in ms, in the order they happen; "other" is the rest of the measured update() call.
+PARTS = [
+    ("scan_ms", "scan", "check_seconds"),
+    ("control_before_ms", "control before", "control_before_seconds"),
+    ("transfer_ms", "transfer", "seconds"),
+    ("control_after_ms", "control after", "control_after_seconds"),
+]
+
+
+def split_ms(metrics: dict[str, float], wall_s: float) -> dict[str, float]:
+    """One update's parts in ms (metrics popped right after it), its wall time and the rest ("other")."""
+    out = {key: metrics.get(f"weight_sync/{name}", float("nan")) * 1e3 for key, _, name in PARTS}
+    out["update_ms"] = wall_s * 1e3
+    out["other_ms"] = out["update_ms"] - sum(out[key] for key, _, _ in PARTS)
+    return out
+
+
+def breakdown_text(split: dict[str, float]) -> str:
+    return ", ".join(f"{label} {split[key]:.1f}" for key, label, _ in [*PARTS, ("other_ms", "other", "")])
+
+
+def _ms(row: dict[str, Any], key: str) -> str:
+    value = row.get(key)
+    return "" if value is None else f"{value:.1f}"
+
+
 def print_table(rows: list[dict[str, Any]], title: str) -> None:
+    """The table (columns of earlier runs first), then where each update's time went, in ms: the
+    repetition of median wall time, split by the sender's metrics (raw: its wall time only)."""
     print(f"\n{title}")
     print(
-        "| size GB | tensors | mode | update GB/s | transfer GB/s | update / raw | transfer / raw | buckets |"
+        "| size GB | tensors | mode | update GB/s | transfer GB/s | update / raw | transfer / raw | buckets "
+        "| update ms | scan ms | control before ms | transfer ms | control after ms | other ms |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        times = " | ".join(_ms(r, key) for key in ["update_ms", *(k for k, _, _ in PARTS), "other_ms"])
         print(
             f"| {r['size_gb']:.2f} | {r['tensors']} | {r['mode']} | {r['update_gbps']:.2f} | "
             f"{r['transfer_gbps']:.2f} | {r['vs_raw_update']:.0%} | {r['vs_raw_transfer']:.0%} | "
-            f"{r['buckets']:.0f} |",
+            f"{r['buckets']:.0f} | {times} |",
             flush=True,
         )
 

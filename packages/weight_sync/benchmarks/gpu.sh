@@ -23,7 +23,9 @@ if "$PY" -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_ARGS=(--timeout=90
 (cd "$PKG" && timeout -k 5 110 "$PY" -m pytest tests/test_gpu.py -v -s -x -p no:cacheprovider -o addopts="" \
     -o faulthandler_timeout=60 ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -rA) || { echo "GPU TESTS FAILED (exit $?)"; failed=1; }
 
-echo "== GPU benchmark: 1, 4, 16 GB bf16, 512 MiB buckets, trainer GPU 0 -> engine GPU 1 =="
+# Each row ends with where the update's time went (ms: scan, control before, transfer, control after,
+# other; the sender's weight_sync/*_seconds), and each repetition's progress line prints the same split.
+echo "== GPU benchmark: 1, 4, 16 GB bf16, 512 MiB buckets, trainer GPU 0 -> engine GPU 1 (with the split) =="
 timeout -k 5 110 "$PY" "$HERE/bench_update.py" --backend nccl --sizes-gb 1 4 16 --bucket-mb 512 --reps 3 \
     --timeout-s 40 || { echo "GPU BENCHMARK FAILED (exit $?)"; failed=1; }
 exit "$failed"

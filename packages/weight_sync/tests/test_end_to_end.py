@@ -88,18 +88,47 @@ def test_non_finite_weights_are_refused_before_any_engine_receives_them(cluster:
     try:
         good = weights(20)
         sender.update(good.items(), "v20")
+        flushes = [e.state()["flushes"] for e in cluster.live]
         bad = weights(21)
         name = "model.layers.1.mlp.up_proj.weight"
         bad[name][3, 5] = float("nan")
         with pytest.raises(NonFiniteTensorsError, match=r"up_proj\.weight") as caught:
             sender.update(bad.items(), "v21")
         assert caught.value.names == [name]
-        assert_engines_hold(cluster.live, good, "v20")  # untouched: still the last finite update
+        # The scan ran while the pause and the flush were in flight: the engines were paused and flushed
+        # (one flush each, none after a load), then continued holding the last finite update.
+        assert [e.state()["flushes"] for e in cluster.live] == [f + 1 for f in flushes]
+        assert_engines_hold(cluster.live, good, "v20")  # weights, version, and not paused
         assert sender.is_connected  # nothing was sent, so the group is still usable
+        assert sender.pop_metrics()["weight_sync/updates"] == 1  # the refused update is not counted
         sender.update(weights(22).items(), "v22")
         assert_engines_hold(cluster.live, weights(22), "v22")
     finally:
         sender.disconnect()
+
+
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_the_metrics_split_each_update_into_parts_that_do_not_overlap(
+    cluster: Cluster, check_finite: bool
+) -> None:
+    sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, bucket_bytes=4096, check_finite=check_finite)
+    sender.connect([e.endpoint for e in cluster.live])
+    try:
+        sender.pop_metrics()
+        for step in (40, 41):
+            sender.update(weights(step).items(), f"v{step}")
+        m = sender.pop_metrics()
+    finally:
+        sender.disconnect()
+    parts = ["check_seconds", "control_before_seconds", "seconds", "control_after_seconds"]
+    seconds = {p: m[f"weight_sync/{p}"] for p in parts}
+    assert (seconds["check_seconds"] > 0) is check_finite
+    assert all(seconds[p] > 0 for p in parts[1:]), seconds
+    control = seconds["control_before_seconds"] + seconds["control_after_seconds"]
+    assert m["weight_sync/control_seconds"] == pytest.approx(control)
+    # parts of the host's time, each counted once: together within the whole update() calls
+    assert sum(seconds.values()) <= m["weight_sync/update_seconds"]
+    assert m["weight_sync/update_seconds"] < 2 * GROUP_TIMEOUT_S
 
 
 @pytest.mark.parametrize("master_address", ["127.0.0.1", None])

@@ -9,7 +9,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ppo_weight_sync import EngineUnavailableError, HttpEngineEndpoint, WeightSender, checksum
+from ppo_weight_sync import (
+    EngineUnavailableError,
+    HttpEngineEndpoint,
+    NonFiniteTensorsError,
+    WeightSender,
+    checksum,
+)
 from ppo_weight_sync.endpoints import RECEIVER_LOAD_FORMATS
 from ppo_weight_sync.testing import llama_like_spec, make_weights
 from ppo_weight_sync.testing.http_engine import start_process
@@ -51,6 +57,37 @@ def test_nccl_updates_are_bit_identical(engine: tuple[HttpEngineEndpoint, object
     sender.update(sent.items(), "again")
     assert ep.request("GET", "/state")["checksum"] == checksum(sent.items())
     sender.disconnect()
+    sender.disconnect()
+
+
+def test_nccl_refuses_non_finite_weights_while_pausing_and_the_engine_keeps_its_own(
+    engine: tuple[HttpEngineEndpoint, object],
+) -> None:
+    """The scan's sums are queued on GPU 0 while the pause and flush are in flight; a NaN in a bf16
+    tensor ends the update before any byte: the engine is continued with its weights, still connected."""
+    ep, _ = engine
+    sender = WeightSender(backend="nccl", bucket_bytes=256 << 10, timeout_s=30)
+    sender.connect([ep])
+    good = {n: t.cuda() for n, t in make_weights(SPEC, seed=300).items()}
+    sender.update(good.items(), "good")
+    flushes = ep.request("GET", "/state")["flushes"]
+    bad = {n: t.clone() for n, t in good.items()}
+    name = "model.layers.2.mlp.down_proj.weight"
+    bad[name][7, 3] = float("nan")
+    with pytest.raises(NonFiniteTensorsError, match=r"down_proj\.weight") as caught:
+        sender.update(bad.items(), "bad")
+    assert caught.value.names == [name]
+    state = ep.request("GET", "/state")
+    assert (state["checksum"], state["weight_version"], state["paused"]) == (
+        checksum(good.items()),
+        "good",
+        False,
+    )
+    assert state["flushes"] == flushes + 1  # paused and flushed while the scan ran, then continued
+    assert sender.is_connected
+    again = {n: t.cuda() for n, t in make_weights(SPEC, seed=301).items()}
+    sender.update(again.items(), "again")
+    assert ep.request("GET", "/state")["checksum"] == checksum(again.items())
     sender.disconnect()
 
 

@@ -25,7 +25,7 @@ from ppo_weight_sync import (
     non_finite_names,
 )
 from ppo_weight_sync.endpoints import EngineEndpoint
-from ppo_weight_sync.finite import fused_abs_sums
+from ppo_weight_sync.finite import fused_abs_sums, start_finite_check
 from ppo_weight_sync.routes import serve_engine_route
 from ppo_weight_sync.testing import TensorEngine
 
@@ -232,3 +232,25 @@ def test_the_fused_scan_of_cuda_devices_tells_finite_tensors_from_the_rest() -> 
     finite = {name: bool(torch.isfinite(t)) for name, t in zip(tensors, totals, strict=True)}
     assert finite == {name: name.startswith("fine") for name in tensors}
     assert float(totals[1]) == pytest.approx(float(tensors["fine_fp32"].abs().sum()), rel=1e-5)
+    assert [t.dtype for t in fused_abs_sums(list(tensors.values()), torch.float64)] == [torch.float64] * 7
+
+
+def test_the_scan_of_bfloat16_keeps_float32_range_and_names_bad_tensors_in_the_callers_order() -> None:
+    # bfloat16 on the CPU is summed in its own dtype (no float32 copy): still float32's range, so big
+    # finite values pass, a sum that overflows is cleared by the exact check, and NaN/inf are found
+    # whatever the dtype groups the sums are read back in.
+    big = torch.full((1 << 16,), 1e30, dtype=torch.bfloat16)  # sum 6.6e34: finite in float32's range
+    overflow = torch.full((4,), 3e38, dtype=torch.bfloat16)  # sum 1.2e39: inf, every element finite
+    bad16 = torch.ones(1 << 12, dtype=torch.bfloat16)
+    bad16[100] = float("nan")
+    items = [
+        ("f32_inf", torch.tensor([float("inf")])),
+        ("big", big),
+        ("bf16_nan", bad16),
+        ("overflow", overflow),
+        ("f64_ok", torch.ones(2, dtype=torch.float64)),
+        ("f16_inf", torch.tensor([1.0, float("inf")], dtype=torch.float16)),
+    ]
+    assert non_finite_names(items) == ["f32_inf", "bf16_nan", "f16_inf"]
+    check = start_finite_check(items)
+    assert check.result(10.0) == ["f32_inf", "bf16_nan", "f16_inf"]  # the same, read when asked

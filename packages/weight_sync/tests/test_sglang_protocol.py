@@ -13,6 +13,7 @@ from harness import GROUP_TIMEOUT_S, SPEC, HttpEngine, assert_engines_hold, weig
 from ppo_weight_sync import (
     EngineUnavailableError,
     HttpEngineEndpoint,
+    NonFiniteTensorsError,
     WeightSender,
     plan_buckets,
 )
@@ -135,6 +136,34 @@ def test_an_engine_killed_mid_update_is_named_and_a_fresh_one_connects(
     sender.update(sent.items(), "after-kill")
     assert_engines_hold(engines, sent, "after-kill")
     sender.disconnect()
+
+
+def test_non_finite_weights_are_refused_and_the_engines_continue_with_their_weights(
+    sglang_engines: tuple[str, list[HttpEngine]],
+) -> None:
+    """The scan runs while the pause and the flush are in flight: a NaN ends the update before any
+    session opens or byte moves; every engine is continued, keeps its weights and version, and the next
+    update (a session of its own on 0.5.23, which refuses a second begin) goes through."""
+    _, engines = sglang_engines
+    sender = WeightSender(timeout_s=GROUP_TIMEOUT_S, bucket_bytes=4096, load_format="flattened_bucket")
+    sender.connect([e.endpoint for e in engines])
+    try:
+        good = weights(30)
+        sender.update(good.items(), "nan-v30")
+        flushes = [e.state()["flushes"] for e in engines]
+        bad = weights(31)
+        bad["model.norm.weight"][0] = float("inf")
+        with pytest.raises(NonFiniteTensorsError, match=r"model\.norm\.weight") as caught:
+            sender.update(bad.items(), "nan-v31")
+        assert caught.value.names == ["model.norm.weight"]
+        assert sender.is_connected  # nothing was sent: the group is in step
+        assert_engines_hold(engines, good, "nan-v30")  # continued (not paused), previous weights, version
+        assert [e.state()["flushes"] for e in engines] == [f + 1 for f in flushes]  # paused and flushed
+        sent = weights(32)
+        sender.update(sent.items(), "nan-v32")
+        assert_engines_hold(engines, sent, "nan-v32")
+    finally:
+        sender.disconnect()
 
 
 @pytest.mark.parametrize("version", sorted(BOUNDARY))

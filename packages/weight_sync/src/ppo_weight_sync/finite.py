@@ -2,24 +2,36 @@
 
 A NaN or an infinity in a tensor makes its floating-point sum NaN or infinite (NaN and inf propagate
 through addition; inf + -inf is NaN), so a finite sum proves every element finite. The scan therefore
-takes one sum per floating tensor (accumulated in float32, or float64 for float64 tensors), stacks
-them per device and reads them back with a single synchronisation; only the tensors whose sum is not
+takes one sum per floating tensor (accumulated in float32, or float64 for float64 tensors; see
+``_sum``), stacks them per device and result type and reads them back once; only the tensors whose sum is not
 finite (a real NaN/inf, or finite values whose sum overflows) get the exact ``isfinite().all()``.
 A sum reads the tensor once without allocating a mask as large as it: several times faster than
-``isfinite(t).all()`` on CPU (``benchmarks/bench_finite.py``). On CUDA the sums of a device's tensors
-are one fused multi-tensor L1 norm (``torch._foreach_norm``, what ``clip_grad_norm_`` uses): a few
-kernel launches for the whole model instead of one reduction per tensor (hundreds of launches for a
-model of a few hundred tensors, each small one launch-bound), accumulated in float32 like the sums; an
-absolute value keeps NaN and infinities, so the same proof holds.
+``isfinite(t).all()`` on CPU (``benchmarks/bench_finite.py``).
+
+The scan is split in two so that a caller can overlap it with work of its own: :func:`start_finite_check`
+queues the sums and their copy to the host (on a GPU the host does not wait for them), and
+:meth:`FiniteCheck.result` waits for them, bounded, and names the bad tensors. The sender starts it
+while its pause is in flight (:mod:`ppo_weight_sync.sender`). On a GPU the host's launches, not the
+read, bound the scan of a model of hundreds of tensors: there a device's tensors are summed by one fused
+multi-tensor L1 norm (``torch._foreach_norm``, what ``clip_grad_norm_`` uses; an absolute value keeps
+NaN and infinities, so the same proof holds), a few launches for the whole model. On the CPU each tensor
+gets one plain sum (no per-tensor cast, no ``detach``).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["non_finite_names"]
+from ppo_weight_sync.device_sync import on_device
+
+__all__ = ["FiniteCheck", "fused_abs_sums", "non_finite_names", "start_finite_check"]
+
+_POLL_S = 0.0001
 
 
 def _comparable(tensor: torch.Tensor) -> torch.Tensor:
@@ -28,36 +40,102 @@ def _comparable(tensor: torch.Tensor) -> torch.Tensor:
     return real if real.element_size() > 1 else real.to(torch.float16)
 
 
-def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    wide = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-    return tensor.sum(dtype=wide)
+def _accumulator(real: torch.Tensor) -> torch.dtype:
+    """What a tensor's sum is accumulated and returned in: float64 for float64, else float32; a bfloat16
+    tensor on the CPU is summed as it is: the CPU kernel accumulates it in float32 anyway, while
+    ``dtype=float32`` first copies the whole tensor to float32 (10x slower, measured); the result's range
+    is float32's (bfloat16 has its exponent)."""
+    if real.dtype == torch.float64:
+        return torch.float64
+    if real.dtype == torch.bfloat16 and real.device.type == "cpu":
+        return torch.bfloat16
+    return torch.float32
 
 
-def fused_abs_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """One L1 norm per tensor (of one device), fused into multi-tensor kernels: finite exactly when the
-    tensor is (unless finite values overflow the float32 accumulator)."""
-    return list(torch._foreach_norm(list(tensors), 1))
+def fused_abs_sums(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """One L1 norm per tensor (all on one device), in ``dtype``, fused into multi-tensor kernels: finite
+    exactly when the tensor is (unless finite values overflow the accumulator)."""
+    return list(torch._foreach_norm(list(tensors), 1, dtype=dtype))
 
 
-def _totals(reals: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def _sums(reals: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One device's tensors' sums (all accumulated in ``dtype``), stacked into one tensor."""
     if device.type == "cuda":
-        return fused_abs_sums(reals)
-    return [_sum(real) for real in reals]  # CPU: a plain sum is faster than abs + sum
+        return torch.stack(fused_abs_sums(reals, dtype))
+    return torch.stack([real.sum() if real.dtype == dtype else real.sum(dtype=dtype) for real in reals])
 
 
-def non_finite_names(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
-    """The names of the floating-point tensors of ``named_tensors`` holding a NaN or an infinity."""
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in named_tensors:
-        if tensor.is_floating_point() or tensor.is_complex():
-            by_device.setdefault(tensor.device, []).append((name, _comparable(tensor.detach())))
-    bad: list[str] = []
-    for device, found in by_device.items():
-        totals = _totals([real for _, real in found], device)
-        finite = torch.isfinite(torch.stack([t.to(torch.float64) for t in totals])).tolist()  # one sync
-        bad += [
-            name
-            for (name, real), ok in zip(found, finite, strict=True)
-            if not ok and not bool(torch.isfinite(real).all())  # an overflowing sum of finite values is fine
-        ]
-    return bad
+@dataclass(frozen=True)
+class _Sums:
+    """The sums of one device's tensors of one accumulation type, on their way to the host."""
+
+    device: torch.device
+    order: list[int]  # each tensor's position in the caller's list (bad names come back in that order)
+    names: list[str]
+    reals: list[torch.Tensor]  # what was summed, for the exact check of a non-finite sum
+    host: torch.Tensor  # the sums on the host (a pinned copy in flight on a GPU)
+    done: torch.cuda.Event | None  # recorded after the copy (None on CPU: already there)
+
+
+class FiniteCheck:
+    """A non-finite scan in flight; :meth:`result` names the bad tensors."""
+
+    def __init__(self, sums: list[_Sums]) -> None:
+        self._sums = sums
+
+    def result(self, timeout_s: float) -> list[str]:
+        """The names of the floating-point tensors holding a NaN or an infinity, in the caller's order.
+        Waits at most ``timeout_s`` for the GPU's sums (``TimeoutError`` naming the devices)."""
+        deadline = time.monotonic() + timeout_s
+        bad: list[tuple[int, str]] = []
+        for sums in self._sums:
+            if sums.done is not None:
+                while not sums.done.query():  # polled, never a blocking sync: the wait stays bounded
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"the non-finite scan of {len(sums.names)} tensor(s) on {sums.device} did not "
+                            f"finish within {timeout_s:g} s (is a kernel on that GPU stuck?)"
+                        )
+                    time.sleep(_POLL_S)
+            values = sums.host.tolist()
+            for i, name, real, value in zip(sums.order, sums.names, sums.reals, values, strict=True):
+                # An overflowing sum of finite values is fine: the exact check (rare) clears it.
+                if not math.isfinite(value) and not bool(torch.isfinite(real).all()):
+                    bad.append((i, name))
+        return [name for _, name in sorted(bad)]
+
+
+def start_finite_check(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> FiniteCheck:
+    """Queue the scan of ``named_tensors`` (see the module's text); the host waits for nothing on a GPU."""
+    Group = tuple[list[int], list[str], list[torch.Tensor]]  # order, names, reals
+    groups: dict[tuple[torch.device, torch.dtype], Group] = {}
+    with torch.no_grad():  # no autograd record of the sums: no per-tensor detach needed
+        for i, (name, tensor) in enumerate(named_tensors):
+            if not (tensor.is_floating_point() or tensor.is_complex()):
+                continue
+            real = _comparable(tensor)
+            order, names, reals = groups.setdefault((real.device, _accumulator(real)), ([], [], []))
+            order.append(i)
+            names.append(name)
+            reals.append(real)
+        out: list[_Sums] = []
+        for (device, dtype), (order, names, reals) in groups.items():
+            stacked = _sums(reals, device, dtype)  # one tensor, one copy to the host
+            if device.type != "cuda":
+                out.append(_Sums(device, order, names, reals, stacked, None))
+                continue
+            with on_device(device):
+                host = torch.empty(len(reals), dtype=stacked.dtype, pin_memory=True)
+                host.copy_(stacked, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(device))
+            out.append(_Sums(device, order, names, reals, host, done))
+    return FiniteCheck(out)
+
+
+def non_finite_names(
+    named_tensors: Sequence[tuple[str, torch.Tensor]], timeout_s: float = 300.0
+) -> list[str]:
+    """The names of the floating-point tensors of ``named_tensors`` holding a NaN or an infinity (waits for
+    the scan, at most ``timeout_s``)."""
+    return start_finite_check(named_tensors).result(timeout_s)

@@ -2,8 +2,11 @@
 
 An update pauses generation, flushes the cache, opens the engines' weight-update session (SGLang >= 0.5.21;
 a no-op elsewhere), has every transport send the weights (metadata, then data in buckets), closes the
-session and continues generation; the engines record the version with the last bucket. The connection's state
-machine is :mod:`ppo_weight_sync.connection`; the wire formats are :mod:`ppo_weight_sync.transports`.
+session and continues generation; the engines record the version with the last bucket. The non-finite
+scan of the weights and the packing of the first bucket run while the pause and the flush are in flight
+(they involve no engine); nothing reaches an engine's weights before the scan found every tensor finite.
+The connection's state machine is :mod:`ppo_weight_sync.connection`; the wire formats are
+:mod:`ppo_weight_sync.transports`.
 A sender is not thread-safe; updates of several senders that share engines are serialised by an
 :class:`~ppo_weight_sync.lock.UpdateLock`.
 """
@@ -13,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,7 +31,7 @@ from ppo_weight_sync.errors import (
     WeightSyncError,
     check_reply,
 )
-from ppo_weight_sync.finite import non_finite_names
+from ppo_weight_sync.finite import FiniteCheck, start_finite_check
 from ppo_weight_sync.group import WeightGroup
 from ppo_weight_sync.ipc.transport import IpcTransport
 from ppo_weight_sync.lock import PROCESS_LOCK, UpdateLock
@@ -46,9 +49,15 @@ _NO_METRICS = {
     "ipc_seconds": 0.0,
     "ipc_buckets": 0.0,
     "control_seconds": 0.0,
+    "check_seconds": 0.0,
+    "control_before_seconds": 0.0,
+    "control_after_seconds": 0.0,
+    "update_seconds": 0.0,
 }
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class WeightSender:
@@ -60,8 +69,9 @@ class WeightSender:
     processes share engines. ``transports``: factories that claim engines for a transport of their own
     (e.g. CUDA IPC for engines on this GPU); every other engine joins the weight group.
     ``check_finite`` (default): ``update`` refuses tensors holding NaN or infinite values with
-    :class:`~ppo_weight_sync.errors.NonFiniteTensorsError` before any engine is touched (one extra read
-    of the weights; see :mod:`ppo_weight_sync.finite`).
+    :class:`~ppo_weight_sync.errors.NonFiniteTensorsError` before any engine receives a byte (one extra
+    read of the weights, while the pause and flush are in flight; the engines are then continued with
+    their previous weights; see :mod:`ppo_weight_sync.finite`).
     """
 
     def __init__(
@@ -147,7 +157,17 @@ class WeightSender:
     def pop_metrics(self) -> dict[str, float]:
         """Totals since the last call: ``weight_sync/{bytes,seconds,gb_per_s,buckets,updates}`` over every
         transport; ``weight_sync/ipc_{bytes,seconds,buckets}``, the colocated (CUDA IPC) engines' share;
-        ``weight_sync/control_seconds``, the pause, flush and continue calls."""
+        ``weight_sync/control_seconds``, the pause, flush and continue calls.
+
+        Where each update's time went, as parts of the host's time that never overlap:
+        ``weight_sync/update_seconds`` is the whole ``update()`` call of the updates that succeeded;
+        ``weight_sync/check_seconds`` the host's time in the non-finite scan (issuing its reductions and
+        waiting for its verdict; the pause and flush are in flight meanwhile, so the scan's time hidden
+        under them is in neither part); ``weight_sync/control_before_seconds`` the rest of the time from
+        the pause to the first byte (pause, flush, begin_weight_update, the first bucket's packing);
+        ``weight_sync/seconds`` the transfer; ``weight_sync/control_after_seconds`` end_weight_update and
+        continue_generation. ``control_seconds`` is ``control_before_seconds + control_after_seconds``;
+        what ``update_seconds`` holds beyond the four parts is argument checks and the lock."""
         m, self._metrics = self._metrics, dict(_NO_METRICS)
         rate = m["bytes"] / m["seconds"] / 1e9 if m["seconds"] > 0 else 0.0
         return {
@@ -160,6 +180,10 @@ class WeightSender:
             "weight_sync/ipc_seconds": m["ipc_seconds"],
             "weight_sync/ipc_buckets": m["ipc_buckets"],
             "weight_sync/control_seconds": m["control_seconds"],
+            "weight_sync/check_seconds": m["check_seconds"],
+            "weight_sync/control_before_seconds": m["control_before_seconds"],
+            "weight_sync/control_after_seconds": m["control_after_seconds"],
+            "weight_sync/update_seconds": m["update_seconds"],
         }
 
     # ------------------------------------------------------------ connect / disconnect
@@ -194,7 +218,9 @@ class WeightSender:
         """Send every ``(name, tensor)`` to every engine and set their weight version to ``version``.
 
         Raises :class:`~ppo_weight_sync.errors.NonFiniteTensorsError` (nothing sent, still connected)
-        when ``check_finite`` and a tensor holds NaN or infinite values."""
+        when ``check_finite`` and a tensor holds NaN or infinite values: the engines were paused and
+        flushed meanwhile and are continued with their previous weights."""
+        started = time.perf_counter()
         if not isinstance(version, str) or not version:
             raise ValueError(f"version must be a non-empty str, got {version!r}")
         items = list(named_tensors)
@@ -211,13 +237,10 @@ class WeightSender:
             seen.add(name)
         if not self._conn.is_connected:
             raise WeightSyncError("the sender is not connected: call connect(engines) first")
-        # Before the engines pause or receive anything: they keep serving their previous weights.
-        bad = non_finite_names(items) if self.check_finite else []
-        if bad:
-            raise NonFiniteTensorsError(bad)
         self.lock.acquire(self.timeout_s)
         try:
             self._update_unlocked(items, version)
+            self._metrics["update_seconds"] += time.perf_counter() - started
         finally:
             self.lock.release()
 
@@ -232,23 +255,30 @@ class WeightSender:
             t0 = time.perf_counter()
             pausing = self._issue(engines, lambda e: e.pause_generation())
             paused = True
-            # While the engines pause and flush, the first bucket is packed (queued on the GPU): work
-            # that involves no engine, so it needs no pause; the transports send it once they are told.
-            try:
-                with on_device(self.device):
-                    for transport in self._conn.transports:
-                        transport.prepare(items)
-            except BaseException:
-                # Every pause answered before the continue that follows the failure is sent: a late
-                # pause must not land after it (HTTP calls run on several threads).
-                with contextlib.suppress(Exception):
-                    self._replies(pausing, "pause_generation")
-                raise
+            # The non-finite scan involves no engine, so it runs while the pause and the flush are in
+            # flight: on the GPU its sums are queued now and their verdict read once the flush was sent.
+            # Safety needs only that no byte reaches an engine before the verdict: for a bad tensor the
+            # engines, paused and flushed, are continued with their previous weights, and nothing is sent.
+            t_scan = time.perf_counter()
+            check = self._while_in_flight(pausing, self._start_check, items)
+            scan_s = time.perf_counter() - t_scan if check is not None else 0.0
             self._replies(pausing, "pause_generation")
-            self._all(engines, "flush_cache", lambda e: e.flush_cache())
+            # The flush must follow a completed pause (SGLang answers it with 400 while requests run: its
+            # success says the engine is idle), and the data a completed flush.
+            flushing = self._issue(engines, lambda e: e.flush_cache())
+            # While the flush is in flight: the scan's verdict, then the first bucket is packed (queued on
+            # the GPU; work that involves no engine, so it needs no pause; the transports send it once they
+            # are told). Packed only after the verdict, so that a refused update leaves no packed bucket,
+            # and no reference to its tensors, in a transport.
+            t_scan = time.perf_counter()
+            self._while_in_flight(flushing, self._finish_check, check)
+            scan_s += time.perf_counter() - t_scan if check is not None else 0.0
+            self._metrics["check_seconds"] += scan_s
+            self._while_in_flight(flushing, self._prepare, items)
+            self._replies(flushing, "flush_cache")
             in_session = engines
             self._all(engines, "begin_weight_update", lambda e: e.begin_weight_update())
-            self._metrics["control_seconds"] += time.perf_counter() - t0
+            self._add_control("control_before_seconds", time.perf_counter() - t0 - scan_s)
             start = time.perf_counter()
             nbytes = buckets = 0
             with on_device(self.device):
@@ -261,16 +291,16 @@ class WeightSender:
                         self._metrics["ipc_bytes"] += sent.nbytes
                         self._metrics["ipc_seconds"] += time.perf_counter() - t0
                         self._metrics["ipc_buckets"] += sent.buckets
+            self._metrics["seconds"] += time.perf_counter() - start
             t0 = time.perf_counter()
             in_session = []
             self._all(engines, "end_weight_update", lambda e: e.end_weight_update())
-            self._metrics["control_seconds"] += time.perf_counter() - t0
+            self._add_control("control_after_seconds", time.perf_counter() - t0)
             self._metrics["bytes"] += nbytes
-            self._metrics["seconds"] += time.perf_counter() - start
             self._metrics["buckets"] += buckets
             self._metrics["updates"] += 1
-        except EngineRejectedError as exc:
-            failure = exc
+        except (EngineRejectedError, NonFiniteTensorsError) as exc:
+            failure = exc  # a refusal: the group is still in step (a refused scan sent nothing at all)
             raise
         except BaseException as exc:
             # A dead, unreachable or stuck engine, or a broken collective: the connection is unusable.
@@ -289,6 +319,38 @@ class WeightSender:
                 # the cyclic collector runs. Break it.
                 failure = None
 
+    def _while_in_flight(
+        self, pending: list[tuple[EngineEndpoint, Pending[EngineReply]]], work: Callable[[Any], T], arg: Any
+    ) -> T:
+        """``work(arg)`` while ``pending`` calls are in flight. When it raises, every one of them is
+        answered first (bounded; whatever the answer): the continue that follows the failure must not be
+        overtaken by a late pause or flush (HTTP calls run on several threads)."""
+        try:
+            return work(arg)
+        except BaseException:
+            for _, call in pending:
+                with contextlib.suppress(Exception):
+                    call.result(self.timeout_s)
+            raise
+
+    def _start_check(self, items: list[tuple[str, torch.Tensor]]) -> FiniteCheck | None:
+        return start_finite_check(items) if self.check_finite else None
+
+    def _finish_check(self, check: FiniteCheck | None) -> None:
+        """Raise :class:`NonFiniteTensorsError` when the scan found a bad tensor (nothing is sent)."""
+        bad = check.result(self.timeout_s) if check is not None else []
+        if bad:
+            raise NonFiniteTensorsError(bad)
+
+    def _prepare(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        with on_device(self.device):
+            for transport in self._conn.transports:
+                transport.prepare(items)
+
+    def _add_control(self, part: str, seconds: float) -> None:
+        self._metrics[part] += seconds
+        self._metrics["control_seconds"] += seconds
+
     def _end_after_failure(self, engines: list[EngineEndpoint]) -> None:
         """Close the weight-update sessions a failed update left open (an open session refuses the next
         begin), best effort: the failure is what the caller hears about."""
@@ -305,7 +367,7 @@ class WeightSender:
         t0 = time.perf_counter()
         try:
             self._all(engines, "continue_generation", lambda e: e.continue_generation())
-            self._metrics["control_seconds"] += time.perf_counter() - t0
+            self._add_control("control_after_seconds", time.perf_counter() - t0)
         except WeightSyncError as exc:
             if failure is None:
                 if isinstance(exc, EngineUnavailableError):
