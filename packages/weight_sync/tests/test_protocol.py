@@ -222,17 +222,21 @@ def test_the_fused_scan_of_cuda_devices_tells_finite_tensors_from_the_rest() -> 
     tensors = {
         "fine_bf16": torch.randn(1000, dtype=torch.bfloat16),
         "fine_fp32": torch.randn(33, 7),
-        "fine_fp64": torch.randn(5, dtype=torch.float64),
         "nan_bf16": torch.tensor([1.0, float("nan"), 2.0], dtype=torch.bfloat16),
         "inf_fp16": torch.tensor([float("inf"), 1.0], dtype=torch.float16),
         "neg_inf_fp32": torch.tensor([[0.0, float("-inf")]]),
-        "nan_fp64": torch.tensor([float("nan")], dtype=torch.float64),
     }
     totals = fused_abs_sums(list(tensors.values()))
     finite = {name: bool(torch.isfinite(t)) for name, t in zip(tensors, totals, strict=True)}
     assert finite == {name: name.startswith("fine") for name in tensors}
+    assert [t.dtype for t in totals] == [torch.float32] * len(tensors)
     assert float(totals[1]) == pytest.approx(float(tensors["fine_fp32"].abs().sum()), rel=1e-5)
-    assert [t.dtype for t in fused_abs_sums(list(tensors.values()), torch.float64)] == [torch.float64] * 7
+    # float64 tensors are summed apart, in float64 (the scan groups them so)
+    pair = [torch.ones(4, dtype=torch.float64), torch.tensor([float("nan")], dtype=torch.float64)]
+    doubles = fused_abs_sums(pair, torch.float64)
+    assert [t.dtype for t in doubles] == [torch.float64] * 2
+    assert float(doubles[0]) == 4.0
+    assert torch.isnan(doubles[1])
 
 
 def test_the_scan_of_bfloat16_keeps_float32_range_and_names_bad_tensors_in_the_callers_order() -> None:
