@@ -60,9 +60,11 @@ def roles(odd_model: Path, ray_session: None) -> Iterator[dict[str, TrainGroup]]
         "critic": ("critic", 2, config(odd_model, "critic")),
         "actor_one": ("actor", 1, config(odd_model, "actor", "replicate")),
     }
+    # Five workers start at once: test_workers.py's wait, for a loaded machine (120 s was too short
+    # at load average 10 on 2 cores).
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {
-            key: pool.submit(TrainGroup, role, LocalSlots(n), cfg, timeout_s=120)
+            key: pool.submit(TrainGroup, role, LocalSlots(n), cfg, timeout_s=240)
             for key, (role, n, cfg) in specs.items()
         }
         made = {key: f.result() for key, f in futures.items()}
