@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from ppo_driver import checkpoint as ck
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,3 +100,149 @@ def check_step_budget(records: list[dict[str, Any]], roles: tuple[str, ...], eng
         assert r["time/handoff_s"] > 0, r["step"]
         assert r["bytes/weight_update"] == r["weight_sync/bytes"] > 0, r["step"]
     assert sum(others) <= OTHER_SHARE_MAX * sum(steps), (others, steps)
+
+
+# Fault drills (test_faults.py, test_sharded_faults.py): runs of the CLI, killed and re-run.
+DRILL_STEPS = 8
+DRILL_SETTINGS = {
+    "train.steps": DRILL_STEPS,
+    "checkpoint.interval": 2,
+    "checkpoint.keep": 4,
+    "rollout.prompts_per_step": 8,
+    "logging.tensorboard": "false",
+}
+MARK = "PPO_FAULT_DRILL"  # an environment variable every process of a drill run inherits
+RUN_S = 300.0  # one run's limit on a loaded 2-core machine
+
+
+class Run:
+    """One `ppo-driver train` process over ``run_dir``; every process it starts carries ``mark``."""
+
+    def __init__(self, run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.run_dir = run_dir
+        self.mark = uuid.uuid4().hex
+        (run_dir / "processes.json").unlink(missing_ok=True)  # an earlier run's
+        args = [ppo_driver_exe(), "train", "--run-dir", str(run_dir)]
+        for key, value in DRILL_SETTINGS.items():
+            args += ["--set", f"{key}={value}"]
+        args += list(extra)
+        self.out = run_dir.with_name(run_dir.name + f".{self.mark[:8]}.log")
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.out.open("w")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", MARK: self.mark, **(env or {})}
+        self.proc = subprocess.Popen(
+            args, cwd=run_dir.parent, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_until(self, what: str, ready: Callable[[], bool], timeout: float = RUN_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the run exited ({self.proc.returncode}) before {what}:\n{self.text()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} within {timeout:.0f} s:\n{self.text()}")
+            time.sleep(0.02)
+
+    def finish(self, timeout: float = RUN_S) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def text(self) -> str:
+        return self.out.read_text()
+
+    def wait_for_step(self, step: int) -> None:
+        """Until this run has printed ``step N/DRILL_STEPS`` (its own progress line, not an earlier run's)."""
+        self.wait_until(f"step {step}", lambda: f"step {step}/{DRILL_STEPS} " in self.text())
+
+    def pids(self) -> dict[str, list[int]]:
+        self.wait_until("processes.json", (self.run_dir / "processes.json").is_file)
+        data: dict[str, list[int]] = json.loads((self.run_dir / "processes.json").read_text())
+        return data
+
+    def leftovers(self, timeout: float = 60.0) -> list[int]:
+        """Processes of this run still alive after ``timeout`` s (Ray's shutdown takes a moment)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = marked(self.mark)
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.5)
+
+
+def marked(mark: str) -> list[int]:
+    found = []
+    needle = f"{MARK}={mark}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def latest(run_dir: Path) -> tuple[int, Path] | None:
+    return ck.latest_complete(run_dir / "checkpoints")
+
+
+def final_checksum(run_dir: Path) -> str:
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    assert summary["weights_match"] is True
+    return str(summary["actor_checksum"])
+
+
+def expect_clean_failure(run: Run, fault: str) -> None:
+    """Exit 1 naming the step, phase and fault and where a re-run resumes; no process left behind."""
+    code = run.finish()
+    text = run.text()
+    assert code == 1, text
+    assert re.search(r"the run stopped at step \d+, phase \w+: ", text), text
+    assert fault in text, text
+    found = latest(run.run_dir)
+    if found is None:
+        assert "a re-run of the same command starts from step 0" in text, text
+    else:
+        assert f"a re-run of the same command resumes from {found[1]} (step {found[0]})" in text, text
+    assert "Traceback" not in text, text
+    assert run.leftovers() == [], f"processes of the run still alive:\n{text}"
+
+
+def actor_writing(root: Path) -> list[Path]:
+    """The staging folders of saves whose actor part is still being written: the actor's folder is
+    renamed into place when its writers are done, until then the save of that step runs in the
+    background, after the loop moved on from the save point."""
+    if not root.is_dir():
+        return []
+    return [p for p in root.glob(".tmp-step_*") if (p / "actor.partial").is_dir()]
+
+
+def kill_during_background_save(run_dir: Path, *extra: str, rank: int, fault: str) -> tuple[int, Path] | None:
+    """Kill the actor's rank ``rank`` while a background save of the actor is written: the run fails
+    cleanly, naming ``fault``, and that step's checkpoint is never marked complete. Returns the latest
+    complete one (verified), from which a re-run resumes."""
+    run = Run(run_dir, *extra)
+    victim = run.pids()["actor"][rank]
+    root = run_dir / "checkpoints"
+    run.wait_until("a background save of the actor", lambda: bool(actor_writing(root)))
+    writing = actor_writing(root)
+    os.kill(victim, signal.SIGKILL)
+    expect_clean_failure(run, fault)
+    unfinished_step = int(writing[0].name.removeprefix(".tmp-step_"))
+    found = latest(run_dir)
+    assert found is None or found[0] < unfinished_step  # never marked complete
+    if found is not None:
+        ck.verify(found[1])
+    return found
+
+
+def check_completed_like(run_dir: Path, reference: Path, checkpoints: list[int]) -> None:
+    """A run finished after faults: no unfinished save left, the ``checkpoints`` complete, and the
+    final weights of an uninterrupted run, bit for bit."""
+    root = run_dir / "checkpoints"
+    assert not list(root.glob(".tmp-step_*"))
+    assert [s for s, _ in ck.complete_checkpoints(root)] == checkpoints
+    assert final_checksum(run_dir) == final_checksum(reference)

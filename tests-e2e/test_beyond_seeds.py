@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -184,9 +185,13 @@ def test_one_step_off_is_one_version_old_and_resumes_exactly(local_ray: None, tm
         assert math.isfinite(record["actor/pg_loss"])
     assert full.weights_match
 
-    # Interrupted after step 2's checkpoint, then resumed: the same final weights, bit for bit.
+    # Interrupted after step 2's checkpoint (the same folder without the later checkpoint), then
+    # resumed: the same final weights, bit for bit.
     run = tmp_path / "resumed"
-    train(load_config(None, [*ONE_STEP_OFF, "train.steps=2"]), run, console=Console(quiet=True))
+    shutil.copytree(tmp_path / "full", run)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    (run / "summary.json").unlink()
     resumed = train(config, run, console=Console(quiet=True))
     assert resumed.first_step == 3
     assert resumed.actor_checksum == full.actor_checksum

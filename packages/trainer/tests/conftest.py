@@ -45,7 +45,9 @@ def gpu_workers_script() -> ModuleType:
     return module
 
 
-def save_tiny_llama(folder: Path, seed: int = 0, tie_word_embeddings: bool = False) -> Path:
+def save_tiny_llama(
+    folder: Path, seed: int = 0, tie_word_embeddings: bool = False, vocab_size: int = VOCAB
+) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -54,7 +56,7 @@ def save_tiny_llama(folder: Path, seed: int = 0, tie_word_embeddings: bool = Fal
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         max_position_embeddings=64,
         tie_word_embeddings=tie_word_embeddings,
     )

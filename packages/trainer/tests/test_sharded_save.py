@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import ray
 import torch
-from conftest import critic_pieces, make_fields
+from conftest import critic_pieces, make_fields, save_tiny_llama
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -30,25 +30,6 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
 
 ALGORITHM = AlgorithmConfig(lam=1.0, gamma=1.0, entropy_coef=0.0, num_mini_batches=1)
 ODD_VOCAB = 17
-
-
-def save_odd_llama(folder: Path) -> Path:
-    """A tiny Llama whose embedding rows do not split evenly over two ranks, with tied embeddings."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=ODD_VOCAB,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def config(model: Path, role: str, data_parallel: str = "fsdp2") -> TrainerConfig:
@@ -66,7 +47,9 @@ def config(model: Path, role: str, data_parallel: str = "fsdp2") -> TrainerConfi
 
 @pytest.fixture(scope="module")
 def odd_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_odd_llama(tmp_path_factory.mktemp("odd_llama"))
+    # Embedding rows that do not split evenly over two ranks, tied to the output layer.
+    folder = tmp_path_factory.mktemp("odd_llama")
+    return save_tiny_llama(folder, tie_word_embeddings=True, vocab_size=ODD_VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +60,11 @@ def roles(odd_model: Path, ray_session: None) -> Iterator[dict[str, TrainGroup]]
         "critic": ("critic", 2, config(odd_model, "critic")),
         "actor_one": ("actor", 1, config(odd_model, "actor", "replicate")),
     }
+    # Five workers start at once: test_workers.py's wait, for a loaded machine (120 s was too short
+    # at load average 10 on 2 cores).
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = {
-            key: pool.submit(TrainGroup, role, LocalSlots(n), cfg, timeout_s=120)
+            key: pool.submit(TrainGroup, role, LocalSlots(n), cfg, timeout_s=240)
             for key, (role, n, cfg) in specs.items()
         }
         made = {key: f.result() for key, f in futures.items()}

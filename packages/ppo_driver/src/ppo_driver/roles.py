@@ -7,6 +7,7 @@ uses nothing else of them. ``create_roles`` builds the real ones on fresh placem
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -75,38 +76,74 @@ RoleFactory = Callable[[RunConfig, Path, float], Roles]
 
 
 def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles:
-    """Placement groups, then the rollout manager and engines, then the actor and critic groups."""
+    """Placement groups, then the rollout manager and engines, the actor and the critic groups.
+
+    On CPU the three are started together: each role's processes import torch and load the model,
+    most of a run's start-up, and one after the other they leave cores idle. On GPUs they start one
+    after the other: the engines size their memory before the trainers take theirs."""
     from ppo_placement import create_placement_groups, remove_placement_groups
     from ppo_rollout import RolloutManager
     from ppo_trainer import TrainGroup
 
     placements = create_placement_groups(build.placement_spec(config), timeout_s=min(timeout_s, 120.0))
     actor_config = build.actor_trainer_config(config, model_path)
-    made: list[Any] = []
-    try:
-        rollout = RolloutManager(
+    makers: dict[str, Callable[[], Any]] = {
+        "rollout": lambda: RolloutManager(
             build.rollout_config(config, model_path),
             placements.slots.get("rollout"),
             dp_size=config.placement.actor_gpus,
             critic_dp_size=critic_dp_size(config),
+        ),
+        "actor": lambda: TrainGroup("actor", placements.slots["actor"], actor_config, timeout_s=timeout_s),
+    }
+    if config.use_critic:
+        makers["critic"] = lambda: TrainGroup(
+            "critic",
+            placements.slots["critic"],
+            build.critic_trainer_config(actor_config, config),
+            timeout_s=timeout_s,
         )
-        made.append(rollout)
-        actor = TrainGroup("actor", placements.slots["actor"], actor_config, timeout_s=timeout_s)
-        made.append(actor)
-        critic = None
-        if config.use_critic:
-            critic = TrainGroup(
-                "critic",
-                placements.slots["critic"],
-                build.critic_trainer_config(actor_config, config),
-                timeout_s=timeout_s,
-            )
+    try:
+        made = _make_all(makers, together=config.placement.device == "cpu")
     except BaseException:
-        for part in reversed(made):
-            part.shutdown()
         remove_placement_groups(placements)
         raise
-    return Roles(rollout, actor, critic, close=lambda: remove_placement_groups(placements))
+    return Roles(
+        made["rollout"], made["actor"], made.get("critic"), close=lambda: remove_placement_groups(placements)
+    )
+
+
+def _make_all(makers: dict[str, Callable[[], Any]], *, together: bool) -> dict[str, Any]:
+    """Every part, in ``makers``' order or all at once; if one fails, the parts made are shut down
+    (after the others finished starting) and the first failure is raised."""
+    made: dict[str, Any] = {}
+    failure: BaseException | None = None
+    if together:
+        futures: dict[str, Future[Any]] = {}
+        try:
+            # Leaving the block waits for every part: each one's start-up waits have their timeouts.
+            with ThreadPoolExecutor(len(makers), thread_name_prefix="create-role") as pool:
+                futures = {name: pool.submit(make) for name, make in makers.items()}
+        except BaseException as exc:  # interrupted while waiting
+            failure = exc
+        for name, future in futures.items():
+            error = future.exception()  # waits for a part still starting after an interruption
+            if error is None:
+                made[name] = future.result()
+            else:
+                failure = failure or error
+    else:
+        for name, make in makers.items():
+            try:
+                made[name] = make()
+            except BaseException as exc:
+                failure = exc
+                break
+    if failure is not None:
+        for part in reversed(made.values()):
+            part.shutdown()
+        raise failure
+    return made
 
 
 def critic_dp_size(config: RunConfig) -> int | None:
