@@ -195,9 +195,11 @@ def bench_update(
     timeout_s: float,
     sglang_format: bool,
     stream: bool = True,
+    check_finite: bool = True,
 ) -> dict[str, Any]:
     """The whole ``WeightSender.update()`` (pause, flush, buckets, continue) to an HTTP engine process
-    on this GPU, connected as colocated: ``ppo_ipc_bucket`` (ours) or SGLang's ``flattened_bucket``."""
+    on this GPU, connected as colocated: ``ppo_ipc_bucket`` (ours) or SGLang's ``flattened_bucket``.
+    ``check_finite=False``: without the non-finite scan, to show what the scan costs."""
     formats = ("flattened_bucket",) if sglang_format else RECEIVER_LOAD_FORMATS
     ep = HttpEngineEndpoint(url, name="near", timeout_s=600, load_formats=formats)
     ep.request("POST", "/bench_set_spec", {"spec": spec})
@@ -205,10 +207,11 @@ def bench_update(
         backend="nccl",
         timeout_s=timeout_s,
         transports=[ColocatedIpc(["near"], bucket_bytes=bucket_bytes, stream=stream)],
+        check_finite=check_finite,
     )
     sender.connect([ep])
     (transport,) = [t for t in sender._conn.transports if isinstance(t, IpcTransport)]
-    walls, control, transfer, packs, replies = [], [], [], [], []
+    walls, control, scans, transfer, packs, replies = [], [], [], [], [], []
     for r in range(reps + 1):
         sync(weights[0][1].device)
         t0 = time.perf_counter()
@@ -218,6 +221,7 @@ def bench_update(
         if r:
             walls.append(wall)
             control.append(m["weight_sync/control_seconds"])
+            scans.append(m["weight_sync/check_seconds"])
             transfer.append(m["weight_sync/ipc_seconds"])
             assert transport.last is not None
             packs.append(transport.last.wait_pack_s)
@@ -235,15 +239,14 @@ def bench_update(
     released = ep.request("POST", "/bench_mappings", {})
     ep.request("POST", "/bench_set_spec", {"spec": {}})
     ep.close()
+    mode = "update (request per bucket)" if not stream else "update"
+    mode = "update (sglang format)" if sglang_format else mode
     return {
-        "mode": "update (sglang format)"
-        if sglang_format
-        else "update"
-        if stream
-        else "update (request per bucket)",
+        "mode": mode if check_finite else f"{mode}, no scan",
         "seconds": statistics.median(walls),
         "buckets": int(m["weight_sync/ipc_buckets"]),
         "control_ms": statistics.median(control) * 1e3,
+        "scan_ms": statistics.median(scans) * 1e3,
         "transfer_ms": statistics.median(transfer) * 1e3,
         "wait_pack_ms": statistics.median(packs) * 1e3,
         "wait_reply_ms": statistics.median(replies) * 1e3,
@@ -287,9 +290,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             extra = f"waits: pack {r['wait_pack_ms']:.1f}, replies {r['wait_reply_ms']:.1f}"
         if "control_ms" in r:
             extra = (
-                f"control {r['control_ms']:.1f}, transfer {r['transfer_ms']:.1f} (waits: pack "
-                f"{r['wait_pack_ms']:.1f}, replies {r['wait_reply_ms']:.1f}); one HTTP round trip "
-                f"{r['rtt_ms']:.2f}; mappings {r['mappings']}"
+                f"scan {r['scan_ms']:.1f}, control {r['control_ms']:.1f}, transfer {r['transfer_ms']:.1f} "
+                f"(waits: pack {r['wait_pack_ms']:.1f}, replies {r['wait_reply_ms']:.1f}); "
+                f"one HTTP round trip {r['rtt_ms']:.2f}; mappings {r['mappings']}"
             )
         same_raw = f"{r['vs_raw']:.0%}" if r.get("vs_raw") is not None else ""
         print(
@@ -356,6 +359,8 @@ def main() -> None:
                 bench_update(url, spec, weights, None if auto else bucket, args.reps, args.timeout_s, False),
                 label,
             )
+            reps, timeout_s = args.reps, args.timeout_s
+            add(bench_update(url, spec, weights, bucket, reps, timeout_s, False, check_finite=False), label)
             add(
                 bench_update(url, spec, weights, bucket, args.reps, args.timeout_s, False, stream=False),
                 label,

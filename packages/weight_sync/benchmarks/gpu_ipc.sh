@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Colocated (CUDA IPC) benchmark and GPU tests of ppo-weight-sync, on one GPU: the benchmark first, then
+# Colocated (CUDA IPC) benchmark and the one-GPU tests of ppo-weight-sync (IPC, the finite scan): the benchmark first, then
 # the tests (each bounded); exits non-zero when either fails, after running both.
 # Run from anywhere: bash packages/weight_sync/benchmarks/gpu_ipc.sh [bench args]
 # BENCH_TIMEOUT_S / TEST_TIMEOUT_S bound the two steps; OUT (optional) receives bench_ipc.json.
@@ -19,7 +19,7 @@ timeout -k 5 "${BENCH_TIMEOUT_S:-400}" "$PY" "$HERE/bench_ipc.py" --json "${OUT:
 echo "== GPU tests: colocated IPC =="
 if "$PY" -m pytest --version >/dev/null 2>&1; then
     (cd "$PKG" && timeout -k 5 "${TEST_TIMEOUT_S:-300}" "$PY" -m pytest tests/test_ipc_update_gpu.py \
-        tests/test_ipc_gpu.py tests/test_ipc_tp_gpu.py -v -s -x -p no:cacheprovider -o addopts="" -o faulthandler_timeout=100 -rA) \
+        tests/test_ipc_gpu.py tests/test_ipc_tp_gpu.py tests/test_finite_gpu.py -v -s -x -p no:cacheprovider -o addopts="" -o faulthandler_timeout=100 -rA) \
         || { echo "GPU TESTS FAILED (exit $?)"; failed=1; }
 else
     echo "GPU TESTS NOT RUN: pytest is not installed here"; failed=1

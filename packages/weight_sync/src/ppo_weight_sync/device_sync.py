@@ -10,11 +10,12 @@ was waited for; CPU devices return at once (gloo's ``wait`` is already a host wa
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ppo_weight_sync.waiting import wait_until
 
 __all__ = ["on_device", "wait_stream"]
 
@@ -45,13 +46,13 @@ def wait_stream(
     with torch.cuda.device(device):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
-        deadline = time.monotonic() + timeout_s
-        while not event.query():
-            if check is not None:
-                check()
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{what}: GPU work on {device} did not finish within {timeout_s:g} s (a kernel is "
-                    "waiting on a peer that did not send or receive)"
-                )
-            time.sleep(poll_s)
+        wait_until(
+            event.query,
+            timeout_s,
+            lambda: (
+                f"{what}: GPU work on {device} did not finish within {timeout_s:g} s (a kernel is "
+                "waiting on a peer that did not send or receive)"
+            ),
+            poll_s=poll_s,
+            check=check,
+        )

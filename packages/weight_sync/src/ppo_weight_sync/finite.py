@@ -12,9 +12,13 @@ The scan is split in two so that a caller can overlap it with work of its own: :
 queues the sums and their copy to the host (on a GPU the host does not wait for them), and
 :meth:`FiniteCheck.result` waits for them, bounded, and names the bad tensors. The sender starts it
 while its pause is in flight (:mod:`ppo_weight_sync.sender`). On a GPU the host's launches, not the
-read, bound the scan of a model of hundreds of tensors: there a device's tensors are summed by one fused
-multi-tensor L1 norm (``torch._foreach_norm``, what ``clip_grad_norm_`` uses; an absolute value keeps
-NaN and infinities, so the same proof holds), a few launches for the whole model. On the CPU each tensor
+read, bound the scan of a model of hundreds of tensors, and a reduction's tail leaves the GPU half idle:
+there the small tensors of a device (under :data:`SCAN_SPLIT_BYTES`) are summed by one fused multi-tensor
+L1 norm (``torch._foreach_norm``, what ``clip_grad_norm_`` uses; an absolute value keeps NaN and
+infinities, so the same proof holds), a few launches for all of them, and each large tensor by a sum of its
+own, spread round-robin over :data:`SCAN_STREAMS` side streams so that one reduction's tail overlaps the
+next one's start (``benchmarks/bench_finite.py``: on an H200 the fused norm reads large tensors at about
+half the device's rate, one reduction per tensor on one stream at two thirds). On the CPU each tensor
 gets one plain sum (no per-tensor cast, no ``detach``).
 """
 
@@ -22,16 +26,30 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ppo_weight_sync.device_sync import on_device
+from ppo_weight_sync.waiting import wait_until
 
-__all__ = ["FiniteCheck", "fused_abs_sums", "non_finite_names", "start_finite_check"]
+__all__ = [
+    "SCAN_SPLIT_BYTES",
+    "SCAN_STREAMS",
+    "FiniteCheck",
+    "cuda_sums",
+    "fused_abs_sums",
+    "non_finite_names",
+    "start_finite_check",
+]
 
 _POLL_S = 0.0001
+# Where a tensor's own reduction beats the fused multi-tensor norm, and how many side streams carry them
+# (chosen from benchmarks/bench_finite.py on an H200; see the README's scan table).
+SCAN_SPLIT_BYTES = 16 << 20
+SCAN_STREAMS = 4
+_side_streams: dict[tuple[int, int], list[torch.cuda.Stream]] = {}
 
 
 def _comparable(tensor: torch.Tensor) -> torch.Tensor:
@@ -58,10 +76,55 @@ def fused_abs_sums(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.f
     return list(torch._foreach_norm(list(tensors), 1, dtype=dtype))
 
 
+def cuda_sums(
+    reals: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    split_bytes: int = SCAN_SPLIT_BYTES,
+    streams: int = SCAN_STREAMS,
+) -> torch.Tensor:
+    """One CUDA device's tensors' sums in ``dtype``, stacked in their order, queued without a host wait.
+
+    Tensors under ``split_bytes`` go through :func:`fused_abs_sums` together; each larger one gets its own
+    sum on one of ``streams`` side streams (each side stream first waits for the caller's stream, which
+    then waits for them all: the sums see the weights as the caller's queued work leaves them, and whatever
+    the caller queues next sees the sums)."""
+    device = reals[0].device
+    current = torch.cuda.current_stream(device)
+    small = [i for i, t in enumerate(reals) if t.nbytes < split_bytes]
+    pieces: list[torch.Tensor | None] = [None] * len(reals)
+    if small:
+        for i, norm in zip(small, fused_abs_sums([reals[i] for i in small], dtype), strict=True):
+            pieces[i] = norm
+    large = [i for i, piece in enumerate(pieces) if piece is None]
+    if large:
+        sides = _streams(device, max(1, streams))
+        for side in sides:
+            side.wait_stream(current)
+        for n, i in enumerate(large):
+            with torch.cuda.stream(sides[n % len(sides)]):
+                total = reals[i].sum(dtype=dtype)
+            total.record_stream(current)  # made on a side stream, read by the stack below
+            pieces[i] = total
+        for side in sides:
+            current.wait_stream(side)
+    return torch.stack([piece for piece in pieces if piece is not None])
+
+
+def _streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
+    """``count`` side streams of ``device``, made once per process and kept (streams are cheap to keep,
+    not to make on every update)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, count)
+    if key not in _side_streams:
+        _side_streams[key] = [torch.cuda.Stream(device=index) for _ in range(count)]
+    return _side_streams[key]
+
+
 def _sums(reals: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """One device's tensors' sums (all accumulated in ``dtype``), stacked into one tensor."""
     if device.type == "cuda":
-        return torch.stack(fused_abs_sums(reals, dtype))
+        return cuda_sums(reals, dtype)
     return torch.stack([real.sum() if real.dtype == dtype else real.sum(dtype=dtype) for real in reals])
 
 
@@ -89,20 +152,26 @@ class FiniteCheck:
         deadline = time.monotonic() + timeout_s
         bad: list[tuple[int, str]] = []
         for sums in self._sums:
-            if sums.done is not None:
-                while not sums.done.query():  # polled, never a blocking sync: the wait stays bounded
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"the non-finite scan of {len(sums.names)} tensor(s) on {sums.device} did not "
-                            f"finish within {timeout_s:g} s (is a kernel on that GPU stuck?)"
-                        )
-                    time.sleep(_POLL_S)
+            if sums.done is not None:  # polled, never a blocking sync: the wait stays bounded
+                wait_until(
+                    sums.done.query,
+                    max(deadline - time.monotonic(), 0.0),
+                    _late_scan_message(sums, timeout_s),
+                    poll_s=_POLL_S,
+                )
             values = sums.host.tolist()
             for i, name, real, value in zip(sums.order, sums.names, sums.reals, values, strict=True):
                 # An overflowing sum of finite values is fine: the exact check (rare) clears it.
                 if not math.isfinite(value) and not bool(torch.isfinite(real).all()):
                     bad.append((i, name))
         return [name for _, name in sorted(bad)]
+
+
+def _late_scan_message(sums: _Sums, timeout_s: float) -> Callable[[], str]:
+    return lambda: (
+        f"the non-finite scan of {len(sums.names)} tensor(s) on {sums.device} did not finish within "
+        f"{timeout_s:g} s (is a kernel on that GPU stuck?)"
+    )
 
 
 def start_finite_check(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> FiniteCheck:
@@ -120,11 +189,11 @@ def start_finite_check(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Fin
             reals.append(real)
         out: list[_Sums] = []
         for (device, dtype), (order, names, reals) in groups.items():
-            stacked = _sums(reals, device, dtype)  # one tensor, one copy to the host
             if device.type != "cuda":
-                out.append(_Sums(device, order, names, reals, stacked, None))
+                out.append(_Sums(device, order, names, reals, _sums(reals, device, dtype), None))
                 continue
             with on_device(device):
+                stacked = _sums(reals, device, dtype)  # one tensor, one copy to the host
                 host = torch.empty(len(reals), dtype=stacked.dtype, pin_memory=True)
                 host.copy_(stacked, non_blocking=True)
                 done = torch.cuda.Event()

@@ -253,15 +253,18 @@ class WeightSender:
         in_session: list[EngineEndpoint] = []
         try:
             t0 = time.perf_counter()
+            # The non-finite scan involves no engine, so it runs while the pause and the flush are in
+            # flight: on the GPU its sums are queued now, just before the pause is sent, and their verdict
+            # read once the flush was sent. Queued before, not after: the pause goes out on an HTTP thread,
+            # which would take the interpreter lock from the hundreds of launches in the middle of them
+            # (measured on an H200: the scan of 16 GB inside the update took 9 ms queued after the pause,
+            # against 5 ms alone). Safety needs only that no byte reaches an engine before the verdict: for
+            # a bad tensor the engines, paused and flushed, are continued with their previous weights, and
+            # nothing is sent.
+            check = self._start_check(items)
+            scan_s = time.perf_counter() - t0 if check is not None else 0.0
             pausing = self._issue(engines, lambda e: e.pause_generation())
             paused = True
-            # The non-finite scan involves no engine, so it runs while the pause and the flush are in
-            # flight: on the GPU its sums are queued now and their verdict read once the flush was sent.
-            # Safety needs only that no byte reaches an engine before the verdict: for a bad tensor the
-            # engines, paused and flushed, are continued with their previous weights, and nothing is sent.
-            t_scan = time.perf_counter()
-            check = self._while_in_flight(pausing, self._start_check, items)
-            scan_s = time.perf_counter() - t_scan if check is not None else 0.0
             self._replies(pausing, "pause_generation")
             # The flush must follow a completed pause (SGLang answers it with 400 while requests run: its
             # success says the engine is idle), and the data a completed flush.

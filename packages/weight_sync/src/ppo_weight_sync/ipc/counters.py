@@ -19,10 +19,11 @@ import contextlib
 import mmap
 import os
 import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from typing import ClassVar, Self
+
+from ppo_weight_sync.waiting import wait_until
 
 __all__ = ["POLL_S", "SharedCounters", "new_shared_file"]
 
@@ -135,17 +136,13 @@ class SharedCounters:
         <current> < <value>)"``, so the message says what was awaited and how far it got."""
         index = self.FIELDS.index(field)
         view = self._v()
-        if view[index] >= value:
-            return
-        deadline = time.monotonic() + timeout_s
-        while view[index] < value:
-            if check is not None:
-                check()
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{what}: not done within {timeout_s:g} s ({field} {view[index]} < {value})"
-                )
-            time.sleep(POLL_S)
+        wait_until(
+            lambda: view[index] >= value,
+            timeout_s,
+            lambda: f"{what}: not done within {timeout_s:g} s ({field} {view[index]} < {value})",
+            poll_s=POLL_S,
+            check=check,
+        )
 
     def close(self) -> None:
         """Unmap (and, for the owner, remove the file). Idempotent."""

@@ -23,6 +23,7 @@ import torch
 from ppo_weight_sync.ipc.handles import IpcHandle, export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout, plan_layouts
 from ppo_weight_sync.ipc.signals import BucketSignals
+from ppo_weight_sync.waiting import wait_until
 
 __all__ = [
     "BucketPacker",
@@ -133,15 +134,13 @@ class BucketPacker:
         event = self._events[slot]
         if event is None:
             return
-        deadline = time.monotonic() + self.timeout_s
-        while not event.query():
-            if check is not None:
-                check()
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"packing a weight bucket on {self.device} did not finish in {self.timeout_s:g} s"
-                )
-            time.sleep(_POLL_S)
+        wait_until(
+            event.query,
+            self.timeout_s,
+            lambda: f"packing a weight bucket on {self.device} did not finish in {self.timeout_s:g} s",
+            poll_s=_POLL_S,
+            check=check,
+        )
         self._events[slot] = None
 
     def forget(self, consumer: str, *, released: bool) -> None:

@@ -4,7 +4,6 @@ attribution of a broken broadcast to the engine whose call failed."""
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -24,6 +23,7 @@ from ppo_weight_sync.errors import (
 from ppo_weight_sync.group import WeightGroup
 from ppo_weight_sync.ops import EngineReply
 from ppo_weight_sync.transports.base import Sent
+from ppo_weight_sync.waiting import wait_until
 
 __all__ = ["GroupLink", "GroupTransport", "Metadata", "Pipeline", "Staging"]
 
@@ -158,12 +158,13 @@ class Pipeline:
             if not self.cuda:
                 work.wait(timedelta(seconds=timeout_s))
             else:
-                deadline = time.monotonic() + timeout_s
-                while not work.is_completed():
-                    self.check_calls()
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"broadcast not complete within {timeout_s:g} s")
-                    time.sleep(_POLL_S)
+                wait_until(
+                    work.is_completed,
+                    timeout_s,
+                    lambda: f"broadcast not complete within {timeout_s:g} s",
+                    poll_s=_POLL_S,
+                    check=self.check_calls,
+                )
                 # is_completed() is also true for a work that failed: wait() raises its error, and orders
                 # this stream after the broadcast (it returns at once, the kernel has finished).
                 work.wait()
