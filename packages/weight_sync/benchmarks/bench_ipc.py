@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_update import GB, random_weights, spec_for, start_engine
 
-from ppo_weight_sync import ColocatedIpc, HttpEngineEndpoint, WeightSender
+from ppo_weight_sync import ColocatedIpc, HttpEngineEndpoint, WeightSender, non_finite_names
 from ppo_weight_sync.device_sync import wait_stream
 from ppo_weight_sync.endpoints import RECEIVER_LOAD_FORMATS
 from ppo_weight_sync.ipc import (
@@ -257,6 +257,21 @@ def bench_update(
     }
 
 
+def bench_scan(weights: list[tuple[str, torch.Tensor]], reps: int) -> dict[str, Any]:
+    """The non-finite scan alone (``non_finite_names``, the update's scan with its verdict), in this same
+    process and state: what the update's ``scan`` share would be if nothing slowed it there."""
+    walls = []
+    for r in range(reps + 1):
+        sync(weights[0][1].device)
+        t0 = time.perf_counter()
+        bad = non_finite_names(weights)
+        if r:
+            walls.append(time.perf_counter() - t0)
+        if bad:
+            raise SystemExit(f"the benchmark's weights hold non-finite values: {bad[:3]}")
+    return {"mode": "scan alone", "seconds": statistics.median(walls), "buckets": 0}
+
+
 def bench_gloo(
     ep: HttpEngineEndpoint,
     spec: dict[str, Any],
@@ -360,6 +375,7 @@ def main() -> None:
                 label,
             )
             reps, timeout_s = args.reps, args.timeout_s
+            add(bench_scan(weights, reps), "")
             add(bench_update(url, spec, weights, bucket, reps, timeout_s, False, check_finite=False), label)
             add(
                 bench_update(url, spec, weights, bucket, args.reps, args.timeout_s, False, stream=False),
