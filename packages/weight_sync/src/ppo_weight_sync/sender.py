@@ -48,7 +48,6 @@ _NO_METRICS = {
     "ipc_bytes": 0.0,
     "ipc_seconds": 0.0,
     "ipc_buckets": 0.0,
-    "control_seconds": 0.0,
     "check_seconds": 0.0,
     "control_before_seconds": 0.0,
     "control_after_seconds": 0.0,
@@ -179,7 +178,7 @@ class WeightSender:
             "weight_sync/ipc_bytes": m["ipc_bytes"],
             "weight_sync/ipc_seconds": m["ipc_seconds"],
             "weight_sync/ipc_buckets": m["ipc_buckets"],
-            "weight_sync/control_seconds": m["control_seconds"],
+            "weight_sync/control_seconds": m["control_before_seconds"] + m["control_after_seconds"],
             "weight_sync/check_seconds": m["check_seconds"],
             "weight_sync/control_before_seconds": m["control_before_seconds"],
             "weight_sync/control_after_seconds": m["control_after_seconds"],
@@ -281,7 +280,7 @@ class WeightSender:
             self._replies(flushing, "flush_cache")
             in_session = engines
             self._all(engines, "begin_weight_update", lambda e: e.begin_weight_update())
-            self._add_control("control_before_seconds", time.perf_counter() - t0 - scan_s)
+            self._metrics["control_before_seconds"] += time.perf_counter() - t0 - scan_s
             start = time.perf_counter()
             nbytes = buckets = 0
             with on_device(self.device):
@@ -298,7 +297,7 @@ class WeightSender:
             t0 = time.perf_counter()
             in_session = []
             self._all(engines, "end_weight_update", lambda e: e.end_weight_update())
-            self._add_control("control_after_seconds", time.perf_counter() - t0)
+            self._metrics["control_after_seconds"] += time.perf_counter() - t0
             self._metrics["bytes"] += nbytes
             self._metrics["buckets"] += buckets
             self._metrics["updates"] += 1
@@ -350,10 +349,6 @@ class WeightSender:
             for transport in self._conn.transports:
                 transport.prepare(items)
 
-    def _add_control(self, part: str, seconds: float) -> None:
-        self._metrics[part] += seconds
-        self._metrics["control_seconds"] += seconds
-
     def _end_after_failure(self, engines: list[EngineEndpoint]) -> None:
         """Close the weight-update sessions a failed update left open (an open session refuses the next
         begin), best effort: the failure is what the caller hears about."""
@@ -370,7 +365,7 @@ class WeightSender:
         t0 = time.perf_counter()
         try:
             self._all(engines, "continue_generation", lambda e: e.continue_generation())
-            self._add_control("control_after_seconds", time.perf_counter() - t0)
+            self._metrics["control_after_seconds"] += time.perf_counter() - t0
         except WeightSyncError as exc:
             if failure is None:
                 if isinstance(exc, EngineUnavailableError):
