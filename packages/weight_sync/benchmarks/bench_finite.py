@@ -13,6 +13,7 @@ can beat), so "vs read limit" says how much of the scan is launches and tails ra
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -106,16 +107,36 @@ def _scans(items: list[tuple[str, torch.Tensor]], nbytes: int) -> list[tuple[str
         ("fused L1 norms (_foreach_norm)", lambda: torch.stack(fused_abs_sums(floats)).float().tolist()),
     ]
     if tensors[0].is_cuda:  # the split scan's settings around the defaults non_finite_names uses
+        for streams in (2, 4, 8):
+            label = f"fused L1 norms over {streams} streams"
+            ways.append((label, functools.partial(_fused_over_streams, floats, streams)))
         for split_mib, streams in [(0, 1), (0, 4), (4, 4), (16, 1), (16, 2), (16, 8), (64, 4)]:
-            ways.append(
-                (
-                    f"split scan: own sums from {split_mib} MiB, {streams} stream(s)",
-                    lambda split=split_mib << 20, n=streams: _split_scan(floats, split, n),
-                )
-            )
+            label = f"split scan: own sums from {split_mib} MiB, {streams} stream(s)"
+            ways.append((label, functools.partial(_split_scan, floats, split_mib << 20, streams)))
     if nbytes <= ISFINITE_MAX_BYTES:
         ways.append(("isfinite().all() per tensor", lambda: [bool(torch.isfinite(t).all()) for t in tensors]))
     return ways
+
+
+_STREAMS: dict[int, list[torch.cuda.Stream]] = {}
+
+
+def _fused_over_streams(tensors: list[torch.Tensor], streams: int) -> object:
+    """The fused norm, the tensors dealt round-robin over ``streams`` side streams (one multi-tensor launch
+    per stream instead of one reduction per large tensor: fewer host launches)."""
+    current = torch.cuda.current_stream()
+    sides = _STREAMS.setdefault(streams, [torch.cuda.Stream() for _ in range(streams)])
+    parts = []
+    for n, side in enumerate(sides):
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            norms = fused_abs_sums(tensors[n::streams])
+        for norm in norms:
+            norm.record_stream(current)
+        parts.append(norms)
+    for side in sides:
+        current.wait_stream(side)
+    return torch.stack([x for part in parts for x in part]).tolist()
 
 
 def _split_scan(tensors: list[torch.Tensor], split_bytes: int, streams: int) -> object:

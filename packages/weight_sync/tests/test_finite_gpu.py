@@ -15,10 +15,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
 def _tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    # "large": over SCAN_SPLIT_BYTES (16 MiB) in bf16, so the default scan gives each its own sum; more
-    # of them than side streams
-    shapes = {"small_a": (64,), "large_a": (4096, 4096), "small_b": (3, 5), "large_b": (4096, 2049)}
-    shapes |= {f"large_{i}": (2048, 4096 + i) for i in range(6)}
+    # "large": at least SCAN_SPLIT_BYTES (64 MiB) in bf16, so the default scan gives each its own sum;
+    # more of them than side streams
+    shapes = {"small_a": (64,), "large_a": (8192, 4096), "small_b": (3, 5), "large_b": (8192, 4097)}
+    shapes |= {f"large_{i}": (8192, 4096 + i) for i in range(6)}
     return {
         name: torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
         for name, shape in shapes.items()

@@ -10,16 +10,16 @@ A sum reads the tensor once without allocating a mask as large as it: several ti
 
 The scan is split in two so that a caller can overlap it with work of its own: :func:`start_finite_check`
 queues the sums and their copy to the host (on a GPU the host does not wait for them), and
-:meth:`FiniteCheck.result` waits for them, bounded, and names the bad tensors. The sender starts it
-while its pause is in flight (:mod:`ppo_weight_sync.sender`). On a GPU the host's launches, not the
-read, bound the scan of a model of hundreds of tensors, and a reduction's tail leaves the GPU half idle:
-there the small tensors of a device (under :data:`SCAN_SPLIT_BYTES`) are summed by one fused multi-tensor
+:meth:`FiniteCheck.result` waits for them, bounded, and names the bad tensors. The sender starts it just
+before its pause is sent (:mod:`ppo_weight_sync.sender`). On a GPU the host's launches bound the scan of
+hundreds of small tensors, and a lone reduction's tail leaves the GPU half idle on a large one: there the
+small tensors of a device (under :data:`SCAN_SPLIT_BYTES`, 64 MiB) are summed by one fused multi-tensor
 L1 norm (``torch._foreach_norm``, what ``clip_grad_norm_`` uses; an absolute value keeps NaN and
-infinities, so the same proof holds), a few launches for all of them, and each large tensor by a sum of its
-own, spread round-robin over :data:`SCAN_STREAMS` side streams so that one reduction's tail overlaps the
-next one's start (``benchmarks/bench_finite.py``: on an H200 the fused norm reads large tensors at about
-half the device's rate, one reduction per tensor on one stream at two thirds). On the CPU each tensor
-gets one plain sum (no per-tensor cast, no ``detach``).
+infinities, so the same proof holds), a few launches for all of them, and each large tensor by a sum of
+its own, spread round-robin over :data:`SCAN_STREAMS` side streams so that the reductions overlap each
+other and the fused norm (``benchmarks/bench_finite.py``: on an H200 the fused norm alone reads at about
+half the device's rate, this split at 80-85% of it on 4-16 GB models). On the CPU each tensor gets one
+plain sum (no per-tensor cast, no ``detach``).
 """
 
 from __future__ import annotations
@@ -44,12 +44,20 @@ __all__ = [
     "start_finite_check",
 ]
 
-_POLL_S = 0.0001
+_POLL_S = 0.00002  # the verdict is awaited on the update's path: poll finely (a sleep is ~60 us more)
 # Where a tensor's own reduction beats the fused multi-tensor norm, and how many side streams carry them
 # (chosen from benchmarks/bench_finite.py on an H200; see the README's scan table).
-SCAN_SPLIT_BYTES = 16 << 20
+SCAN_SPLIT_BYTES = 64 << 20
 SCAN_STREAMS = 4
 _side_streams: dict[tuple[int, int], list[torch.cuda.Stream]] = {}
+# Dtypes summed as they are, and what they accumulate in (what _comparable and _accumulator decide for
+# them, save bfloat16 on the CPU), looked up once per tensor.
+_PLAIN = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+}
 
 
 def _comparable(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,23 +99,23 @@ def cuda_sums(
     the caller queues next sees the sums)."""
     device = reals[0].device
     current = torch.cuda.current_stream(device)
-    small = [i for i, t in enumerate(reals) if t.nbytes < split_bytes]
     pieces: list[torch.Tensor | None] = [None] * len(reals)
+    large = [i for i, t in enumerate(reals) if t.nbytes >= split_bytes]
+    sides = _streams(device, max(1, min(streams, len(large)))) if large else []
+    # The side streams start before the fused norm is queued, so that the large sums run beside it.
+    for side in sides:
+        side.wait_stream(current)
+    for n, i in enumerate(large):
+        with torch.cuda.stream(sides[n % len(sides)]):
+            total = reals[i].sum(dtype=dtype)
+        total.record_stream(current)  # made on a side stream, read by the stack below
+        pieces[i] = total
+    small = [i for i, piece in enumerate(pieces) if piece is None]
     if small:
         for i, norm in zip(small, fused_abs_sums([reals[i] for i in small], dtype), strict=True):
             pieces[i] = norm
-    large = [i for i, piece in enumerate(pieces) if piece is None]
-    if large:
-        sides = _streams(device, max(1, streams))
-        for side in sides:
-            side.wait_stream(current)
-        for n, i in enumerate(large):
-            with torch.cuda.stream(sides[n % len(sides)]):
-                total = reals[i].sum(dtype=dtype)
-            total.record_stream(current)  # made on a side stream, read by the stack below
-            pieces[i] = total
-        for side in sides:
-            current.wait_stream(side)
+    for side in sides:
+        current.wait_stream(side)
     return torch.stack([piece for piece in pieces if piece is not None])
 
 
@@ -180,13 +188,25 @@ def start_finite_check(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Fin
     groups: dict[tuple[torch.device, torch.dtype], Group] = {}
     with torch.no_grad():  # no autograd record of the sums: no per-tensor detach needed
         for i, (name, tensor) in enumerate(named_tensors):
-            if not (tensor.is_floating_point() or tensor.is_complex()):
+            # Host time per tensor matters (hundreds of tensors, a scan of well under a millisecond on a
+            # GPU): the common dtypes take a table lookup, the rest the general rules.
+            dtype = tensor.dtype
+            accumulator = _PLAIN.get(dtype)
+            if accumulator is not None:
+                real, device = tensor, tensor.device
+                if dtype is torch.bfloat16 and device.type == "cpu":
+                    accumulator = torch.bfloat16  # see _accumulator
+            elif tensor.is_floating_point() or tensor.is_complex():
+                real = _comparable(tensor)
+                device, accumulator = real.device, _accumulator(real)
+            else:
                 continue
-            real = _comparable(tensor)
-            order, names, reals = groups.setdefault((real.device, _accumulator(real)), ([], [], []))
-            order.append(i)
-            names.append(name)
-            reals.append(real)
+            group = groups.get((device, accumulator))
+            if group is None:
+                group = groups[(device, accumulator)] = ([], [], [])
+            group[0].append(i)
+            group[1].append(name)
+            group[2].append(real)
         out: list[_Sums] = []
         for (device, dtype), (order, names, reals) in groups.items():
             if device.type != "cuda":
