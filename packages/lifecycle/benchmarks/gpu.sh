@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU tests and the sleep/wake benchmark of ppo-lifecycle, in one go (about 2-3 minutes on an H200).
+# GPU tests and the sleep/wake benchmarks of ppo-lifecycle, in one go (about 4-5 minutes on an H200).
 # Run from the repository root or anywhere: bash packages/lifecycle/benchmarks/gpu.sh
 set -uo pipefail  # run every part even if one fails; each prints its own result
 failed=0  # set by any failing step; the script exits non-zero after running the rest
@@ -25,6 +25,8 @@ fi
 echo "== sleep/wake benchmark, 16 GiB of state"
 "$PY" benchmarks/sleep_wake.py --gib 16 --cycles 3 --tms-default-gib 16 --tms-default-cycles 2 \
   || { echo "BENCHMARK FAILED (exit $?)"; failed=1; }
+echo "== where a 9.87 GB sleep goes: copy, frees, allocator (ordinary and expandable segments)"
+"$PY" benchmarks/sleep_breakdown.py --cycles 4 || { echo "BREAKDOWN FAILED (exit $?)"; failed=1; }
 echo "== destroying and rebuilding 20 NCCL subgroups, separate against shared"
 "$PY" benchmarks/groups_reload.py --backend nccl --world 1 --groups 20 --cycles 2 \
   || { echo "GROUPS BENCHMARK FAILED (exit $?)"; failed=1; }

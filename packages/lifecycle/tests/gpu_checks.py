@@ -49,7 +49,8 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def check_pinned_backend() -> None:
+def check_pinned_backend(frees_while_copying: bool = False) -> None:
+    """``frees_while_copying``: what the backend must have chosen (True under expandable segments)."""
     torch.cuda.empty_cache()
     params, extra = _make_state(STATE_GIB)
     grads = [p.grad for p in params if p.grad is not None]
@@ -58,6 +59,7 @@ def check_pinned_backend() -> None:
     total = _nbytes(everything)
     backend = default_backend("cuda")
     assert isinstance(backend, PinnedHostBackend)
+    assert backend.frees_while_copying is frees_while_copying
     backend.track("weights", lambda: params)
     backend.track("grads", lambda: (p.grad for p in params))
     backend.track("optimizer", lambda: [*extra, torch.zeros(())])  # a CPU scalar (Adam step) is skipped

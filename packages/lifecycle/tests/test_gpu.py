@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from gpu_checks import HAVE_TMS, check_pinned_backend, check_tms_backend
 
@@ -11,6 +16,24 @@ from ppo_lifecycle import TorchMemorySaverBackend
 @pytest.mark.gpu
 def test_pinned_backend_frees_and_restores_several_gb() -> None:
     check_pinned_backend()
+
+
+@pytest.mark.gpu
+def test_pinned_backend_under_expandable_segments_frees_while_copying() -> None:
+    # Its own process: the allocator setting is process-wide and torch_memory_saver cannot share it.
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    code = "from gpu_checks import check_pinned_backend; check_pinned_backend(frees_while_copying=True)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pinned: sleep" in proc.stdout
+    print(proc.stdout.strip())
 
 
 @pytest.mark.gpu

@@ -197,3 +197,22 @@ def test_host_copies_serve_released_tensors_without_copying() -> None:
     train_steps(model, opt, 1, seed=4)
     assert not torch.equal(weight.detach(), expected[0])
     assert torch.equal(copies[0], expected[0])
+
+
+def test_each_storage_is_freed_before_the_next_is_copied() -> None:
+    tensors = [torch.full((1000,), float(i)) for i in range(4)]
+    seen: list[list[int]] = []
+
+    class Watching(HostMemoryBackend):
+        def _copy_out(self, tag, storages):  # type: ignore[no-untyped-def]
+            for storage, backup in super()._copy_out(tag, storages):
+                seen.append([t.untyped_storage().nbytes() for t in tensors])  # before this one is freed
+                yield storage, backup
+
+    backend = Watching()
+    backend.track("w", lambda: tensors)
+    assert backend.release().bytes == 4 * 4000
+    # when storage i's backup is handed over, storages before it are already freed, the rest not yet
+    assert seen == [[0] * i + [4000] * (4 - i) for i in range(4)]
+    backend.restore()
+    assert [t[0].item() for t in tensors] == [0.0, 1.0, 2.0, 3.0]

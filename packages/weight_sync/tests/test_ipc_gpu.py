@@ -98,6 +98,47 @@ def test_ipc_updates_are_bit_identical_and_memory_returns(peer: IpcPeer) -> None
     assert engine_after["allocated"] == engine_before["allocated"]
 
 
+def test_buffers_stay_in_ordinary_segments_under_expandable_segments(peer: IpcPeer) -> None:
+    # A trainer's allocator may use expandable segments (ppo-lifecycle's sleep wants them); handles of
+    # those need ptrace rights to open, so the packer keeps its buffers in ordinary segments.
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if getter is None or setter is None:
+        pytest.skip("this torch cannot switch expandable segments at runtime")
+    previous = getter()
+    setter("expandable_segments:True")
+    try:
+        device = torch.device("cuda", 0)
+        resident = torch.ones(64 * MiB, dtype=torch.uint8, device=device)  # in an expandable segment
+        packer = BucketPacker(device, BUCKET, timeout_s=30)
+        before = _sender_mem()
+        sent = [(n, t.to(device)) for n, t in make_weights(SPEC, seed=7).items()]
+        layouts = packer.plan(sent)
+        answers: list[int] = []
+        send_buckets(packer, sent, layouts, _ipc_post(peer, packer, "s1", answers), 30.0)
+        assert peer.call("checksum") == checksum(sent)
+        segments = torch.cuda.memory_snapshot()
+
+        def expandable_at(ptr: int) -> bool:
+            (seg,) = [s for s in segments if s["address"] <= ptr < s["address"] + s["total_size"]]
+            return bool(seg["is_expandable"])
+
+        assert expandable_at(resident.data_ptr())
+        assert not expandable_at(packer.buffer(0).data_ptr())
+        assert not expandable_at(packer.buffer(1).data_ptr())
+        assert peer.call("release", "s1") == 2
+        packer.forget(peer.name, released=True)
+        packer.free()
+        del sent
+        torch.cuda.empty_cache()
+        after = _sender_mem()
+        assert after["reserved_mib"] <= before["reserved_mib"] + 0.01  # the private pool's segments too
+        assert after["gpu_used_mib"] <= before["gpu_used_mib"] + 4
+        del resident
+    finally:
+        setter(previous if "expandable_segments" in previous else "expandable_segments:False")
+
+
 def test_sglang_flattened_bucket_payload_loads_bit_identical(peer: IpcPeer) -> None:
     """The peer reads SGLang's payload the way SGLang 0.5.x does (torch's rebuild, device by UUID,
     FlattenedTensorBucket views) and drops each mapping after the call, as SGLang's model runner does."""

@@ -506,3 +506,12 @@ def test_the_transport_streams_only_when_every_engine_takes_it() -> None:
     off = IpcTransport(device=torch.device("cuda", 0), bucket_bytes=1 << 20, timeout_s=10, stream=False)
     off.connect([_StreamEndpoint("a", both)], "s")  # type: ignore[list-item]
     assert off.load_format == PPO_IPC_FORMAT
+
+
+def test_ordinary_segments_are_left_alone_without_expandable_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ppo_weight_sync.ipc.segments import ordinary_segments
+
+    getter = lambda: "max_split_size_mb:128"  # noqa: E731
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", getter, raising=False)
+    with ordinary_segments(torch.device("cuda", 0)) as pool:  # no CUDA call: nothing to switch
+        assert pool is None

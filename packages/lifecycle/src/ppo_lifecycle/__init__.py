@@ -18,6 +18,9 @@ if TYPE_CHECKING:
         TensorSource,
         TorchMemorySaverBackend,
         default_backend,
+        enable_expandable_segments,
+        expandable_segments_enabled,
+        set_expandable_segments,
     )
     from ppo_lifecycle.plan import PHASES, OffloadPlan, Phase, ResidentSharedCriticWarning, Transition
     from ppo_lifecycle.process_groups import (
@@ -39,6 +42,9 @@ _LAZY = {
     "TensorSource": "ppo_lifecycle.memory",
     "TorchMemorySaverBackend": "ppo_lifecycle.memory",
     "default_backend": "ppo_lifecycle.memory",
+    "enable_expandable_segments": "ppo_lifecycle.memory",
+    "expandable_segments_enabled": "ppo_lifecycle.memory",
+    "set_expandable_segments": "ppo_lifecycle.memory",
     "PHASES": "ppo_lifecycle.plan",
     "OffloadPlan": "ppo_lifecycle.plan",
     "Phase": "ppo_lifecycle.plan",
@@ -83,5 +89,8 @@ __all__ = [
     "TransferStats",
     "Transition",
     "default_backend",
+    "enable_expandable_segments",
+    "expandable_segments_enabled",
     "group_timeout",
+    "set_expandable_segments",
 ]

@@ -40,6 +40,7 @@ from ppo_lifecycle import (
     State,
     TorchMemorySaverBackend,
     default_backend,
+    enable_expandable_segments,
 )
 from ppo_trainer import checkpoint, fault_injection, sharded_save
 from ppo_trainer.addresses import peer_address
@@ -149,6 +150,12 @@ class TrainWorker:
         self._groups = groups
         self._dp = groups.default
         memory = make_memory_backend(self.config, self.device)
+        if isinstance(memory, PinnedHostBackend) and self.config.backend == "torch":
+            # Before the model and optimizer exist: their segments expandable, a sleep frees each
+            # landed group of storages while the rest still copies (ppo_lifecycle.memory.allocator).
+            # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False in the workers' environment keeps
+            # ordinary segments. The megatron backend keeps them (not measured with expandable ones).
+            enable_expandable_segments()
         self._memory = memory
         self._lifecycle = Lifecycle(memory, groups, name=f"{self.role}-{self.rank}")
         shard = self.config.backend == "torch" and self._should_shard()

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ppo_lifecycle.memory.allocator import (
+    enable_expandable_segments,
+    expandable_segments_enabled,
+    set_expandable_segments,
+)
 from ppo_lifecycle.memory.host import HostMemoryBackend
 from ppo_lifecycle.memory.pinned import PinnedHostBackend
 from ppo_lifecycle.memory.protocol import HostCopies, MemoryBackend, TensorSource
@@ -32,4 +37,7 @@ __all__ = [
     "TensorSource",
     "TorchMemorySaverBackend",
     "default_backend",
+    "enable_expandable_segments",
+    "expandable_segments_enabled",
+    "set_expandable_segments",
 ]

@@ -8,12 +8,14 @@ falls back to torch's pinned allocator.
 
 Copies: enqueued in chunks of ``chunk_bytes`` on a side stream that first waits for the current
 stream (so pending kernels that write the tensors finish first), then synchronized before the
-caller frees device memory or hands the tensors back.
+caller frees device memory or hands the tensors back. Copies out can also be waited for in groups
+(``copy_out_in_groups``), so the first storages are freed while the later ones still copy.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -104,6 +106,39 @@ def chunked_copy(
                 end = min(start + chunk_bytes, n)
                 dst[start:end].copy_(src[start:end], non_blocking=True)
     stream.synchronize()
+
+
+def copy_out_in_groups(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    stream: torch.cuda.Stream,
+    chunk_bytes: int,
+    group_bytes: int,
+) -> Iterator[range]:
+    """Enqueue every ``(dst, src)`` copy on ``stream`` now; yield each group's indices once it landed.
+
+    A group is consecutive pairs of about ``group_bytes`` (at least one pair); an event recorded
+    after its last copy tells when its sources may be freed. Everything is enqueued before the
+    first wait, so the copy engine never idles while the caller frees a landed group.
+    """
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    groups: list[tuple[range, torch.cuda.Event]] = []
+    with torch.cuda.stream(stream):
+        first, pending = 0, 0
+        for index, (dst, src) in enumerate(pairs):
+            n = src.numel()
+            for start in range(0, n, chunk_bytes):
+                end = min(start + chunk_bytes, n)
+                dst[start:end].copy_(src[start:end], non_blocking=True)
+            pending += n
+            if pending >= group_bytes or index == len(pairs) - 1:
+                landed = torch.cuda.Event()
+                landed.record(stream)
+                groups.append((range(first, index + 1), landed))
+                first, pending = index + 1, 0
+    for indices, landed in groups:
+        landed.synchronize()
+        yield indices
 
 
 def copy_storages_out(

@@ -16,7 +16,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -85,8 +85,9 @@ class TagState:
 class TrackingBackend:
     """Base of the host and pinned backends: tags, storage discovery, retry-safe release/restore.
 
-    Subclasses say how bytes travel: ``_copy_out`` fills host backups (complete when it returns)
-    and ``_copy_in`` writes them back (complete when it returns).
+    Subclasses say how bytes travel: ``_copy_out`` yields each storage with its host backup once
+    the backup is complete (the storage is freed right then), and ``_copy_in`` writes them back
+    (complete when it returns).
     """
 
     def __init__(self) -> None:
@@ -125,8 +126,9 @@ class TrackingBackend:
                     continue
                 storages = self._live_storages(tag, state)
                 if storages:
-                    backups = self._copy_out(tag, storages)
-                    for storage, backup in zip(storages, backups, strict=True):
+                    # Each storage is freed as soon as its backup is complete, before the next is
+                    # asked for: a backend that copies in groups frees early ones while later copy.
+                    for storage, backup in self._copy_out(tag, storages):
                         nbytes = storage.nbytes()
                         storage.resize_(0)
                         state.released.append(Released(storage, backup, nbytes))
@@ -192,7 +194,13 @@ class TrackingBackend:
     def _accepts(self, storage: torch.UntypedStorage) -> bool:
         return True
 
-    def _copy_out(self, tag: str, storages: list[torch.UntypedStorage]) -> list[torch.Tensor]:
+    def _copy_out(
+        self, tag: str, storages: list[torch.UntypedStorage]
+    ) -> Iterator[tuple[torch.UntypedStorage, torch.Tensor]]:
+        """Yield each storage with its host backup, in order, once the backup is complete.
+
+        The caller frees each yielded storage before asking for the next one.
+        """
         raise NotImplementedError
 
     def _copy_in(self, tag: str, items: list[Released]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ppo_lifecycle.memory._tracking import Released, TrackingBackend, byte_view
@@ -15,13 +17,13 @@ class HostMemoryBackend(TrackingBackend):
     resident process holds one copy of the state at any time.
     """
 
-    def _copy_out(self, tag: str, storages: list[torch.UntypedStorage]) -> list[torch.Tensor]:
-        backups = []
+    def _copy_out(
+        self, tag: str, storages: list[torch.UntypedStorage]
+    ) -> Iterator[tuple[torch.UntypedStorage, torch.Tensor]]:
         for storage in storages:
             backup = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu")
             backup.copy_(byte_view(storage))
-            backups.append(backup)
-        return backups
+            yield storage, backup
 
     def _copy_in(self, tag: str, items: list[Released]) -> None:
         for item in items:

@@ -13,6 +13,7 @@ import torch
 
 from ppo_lifecycle.memory._pinned_copy import PinnedPool, copy_storages_in, copy_storages_out, cuda_device
 from ppo_lifecycle.memory._tracking import own_storage, storage_key, view_backup_as
+from ppo_lifecycle.memory.allocator import expandable_segments_enabled
 from ppo_lifecycle.memory.protocol import TensorSource
 from ppo_lifecycle.stats import TransferStats
 
@@ -71,6 +72,14 @@ class TorchMemorySaverBackend:
             raise ValueError(f"backup must be one of {_BACKUPS}, got {backup!r}")
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if expandable_segments_enabled():
+            # torch_memory_saver 0.0.10 aborts in its free hook ("only support interesting region")
+            # when torch's allocator makes expandable segments (seen on an H200, 2026-12-01).
+            raise ValueError(
+                "TorchMemorySaverBackend: torch's allocator uses expandable segments "
+                "(PYTORCH_CUDA_ALLOC_CONF or enable_expandable_segments()), which torch_memory_saver's "
+                "regions cannot hold; set expandable_segments:False, or use PinnedHostBackend"
+            )
         self._tms = _import_tms()
         try:
             self._tms.hook_mode = hook_mode

@@ -22,6 +22,7 @@ import torch
 
 from ppo_weight_sync.ipc.handles import IpcHandle, export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout, plan_layouts
+from ppo_weight_sync.ipc.segments import ordinary_segments
 from ppo_weight_sync.ipc.signals import BucketSignals
 from ppo_weight_sync.waiting import wait_until
 
@@ -69,6 +70,7 @@ class BucketPacker:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self._buffers: list[torch.Tensor] = []
+        self._pool: torch.cuda.MemPool | None = None  # the buffers' own pool under expandable segments
         self._events: list[torch.cuda.Event | None] = [None, None]
         # Exports per consumer: one export is one consumer's one mapping (see handles.py).
         self._exports: dict[str, dict[int, IpcHandle]] = {}
@@ -91,8 +93,9 @@ class BucketPacker:
         if self._buffers and self._buffers[0].numel() >= need:
             return False
         self.free()
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device), ordinary_segments(self.device) as pool:
             self._buffers = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self._pool = pool
         self.generation += 1
         return True
 
@@ -158,6 +161,7 @@ class BucketPacker:
         """Drop both buffers and every export; the memory returns once the consumers released their
         mappings (``torch.cuda.ipc_collect`` frees blocks whose consumers are done)."""
         self._buffers = []
+        self._pool = None  # with the buffers gone, its segments are released like any cached block
         self._events = [None, None]
         self._exports = {}
         if torch.cuda.is_initialized():
