@@ -91,21 +91,23 @@ class PinnedPool:
         self.pinned_bytes = 0
 
 
+def _copy_chunks(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:
+    """Enqueue ``dst <- src`` (flat uint8) in chunks of ``chunk_bytes`` on the current stream."""
+    n = src.numel()
+    for start in range(0, n, chunk_bytes):
+        end = min(start + chunk_bytes, n)
+        dst[start:end].copy_(src[start:end], non_blocking=True)
+
+
 def chunked_copy(
     pairs: list[tuple[torch.Tensor, torch.Tensor]],
     stream: torch.cuda.Stream,
     chunk_bytes: int,
 ) -> None:
     """Copy each ``(dst, src)`` uint8 pair in chunks on ``stream``; returns once all are done."""
-    current = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        for dst, src in pairs:
-            n = src.numel()
-            for start in range(0, n, chunk_bytes):
-                end = min(start + chunk_bytes, n)
-                dst[start:end].copy_(src[start:end], non_blocking=True)
-    stream.synchronize()
+    whole = sum(src.numel() for _, src in pairs)
+    for _ in copy_out_in_groups(pairs, stream, chunk_bytes, group_bytes=whole):
+        pass  # one group: returns once its event says every copy landed
 
 
 def copy_out_in_groups(
@@ -126,11 +128,8 @@ def copy_out_in_groups(
     with torch.cuda.stream(stream):
         first, pending = 0, 0
         for index, (dst, src) in enumerate(pairs):
-            n = src.numel()
-            for start in range(0, n, chunk_bytes):
-                end = min(start + chunk_bytes, n)
-                dst[start:end].copy_(src[start:end], non_blocking=True)
-            pending += n
+            _copy_chunks(dst, src, chunk_bytes)
+            pending += src.numel()
             if pending >= group_bytes or index == len(pairs) - 1:
                 landed = torch.cuda.Event()
                 landed.record(stream)
@@ -163,11 +162,7 @@ def copy_storages_in(
             storage.resize_(buf.numel())  # allocated on the current stream
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            dst = byte_view(storage)
-            n = buf.numel()
-            for start in range(0, n, chunk_bytes):
-                end = min(start + chunk_bytes, n)
-                dst[start:end].copy_(buf[start:end], non_blocking=True)
+            _copy_chunks(byte_view(storage), buf, chunk_bytes)
     stream.synchronize()
 
 
