@@ -16,8 +16,12 @@ def clean_allocator_setting(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(allocator, "_set_here", None)
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    before = getter() if getter is not None else None
     yield
-    allocator._apply("expandable_segments:False")
+    allocator._apply(False)
+    if before is not None:
+        torch._C._accelerator_setAllocatorSettings(before or "expandable_segments:False")
 
 
 def test_enable_switches_the_allocator_on() -> None:
@@ -68,3 +72,16 @@ def test_torch_memory_saver_backend_refuses_expandable_segments() -> None:
     allocator.set_expandable_segments(True)
     with pytest.raises(ValueError, match=r"expandable segments.*PinnedHostBackend"):
         TorchMemorySaverBackend()
+
+
+def test_switching_keeps_the_users_other_allocator_settings() -> None:
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is None:
+        pytest.skip("this torch has no allocator settings getter")
+    # torch resets every key a settings string leaves out: the others must be passed again
+    others = "max_split_size_mb:128,roundup_power2_divisions:[256:1,512:2]"
+    torch._C._accelerator_setAllocatorSettings(others)
+    allocator.enable_expandable_segments()
+    assert getter() == f"{others},expandable_segments:True"
+    allocator.set_expandable_segments(False)
+    assert getter() == f"{others},expandable_segments:False"

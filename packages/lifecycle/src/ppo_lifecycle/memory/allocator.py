@@ -34,9 +34,14 @@ def _from_environment() -> bool | None:
     return None
 
 
-def _from_allocator() -> bool | None:
+def _allocator_settings() -> str | None:
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # private; torch >= 2.9
-    match = _SETTING.search(str(getter())) if getter is not None else None
+    return str(getter()) if getter is not None else None
+
+
+def _from_allocator() -> bool | None:
+    settings = _allocator_settings()
+    match = _SETTING.search(settings) if settings is not None else None
     return match.group(1).lower() == "true" if match else None
 
 
@@ -61,7 +66,7 @@ def enable_expandable_segments() -> bool:
     if chosen is not None:
         _set_here = chosen
         return chosen
-    _apply("expandable_segments:True")
+    _apply(True)
     _set_here = True
     return True
 
@@ -69,11 +74,22 @@ def enable_expandable_segments() -> bool:
 def set_expandable_segments(on: bool) -> None:
     """Set the allocator's expandable segments for segments created from now on (process-wide)."""
     global _set_here
-    _apply(f"expandable_segments:{'True' if on else 'False'}")
+    _apply(on)
     _set_here = on
 
 
-def _apply(setting: str) -> None:
+def _apply(on: bool) -> None:
+    # torch parses a settings string whole and resets the keys it leaves out (max_split_size_mb,
+    # roundup_power2_divisions, garbage_collection_threshold), so the user's other settings are
+    # passed again, only expandable_segments replaced.
+    current = _allocator_settings()
+    if current is None:
+        current = next((os.environ[var] for var in _ENV_VARS if os.environ.get(var)), "")
+    setting = f"expandable_segments:{'True' if on else 'False'}"
+    if _SETTING.search(current):
+        setting = _SETTING.sub(setting, current, count=1)
+    elif current.strip():
+        setting = f"{current},{setting}"
     # torch 2.11 deprecates torch.cuda.memory._set_allocator_settings for this private accelerator call.
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is not None:

@@ -37,7 +37,8 @@ def ordinary_segments(device: torch.device) -> Iterator[torch.cuda.MemPool | Non
         yield None
         return
     pool = torch.cuda.MemPool()
-    setter("expandable_segments:False")
+    # torch resets every key a settings string leaves out: pass the others again, expandable ones off
+    setter(_EXPANDABLE_ON.sub("expandable_segments:False", settings, count=1))
     try:
         with torch.cuda.use_mem_pool(pool, device=device):
             yield pool
