@@ -43,6 +43,27 @@ def test_torch_memory_saver_backend_frees_and_restores_several_gb(backup: str) -
     check_tms_backend(backup, f"state_{backup}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TMS, reason="torch_memory_saver is not installed")
+def test_a_process_that_used_torch_memory_saver_exits_cleanly() -> None:
+    # torch_memory_saver 0.0.10's free hook ends the process with exit code 1 when a region's pool is
+    # destroyed outside a region, as at interpreter exit; the backend lets that memory go at exit.
+    code = (
+        "import torch; from ppo_lifecycle import TorchMemorySaverBackend\n"
+        "backend = TorchMemorySaverBackend()\n"
+        "with backend.region('weights'):\n"
+        "    w = torch.ones(64 << 20, device='cuda')\n"
+        "backend.track('weights', lambda: [w])\n"
+        "backend.release(); backend.restore()\n"
+        "assert int(w.sum()) == w.numel()\n"
+        "print('used a region')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "used a region" in proc.stdout, proc.stderr[-3000:]
+    assert "only support interesting region" not in proc.stderr + proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.skipif(HAVE_TMS, reason="torch_memory_saver is installed")
 def test_torch_memory_saver_missing_is_a_clear_error() -> None:
     with pytest.raises(ImportError, match="memory-saver"):

@@ -18,6 +18,7 @@ from ppo_weight_sync.ipc import (
     export_flattened_bucket,
     send_buckets,
 )
+from ppo_weight_sync.ipc.segments import allocator_settings, set_allocator_settings
 from ppo_weight_sync.testing import llama_like_spec, make_weights
 from ppo_weight_sync.testing.ipc_peer import IpcPeer
 
@@ -101,12 +102,11 @@ def test_ipc_updates_are_bit_identical_and_memory_returns(peer: IpcPeer) -> None
 def test_buffers_stay_in_ordinary_segments_under_expandable_segments(peer: IpcPeer) -> None:
     # A trainer's allocator may use expandable segments (ppo-lifecycle's sleep wants them); handles of
     # those need ptrace rights to open, so the packer keeps its buffers in ordinary segments.
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if getter is None or setter is None:
-        pytest.skip("this torch cannot switch expandable segments at runtime")
-    previous = getter()
-    setter("expandable_segments:True")
+    # torch 2.11 has no settings getter: the packer reads them from the allocator snapshot then
+    torch.cuda.init()
+    previous = allocator_settings()
+    assert previous is not None, "this torch's allocator settings cannot be read"
+    set_allocator_settings("max_split_size_mb:512,expandable_segments:True")
     try:
         device = torch.device("cuda", 0)
         resident = torch.ones(64 * MiB, dtype=torch.uint8, device=device)  # in an expandable segment
@@ -135,8 +135,10 @@ def test_buffers_stay_in_ordinary_segments_under_expandable_segments(peer: IpcPe
         assert after["reserved_mib"] <= before["reserved_mib"] + 0.01  # the private pool's segments too
         assert after["gpu_used_mib"] <= before["gpu_used_mib"] + 4
         del resident
+        # the packer switched expandable segments off for its buffers only, the other setting kept
+        assert allocator_settings() == "max_split_size_mb:512,expandable_segments:True"
     finally:
-        setter(previous if "expandable_segments" in previous else "expandable_segments:False")
+        set_allocator_settings(previous if "expandable_segments" in previous else "expandable_segments:False")
 
 
 def test_sglang_flattened_bucket_payload_loads_bit_identical(peer: IpcPeer) -> None:

@@ -515,3 +515,21 @@ def test_ordinary_segments_are_left_alone_without_expandable_ones(monkeypatch: p
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", getter, raising=False)
     with ordinary_segments(torch.device("cuda", 0)) as pool:  # no CUDA call: nothing to switch
         assert pool is None
+
+
+def test_allocator_settings_come_from_the_snapshot_where_torch_has_no_getter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch 2.11 (the GPU machine's) has the setter only; its allocator snapshot carries the string
+    # (read there by tests/test_ipc_gpu.py). Here the snapshot stands in: this machine has no GPU.
+    from ppo_weight_sync.ipc import segments
+
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
+    assert segments.allocator_settings() is None  # CUDA not initialised: it is not started for this
+    settings = "max_split_size_mb:64,expandable_segments:True"
+    snapshot = {"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": settings}}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: snapshot)
+    assert segments.allocator_settings() == settings
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: {"segments": []})
+    assert segments.allocator_settings() is None  # a torch whose snapshot lacks them: cannot say

@@ -9,8 +9,10 @@ while later copies run on the side stream (``benchmarks/sleep_breakdown.py``).
 
 The setting is process-wide and applies to segments created after it: switch it on before the
 model and optimizer are allocated. torch offers no public getter, so this module remembers what it
-set, else asks torch's private ``_accelerator_getAllocatorSettings`` (the last settings string set at
-runtime), else reads ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``.
+set, else asks the allocator for the last settings string it parsed (torch's private
+``_accelerator_getAllocatorSettings`` where it exists; torch 2.11 lacks it, and then the allocator
+snapshot's copy once CUDA is initialised), else reads ``PYTORCH_CUDA_ALLOC_CONF`` /
+``PYTORCH_ALLOC_CONF``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ _ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _SETTING = re.compile(r"expandable_segments\s*:\s*(\w+)", re.IGNORECASE)
 
 _set_here: bool | None = None  # what enable_expandable_segments() / disable set, None: never called
+_last_applied: str | None = None  # the whole settings string this module handed torch last
 
 
 def _from_environment() -> bool | None:
@@ -35,8 +38,15 @@ def _from_environment() -> bool | None:
 
 
 def _allocator_settings() -> str | None:
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # private; torch >= 2.9
-    return str(getter()) if getter is not None else None
+    """The settings string the allocator last parsed, or None when this torch cannot say."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # private, newer torch
+    if getter is not None:
+        return str(getter())
+    if not torch.cuda.is_initialized():  # reading the snapshot would initialise CUDA
+        return _last_applied
+    # torch 2.11 has the setter only; its allocator snapshot carries the last string (checked on an H200)
+    value = torch.cuda.memory._snapshot().get("allocator_settings", {}).get("PYTORCH_CUDA_ALLOC_CONF")
+    return str(value) if value is not None else _last_applied
 
 
 def _from_allocator() -> bool | None:
@@ -96,3 +106,5 @@ def _apply(on: bool) -> None:
         setter(setting)
     else:
         torch.cuda.memory._set_allocator_settings(setting)
+    global _last_applied
+    _last_applied = setting

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -33,6 +34,24 @@ def _import_tms() -> Any:
             "`pip install 'ppo-lifecycle[memory-saver]'`, or use PinnedHostBackend"
         ) from exc
     return torch_memory_saver
+
+
+_exit_hook_registered = False
+
+
+def _let_region_memory_go_at_exit(tms: Any) -> None:
+    """torch_memory_saver 0.0.10 (hook mode "torch") ends the process with exit code 1 ("only support
+    interesting region") when its free hook runs outside a region. torch calls that hook when a
+    region's pool gives its segments back: at interpreter exit, when the pools are destroyed, outside
+    any region, so every process that used a region exited with 1 after its work succeeded (seen on an
+    H200, 2026-12-01). From exit on, this process's thread counts as inside one: the hook then frees
+    through torch_memory_saver as it would inside a region. Newer versions drop that check for XPU
+    only; private names, so nothing is done where they differ."""
+    impl = getattr(tms, "_impl", None)
+    library = getattr(getattr(impl, "_binary_wrapper", None), "cdll", None)
+    set_region = getattr(library, "tms_set_interesting_region", None)
+    if set_region is not None:
+        set_region(True)
 
 
 class TorchMemorySaverBackend:
@@ -81,6 +100,10 @@ class TorchMemorySaverBackend:
                 "regions cannot hold; set expandable_segments:False, or use PinnedHostBackend"
             )
         self._tms = _import_tms()
+        global _exit_hook_registered
+        if not _exit_hook_registered:
+            atexit.register(_let_region_memory_go_at_exit, self._tms)
+            _exit_hook_registered = True
         try:
             self._tms.hook_mode = hook_mode
         except (AssertionError, AttributeError):
