@@ -5,6 +5,7 @@ died after a checkpoint and resumes ends exactly where the uninterrupted one did
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -45,6 +46,8 @@ def test_default_run_learns(default_run: tuple[Path, str]) -> None:
     assert last >= LEARNT, (first, last, rewards)
     assert records[-1]["eval/reward_mean"] >= LEARNT, records[-1]
     assert "run summary" in stdout
+    starting = stdout.index("starting the rollout engine, the actor (1 rank), the critic (1 rank) ...")
+    assert re.search(r"^started in \d+\.\d s$", stdout[starting:], re.MULTILINE), stdout[starting:][:500]
     assert "engines hold the actor's final weights: match" in stdout
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,3 +83,25 @@ def test_one_after_the_other_stops_at_the_first_failure() -> None:
     made = _make_all({"rollout": _maker("rollout", log), "actor": _maker("actor", log)}, together=False)
     assert list(made) == ["rollout", "actor"]
     assert log[-2:] == ["made rollout", "made actor"]
+
+
+REPO = Path(__file__).resolve().parents[3]
+GRPO = ["algorithm.estimator=grpo", "placement.critic=none"]
+
+
+@pytest.mark.parametrize(
+    ("config_file", "overrides", "expected"),
+    [
+        (None, [], "the rollout engine, the actor (1 rank), the critic (1 rank)"),
+        ("2gpu-colocate.yaml", [], "2 rollout engines, the actor (2 ranks), the critic (2 ranks)"),
+        (None, GRPO, "the rollout engine, the actor (1 rank)"),
+    ],
+)
+def test_the_start_up_line_names_what_starts(
+    config_file: str | None, overrides: list[str], expected: str
+) -> None:
+    from ppo_driver.config import load_config
+    from ppo_driver.loop import _role_names
+
+    config = load_config(REPO / "configs" / config_file if config_file else None, overrides)
+    assert _role_names(config) == expected

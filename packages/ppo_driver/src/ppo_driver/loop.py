@@ -51,7 +51,7 @@ from ppo_driver.faults import (
 from ppo_driver.metrics import METRICS_FILE, MetricsLog, StepProgress
 from ppo_driver.overlap import OverlapChoice, choose_overlap
 from ppo_driver.phases import PhaseTracker, TransitionFailed
-from ppo_driver.roles import RoleFactory, Roles, create_roles, shutdown_roles
+from ppo_driver.roles import RoleFactory, Roles, create_roles, critic_dp_size, shutdown_roles
 from ppo_driver.runlock import RunLock
 from ppo_driver.saving import CheckpointSaver
 from ppo_driver.schedule import BatchSchedule
@@ -101,7 +101,12 @@ def train(
         stack.enter_context(_report_failures(at, ckpt_root))
         seed_everything(config.train.seed)
         model_path = _model_path(config, run_dir)
+        # The roles' start-up (processes importing torch, loading the model) is most of a short run's
+        # time: say what is starting, and how long it took, rather than staying silent through it.
+        starting = time.perf_counter()
+        console.print(f"starting {_role_names(config)} ...", highlight=False)
         roles = roles_factory(config, model_path, timeout_s)
+        console.print(f"started in {time.perf_counter() - starting:.1f} s", highlight=False)
         stack.callback(shutdown_roles, roles)
         processes.record(roles, run_dir, timeout_s)
         rollout, actor, critic = roles.rollout, roles.actor, roles.critic
@@ -575,6 +580,19 @@ def _model_path(config: RunConfig, run_dir: Path) -> Path:
         intermediate_size=tiny.intermediate_size,
         max_positions=tiny.max_positions,
     )
+
+
+def _role_names(config: RunConfig) -> str:
+    """What a run starts, e.g. "2 rollout engines, the actor (2 ranks), the critic (2 ranks)"."""
+
+    def ranks(n: int) -> str:
+        return f"{n} rank{'s' if n != 1 else ''}"
+
+    count = config.placement.num_engines
+    engines = "the rollout engine" if count == 1 else f"{count} rollout engines"
+    critic = critic_dp_size(config)
+    critic_part = f", the critic ({ranks(critic)})" if critic is not None else ""
+    return f"{engines}, the actor ({ranks(config.placement.actor_gpus)}){critic_part}"
 
 
 @contextmanager
