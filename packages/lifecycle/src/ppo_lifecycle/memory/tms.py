@@ -45,9 +45,13 @@ def _let_region_memory_go_at_exit(tms: Any) -> None:
     region's pool gives its segments back: at interpreter exit, when the pools are destroyed, outside
     any region, so every process that used a region exited with 1 after its work succeeded (seen on an
     H200, 2026-12-01). From exit on, this process's thread counts as inside one: the hook then frees
-    through torch_memory_saver as it would inside a region. Newer versions drop that check for XPU
-    only; private names, so nothing is done where they differ."""
+    through torch_memory_saver as it would inside a region. Hook mode "torch" only: that hook sees
+    region memory alone, while the "preload" mode's ``cudaFree`` hook would then hand every pointer of
+    the process to torch_memory_saver. Newer versions drop that check for XPU only; private names, so
+    nothing is done where they differ."""
     impl = getattr(tms, "_impl", None)
+    if getattr(impl, "_hook_mode", None) != "torch":
+        return
     library = getattr(getattr(impl, "_binary_wrapper", None), "cdll", None)
     set_region = getattr(library, "tms_set_interesting_region", None)
     if set_region is not None:
