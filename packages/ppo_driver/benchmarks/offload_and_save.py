@@ -101,12 +101,9 @@ class Role:
         """``ppo_trainer.checkpoint.capture(trainer, step, host=...)`` for this role (no TorchTrainer)."""
         memory = self.memory
         assert isinstance(memory, HostCopies)
-        model_state = _from_host(self.model.state_dict(), memory)
-        optimizer_state = optimizer_state_by_name(self.model, self.optimizer.state_dict())
-        optimizer_state = {
-            **optimizer_state,
-            "state": {n: _from_host(v, memory) for n, v in optimizer_state["state"].items()},
-        }
+        model_state, optimizer_state = _from_host(
+            self.model.state_dict(), optimizer_state_by_name(self.model, self.optimizer.state_dict()), memory
+        )
         policy = None
         if self.name == "actor":  # the actor also writes hf/ (save_pretrained)
             policy = PolicyExport(self.model, dict(model_state), None, Path("/nonexistent-tokenizer"))

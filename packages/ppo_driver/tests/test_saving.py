@@ -38,6 +38,12 @@ class Role:
 
     offload, onload = sleep, wake_up
 
+    def pop_metrics(self) -> dict[str, float]:  # overlapped transitions pop them in their thread
+        return {}
+
+    def disconnect_engines(self) -> None:  # the actor's, before an overlapped sleep
+        self.log.append(f"{self.name}:disconnect")
+
 
 class ForegroundGroup(Role):
     """A group that saves only while resident (a megatron role, or one without host copies)."""
@@ -66,6 +72,19 @@ class BackgroundGroup(Role):
         self._thread: threading.Thread | None = None
         self._folder: Path | None = None
         self._error: BaseException | None = None
+        self.moving = False
+        self.asked = 0  # save_done calls
+        self.wake_gate = threading.Event()  # a wake waits for it (set: wakes run through)
+        self.wake_gate.set()
+
+    def wake_up(self) -> None:
+        self.moving = True
+        try:
+            if not self.wake_gate.wait(30):
+                raise TimeoutError("wake gate")
+            super().wake_up()
+        finally:
+            self.moving = False
 
     def save(self, folder: Path) -> None:
         raise AssertionError("a background group must not be saved in the foreground")
@@ -94,6 +113,8 @@ class BackgroundGroup(Role):
         return {}
 
     def save_done(self) -> bool:
+        assert not self.moving, f"{self.name}: asked about its save while a transition runs"
+        self.asked += 1
         return self._thread is None or not self._thread.is_alive()
 
     def save_wait(self) -> float:
@@ -106,10 +127,12 @@ class BackgroundGroup(Role):
         return 0.5
 
 
-def _saver(tmp_path: Path, actor: Any, critic: Any, log: list[str]) -> tuple[CheckpointSaver, PhaseTracker]:
+def _saver(
+    tmp_path: Path, actor: Any, critic: Any, log: list[str], *, overlap: bool = False
+) -> tuple[CheckpointSaver, PhaseTracker]:
     config = load_config(None, [])  # colocated, shared critic, offload on
     roles = Roles(rollout=cast(Any, Role("rollout", log)), actor=actor, critic=critic)
-    phases = PhaseTracker(build.offload_plan(config), roles)
+    phases = PhaseTracker(build.offload_plan(config), roles, overlap=overlap, timeout_s=30)
     state = ck.DriverState(step=0, rollout={"position": 1}, extra={})
     saver = CheckpointSaver(tmp_path, roles, phases, lambda step: state, keep=None)
     return saver, phases
@@ -199,3 +222,46 @@ def test_unfinished_saves_of_a_dead_run_are_removed(tmp_path: Path) -> None:
     (tmp_path / ".tmp-step_000004" / "actor.partial").mkdir(parents=True)
     assert ck.remove_unfinished(tmp_path) == [tmp_path / ".tmp-step_000004"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002"]
+
+
+def test_an_overlapped_loop_completes_a_checkpoint_without_asking_a_moving_role(tmp_path: Path) -> None:
+    """The loop's order, overlapped: a save at step 4, then step 5's critic woken ahead at the end of
+    the step and generating. The checkpoint completes once the writers are done and no role moves,
+    within the next step, and no role is asked while a transition runs (it would answer after it)."""
+    log: list[str] = []
+    actor, critic = BackgroundGroup("actor", log), BackgroundGroup("critic", log)
+    saver, phases = _saver(tmp_path, actor, critic, log, overlap=True)
+    phases.enter("critic_train", then="actor_train")
+    phases.enter("actor_train", then="weight_update")
+    saver.start(4)
+    phases.enter("weight_update")
+    phases.enter("generate")  # a step that saved wakes no role ahead: its writers start now
+    saver.launch_ready()
+    assert (actor.started, critic.started) == (
+        [tmp_path / ".tmp-step_000004" / "actor"],
+        [tmp_path / ".tmp-step_000004" / "critic"],
+    )
+    assert saver.poll() is None  # end of step 4: writing
+
+    actor.gate.set()
+    critic.gate.set()
+    for writer in (actor._thread, critic._thread):
+        assert writer is not None
+        writer.join(10)  # both writers done: only a moving role can hold the checkpoint back now
+    critic.wake_gate.clear()
+    phases.enter("generate", then="critic_train")  # the end of a step: the critic wakes ahead
+    assert phases.busy("critic")
+    asked = critic.asked
+    assert saver.poll() is None  # the actor's writer is done, the critic is not asked while it wakes
+    assert critic.asked == asked
+    assert actor.asked >= 1
+    assert ck.latest_complete(tmp_path) is None
+
+    critic.wake_gate.set()  # it ends while the engines generate step 5
+    phases.settle("critic")
+    final = saver.poll()  # the loop's poll after generating
+    assert final == tmp_path / "step_000004"
+    assert ck.latest_complete(tmp_path) == (4, final)
+    assert (final / "critic" / "model.bin").read_bytes() == b"first half second half"
+    assert not saver.pending
+    assert saver.pop_metrics()["time/save_background"] == 0.5

@@ -3,7 +3,7 @@ a foreground save, and (with ``copy_first``) independent of the buffers once the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -28,10 +28,11 @@ def _content(path: Path) -> object:
         return f.metadata(), {k: f.get_tensor(k).tolist() for k in f.keys()}  # noqa: SIM118
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_background_shard_has_the_bytes_of_a_foreground_one(
-    tmp_path: Path, fields_factory: Callable, tied: bool
-) -> None:
+def _trained_actor(
+    tmp_path: Path, fields_factory: Callable, memory: HostMemoryBackend, *, tied: bool = False
+) -> TorchTrainer:
+    """A tiny actor after one training step (its AdamW state exists), tracked by ``memory`` as a
+    worker tracks it."""
     model = save_tiny_llama(tmp_path / "model", tie_word_embeddings=tied)
     config = TrainerConfig(
         role="actor", model_path=str(model), algorithm=AlgorithmConfig(lam=1.0, num_mini_batches=1)
@@ -39,9 +40,17 @@ def test_background_shard_has_the_bytes_of_a_foreground_one(
     trainer = TorchTrainer(config)
     samples = Samples.from_fields(fields_factory(4, seed=3))
     trainer.train_actor(samples, torch.zeros(len(samples), samples.max_response))
-    memory = HostMemoryBackend()
     memory.track(trainer.WEIGHTS_TAG, trainer.weight_tensors)
     memory.track(trainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
+    return trainer
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_background_shard_has_the_bytes_of_a_foreground_one(
+    tmp_path: Path, fields_factory: Callable, tied: bool
+) -> None:
+    memory = HostMemoryBackend()
+    trainer = _trained_actor(tmp_path, fields_factory, memory, tied=tied)
 
     checkpoint.save_shard(trainer, tmp_path / "fg", step=7)
     memory.release()
@@ -63,6 +72,40 @@ def test_background_shard_has_the_bytes_of_a_foreground_one(
     assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "hf/config.json"} <= set(expected)
     assert _files(tmp_path / "copied") == expected
     assert _files(tmp_path / "direct") == expected
+
+
+class CountingHost(HostMemoryBackend):
+    """The host backend, counting ``host_copies`` calls (each one indexes every host copy it holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def host_copies(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        self.calls += 1
+        return super().host_copies(tensors)
+
+
+def test_capture_reads_every_host_copy_in_one_call(tmp_path: Path, fields_factory: Callable) -> None:
+    memory = CountingHost()
+    trainer = _trained_actor(tmp_path, fields_factory, memory)
+    expected = checkpoint.private_copy(checkpoint.capture(trainer, 3))  # the release frees the originals
+    memory.release()
+    state = checkpoint.capture(trainer, 3, host=memory)
+    assert memory.calls == 1  # not one per parameter: the cost grew with the square of their count
+    assert state.model is not None
+    assert expected.model is not None
+    assert state.optimizer is not None
+    assert expected.optimizer is not None
+    assert state.model.keys() == expected.model.keys()
+    for name, tensor in expected.model.items():
+        assert torch.equal(state.model[name], tensor), name
+    assert state.optimizer["state"].keys() == expected.optimizer["state"].keys()
+    for name, values in expected.optimizer["state"].items():
+        for key, value in values.items():
+            assert torch.equal(
+                torch.as_tensor(state.optimizer["state"][name][key]), torch.as_tensor(value)
+            ), (name, key)
 
 
 def test_private_copy_keeps_tied_tensors_tied_and_owns_its_memory() -> None:

@@ -118,7 +118,14 @@ def save_from_a_private_copy(worker: Any, folder: str) -> bool:
     from ppo_trainer.background_save import BackgroundSave
 
     memory = worker._memory
+    calls: list[int] = []
+    host_copies = memory.host_copies
+    memory.host_copies = lambda tensors: calls.append(len(tensors)) or host_copies(tensors)
     state = sharded_save.capture_shards(worker.trainer, worker._last_step, memory, worker._save_group)
+    del memory.host_copies  # the backend's own method again
+    # One call for every shard: each call indexes every host copy the backend holds.
+    if len(calls) != 1:
+        raise AssertionError(f"capture_shards asked the backend {len(calls)} times: {calls}")
     save = BackgroundSave(state, Path(folder), copy_first=True)
     save.wait_reading(60)
     tensors = [t for t in worker.trainer.weight_tensors() + worker.trainer.optimizer_tensors() if t.numel()]

@@ -174,6 +174,10 @@ def train(
             with timer.span("generate"):
                 phases.enter("generate", then=after_generate)
                 batch = schedule.batch(step)
+            # Overlapped, the end of the last step woke a role ahead and the checkpoint's poll there
+            # skipped it (it asks no role that is moving); after each phase the roles it moved have
+            # usually settled, so a checkpoint whose writers are done completes within a step.
+            _poll_between_phases(saver, timer, at)
             metrics: dict[str, Any] = dict(batch.metrics)
             metrics["rollout/staleness"] = _check_staleness(step, batch.metrics, published)
             metrics["rollout/prefetched_next"] = int(schedule.start_next(step))
@@ -204,6 +208,7 @@ def train(
                 # Before the save and the weight update: non-finite weights reach neither.
                 check_finite("actor", step, result.metrics)
                 metrics.update(_prefixed("actor", result.metrics))
+                _poll_between_phases(saver, timer, at)
                 if values is not None:
                     metrics["handoff/values_used"] = 1
 
@@ -548,6 +553,13 @@ def _transition_bytes(popped: Mapping[str, Mapping[str, float]]) -> dict[str, fl
     out["engines/sleep"] = float(engines.get("offload/bytes", 0.0))
     out["engines/wake"] = float(engines.get("onload/bytes", 0.0))
     return out
+
+
+def _poll_between_phases(saver: CheckpointSaver, timer: budget.StepClock, at: _Where) -> None:
+    """Complete a pending checkpoint whose writers are done (never waits; booked as saving)."""
+    if saver.pending:
+        with timer.span("save"), at.within("save"):
+            saver.poll()
 
 
 def _prefixed(role: str, metrics: Mapping[str, Any]) -> dict[str, Any]:

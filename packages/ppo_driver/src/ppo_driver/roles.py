@@ -6,7 +6,7 @@ uses nothing else of them. ``create_roles`` builds the real ones on fresh placem
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +46,10 @@ class BackgroundSaving(Protocol):
     @property
     def saves_asleep(self) -> bool: ...
 
-    def save_async(self, folder: Path) -> Any: ...
+    def save_async(self, folder: Path) -> Mapping[str, float]:
+        """Start the writers; what they reported (``capture_seconds``, ``bytes``), as far as known."""
+        ...
+
     def save_done(self) -> bool: ...
     def save_wait(self) -> float: ...
 

@@ -51,8 +51,10 @@ class CheckpointSaver:
         self._pending: checkpoint.PendingCheckpoint | None = None
         self._waiting: list[str] = []  # background roles whose save starts once they sleep
         self._writing: list[str] = []  # background roles whose workers are writing
+        self._written: set[str] = set()  # of those, the roles whose writers are known to be done
         self._blocking = 0.0
         self._background = 0.0
+        self._starts: dict[str, float] = {}  # per role: the save's start, and what it captured
         self.completed: list[Path] = []
 
     @property
@@ -95,7 +97,12 @@ class CheckpointSaver:
             self._blocking += time.perf_counter() - t0
 
     def poll(self) -> Path | None:
-        """Mark the pending checkpoint complete if every writer is done (never waits for one)."""
+        """Mark the pending checkpoint complete if every writer is done (never waits for one).
+
+        Asks only the roles with no transition running: a role still moving (overlapped) would answer
+        after it. An overlapped loop wakes the next step's first role ahead at the end of a step, so
+        the loop polls there and again after generating, when the wakes ahead have usually ended;
+        each role's answer is kept until the checkpoint is complete."""
         if self._pending is None or self._waiting:
             return None
         t0 = time.perf_counter()
@@ -103,9 +110,10 @@ class CheckpointSaver:
             for name in self._writing:
                 group = self._groups[name]
                 assert isinstance(group, BackgroundSaving)  # only such roles are in _writing
-                # A role still moving (overlapped) would answer only after it: not done yet, then.
-                if self.phases.busy(name) or not group.save_done():
-                    return None
+                if name not in self._written and not self.phases.busy(name) and group.save_done():
+                    self._written.add(name)
+            if self._written != set(self._writing) or any(self.phases.busy(n) for n in self._writing):
+                return None  # completing calls every writing role: only when none would make it wait
             return self._finish()
         finally:
             self._blocking += time.perf_counter() - t0
@@ -128,7 +136,9 @@ class CheckpointSaver:
             out["time/save_blocking"] = self._blocking
         if self._background > 0:
             out["time/save_background"] = self._background
+        out.update(self._starts)
         self._blocking = self._background = 0.0
+        self._starts = {}
         return out
 
     # -- internals ---------------------------------------------------------------------------
@@ -140,8 +150,15 @@ class CheckpointSaver:
             group = self._groups[name]
             assert isinstance(group, BackgroundSaving)  # only such roles are in _waiting
             self.phases.settle(name)  # an overlapped sleep: its host copies are current once it ends
+            t0 = time.perf_counter()
             with self._pending.writing():
-                group.save_async(self._pending.tmp / name)
+                started = group.save_async(self._pending.tmp / name)
+            # What starting the writers cost the loop (the call, and the workers' capture of their host
+            # copies within it) and how many bytes they write.
+            self._starts[f"save/{name}/start_s"] = time.perf_counter() - t0
+            for key, metric in (("capture_seconds", "capture_s"), ("bytes", "bytes")):
+                if key in started:
+                    self._starts[f"save/{name}/{metric}"] = float(started[key])
             self._waiting.remove(name)
             self._writing.append(name)
 
@@ -161,7 +178,7 @@ class CheckpointSaver:
     def _finish(self) -> Path:
         pending, writing = self._pending, self._writing
         assert pending is not None
-        self._pending, self._writing = None, []
+        self._pending, self._writing, self._written = None, [], set()
         with pending.writing():
             for name in writing:
                 group = self._groups[name]

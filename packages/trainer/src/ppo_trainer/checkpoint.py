@@ -202,13 +202,7 @@ def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = N
         model_state = trainer.model.state_dict()
         optimizer_state = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
         if host is not None:
-            model_state = _from_host(model_state, host)
-            optimizer_state = {
-                **optimizer_state,
-                "state": {
-                    name: _from_host(values, host) for name, values in optimizer_state["state"].items()
-                },
-            }
+            model_state, optimizer_state = _from_host(model_state, optimizer_state, host)
     if rank != 0:
         return ShardState(rank=rank, rng=rng)
     return whole_state(trainer, step, rng, model_state, optimizer_state, given=host is not None)
@@ -275,11 +269,32 @@ def _compact(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     return {**optimizer_state, "state": state}
 
 
-def _from_host(tensors: Mapping[str, Any], host: HostCopies) -> dict[str, Any]:
-    """``tensors`` with each tensor replaced by its host copy (other values as they are)."""
-    names = [n for n, v in tensors.items() if isinstance(v, torch.Tensor)]
-    copies = host.host_copies([tensors[n] for n in names])
-    return {**tensors, **dict(zip(names, copies, strict=True))}
+def _from_host(
+    model_state: Mapping[str, Any], optimizer_state: dict[str, Any], host: HostCopies
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both states with each tensor replaced by its host copy (other values as they are).
+
+    One ``host_copies`` call for all of them: the backend indexes every host copy it holds on each
+    call, so a call per parameter grows with the square of the tensor count."""
+    slots: list[tuple[str | None, str]] = []  # (optimizer parameter name or None for the model, key)
+    tensors: list[torch.Tensor] = []
+    for key, value in model_state.items():
+        if isinstance(value, torch.Tensor):
+            slots.append((None, key))
+            tensors.append(value)
+    for name, values in optimizer_state["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                slots.append((name, key))
+                tensors.append(value)
+    model = dict(model_state)
+    state = {name: dict(values) for name, values in optimizer_state["state"].items()}
+    for (name, key), copy in zip(slots, host.host_copies(tensors), strict=True):
+        if name is None:
+            model[key] = copy
+        else:
+            state[name][key] = copy
+    return model, {**optimizer_state, "state": state}
 
 
 def write_shard(state: ShardState, folder: Path) -> None:

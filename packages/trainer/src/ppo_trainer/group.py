@@ -226,7 +226,11 @@ class TrainGroup:
         started = self._all("save_async", str(staging))
         # Only once every rank started: a rank that refused (resident) leaves nothing to commit.
         self._pending_save = (staging, folder)
-        return dict(started[0])
+        # The slowest rank's capture (the call waited for it) and every rank's bytes.
+        return {
+            "capture_seconds": max(float(s["capture_seconds"]) for s in started),
+            "bytes": sum(float(s["bytes"]) for s in started),
+        }
 
     def save_done(self) -> bool:
         """Whether every rank finished writing (True when no save is pending); raises a rank's error."""

@@ -240,11 +240,7 @@ def capture_shards(
             sharded = True
         else:
             local, sharded = tensor, False
-        # An empty shard (fewer rows than ranks) has no bytes, so the memory backend never moved it.
-        copy = torch.empty(local.shape, dtype=local.dtype) if local.numel() == 0 else None
-        if copy is None:
-            copy = host.host_copies([local.detach()])[0]
-        made = _Piece(copy, tuple(tensor.shape), sharded)
+        made = _Piece(local.detach(), tuple(tensor.shape), sharded)  # the host copy replaces it below
         memo[id(tensor)] = made
         pieces.append(made)
         return made
@@ -260,4 +256,13 @@ def capture_shards(
             for name, values in state.items()
         },
     }
+    # One lookup for all pieces: the backend indexes every host copy it holds on each call, so a
+    # call per tensor grows with the square of the tensor count (hundreds of them per role).
+    # An empty shard (fewer rows than ranks) has no bytes, so the memory backend never moved it.
+    filled = [p for p in pieces if p.local.numel() > 0]
+    for piece, copy in zip(filled, host.host_copies([p.local for p in filled]), strict=True):
+        piece.local = copy
+    for piece in pieces:
+        if piece.local.numel() == 0:
+            piece.local = torch.empty(piece.local.shape, dtype=piece.local.dtype)
     return ShardedCapture(trainer, step, group, _rng_state(), model, optimizer, pieces)

@@ -148,15 +148,23 @@ class TrackingBackend:
         its buffers), so a reader finishes before that.
         """
         with self._lock:
-            backups: dict[int, torch.Tensor] = {}
-            for state in self._tags.values():
-                if state.asleep:
-                    backups.update((storage_key(i.storage), own_storage(i.backup)) for i in state.released)
+            # Keys first, and a borrowed storage only for the buffers asked for (one per buffer: tied
+            # weights share it), so a call costs little more than the tensors it names.
+            released = {
+                storage_key(i.storage): i
+                for state in self._tags.values()
+                if state.asleep
+                for i in state.released
+            }
+            borrowed: dict[int, torch.Tensor] = {}
             out = []
             for tensor in tensors:
-                backup = backups.get(storage_key(tensor.untyped_storage()))
-                if backup is not None:
-                    out.append(view_backup_as(backup, tensor))
+                key = storage_key(tensor.untyped_storage())
+                item = released.get(key)
+                if item is not None:
+                    if key not in borrowed:
+                        borrowed[key] = own_storage(item.backup)
+                    out.append(view_backup_as(borrowed[key], tensor))
                 elif tensor.device.type == "cpu" and not self._accepts(tensor.untyped_storage()):
                     out.append(tensor.detach().clone())
                 else:

@@ -190,19 +190,24 @@ class TorchMemorySaverBackend:
                     f"host_copies: backup={self._backup!r} keeps its host copies inside torch_memory_saver; "
                     "use backup='pinned'"
                 )
-            paused: dict[int, torch.Tensor] = {}  # one borrowed storage per buffer: tied weights share it
-            for tag, phase in self._phase.items():
-                if phase == "paused":
-                    paused.update(
-                        (storage_key(s), own_storage(self._pool.buffer_of(s))) for s in self._storages(tag)
-                    )
+            # Keys first, and a borrowed storage only for the buffers asked for (one per buffer: tied
+            # weights share it), so a call costs little more than the tensors it names.
+            paused = {
+                storage_key(s): s
+                for tag, phase in self._phase.items()
+                if phase == "paused"
+                for s in self._storages(tag)
+            }
+            borrowed: dict[int, torch.Tensor] = {}
             out = []
             for tensor in tensors:
-                storage = tensor.untyped_storage()
+                key = storage_key(tensor.untyped_storage())
                 if tensor.device.type == "cpu":
                     out.append(tensor.detach().clone())
-                elif storage_key(storage) in paused:
-                    out.append(view_backup_as(paused[storage_key(storage)], tensor))
+                elif key in paused:
+                    if key not in borrowed:
+                        borrowed[key] = own_storage(self._pool.buffer_of(paused[key]))
+                    out.append(view_backup_as(borrowed[key], tensor))
                 else:
                     raise ValueError(
                         f"host_copies: a tensor of shape {tuple(tensor.shape)} on {tensor.device} has no "
