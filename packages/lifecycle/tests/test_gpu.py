@@ -91,13 +91,43 @@ def test_pinned_buffers_exist_before_the_first_sleep_and_serve_host_copies() -> 
     tracked = 3 * sum(p.numel() * 4 for p in model.parameters())
     assert backend.pinned_bytes == tracked  # every buffer at setup
     weight = model[0].weight
+    view = weight[3:7].t()  # a view of the same storage (made while resident), asked for with it
     expected = weight.detach().cpu()
     stats = backend.release()
     assert stats.bytes == tracked
     assert backend.pinned_bytes == tracked  # the first sleep allocated nothing
-    (copy,) = backend.host_copies([weight])
+    copy, view_copy = backend.host_copies([weight, view])
     assert copy.device.type == "cpu"
     assert torch.equal(copy, expected)
+    assert torch.equal(view_copy, expected[3:7].t())
     assert copy.untyped_storage().nbytes() == weight.numel() * 4  # its own storage, not the slab
+    assert view_copy.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr()  # one storage
+    backend.restore()
+    assert torch.equal(weight.detach().cpu(), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TMS, reason="torch_memory_saver is not installed")
+def test_torch_memory_saver_pinned_backup_serves_host_copies() -> None:
+    import torch
+
+    backend = TorchMemorySaverBackend(backup="pinned")
+    assert backend.keeps_host_copies
+    with backend.region("weights"):
+        weight = torch.randn(1024, 1024, device="cuda")
+    with backend.region("optimizer"):
+        moment = torch.randn(1024, 1024, device="cuda")
+    backend.track("weights", lambda: [weight])
+    backend.track("optimizer", lambda: [moment])
+    view = weight[10:20].t()  # made while resident: a released tensor has no bytes to slice
+    expected = weight.detach().cpu()
+    backend.release(["weights"])
+    copy, view_copy = backend.host_copies([weight, view])
+    assert copy.device.type == "cpu"
+    assert torch.equal(copy, expected)
+    assert torch.equal(view_copy, expected[10:20].t())
+    assert view_copy.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr()  # one storage
+    with pytest.raises(ValueError, match="its tag is resident; release its tag first"):
+        backend.host_copies([moment])
     backend.restore()
     assert torch.equal(weight.detach().cpu(), expected)
