@@ -29,7 +29,7 @@ message order unknown: the group refuses later saves (the run stops on the faile
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -87,13 +87,15 @@ class SaveGroup:
         self._wait(self._pg.allgather([out], [rows]), what)
         return out
 
-    def gather_bytes(self, buf: torch.Tensor, what: str) -> list[torch.Tensor]:
-        """Rank 0: every rank's uint8 ``buf`` (same length on every rank), in rank order; others: []."""
-        out = [torch.empty_like(buf) for _ in range(self.world_size)] if self.rank == 0 else []
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
-        self._wait(self._pg.gather([out] if self.rank == 0 else [], [buf], opts), what)
-        return out
+    def send(self, tensor: torch.Tensor, what: str) -> None:
+        """Send the contiguous ``tensor`` to rank 0 (which receives it with ``receive``)."""
+        self._wait(self._pg.send([tensor], 0, 0), what)
+
+    def receive(self, into: Sequence[tuple[int, torch.Tensor]], what: str) -> None:
+        """Rank 0: each ``(rank, tensor)`` filled with what that rank sends, all in flight at once."""
+        works = [self._pg.recv([tensor], rank, 0) for rank, tensor in into]
+        for work in works:
+            self._wait(work, what)
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -185,32 +187,38 @@ class ShardedCapture:
                     f"{role}: the ranks hold {counts} rows of a tensor of shape {piece.shape}; "
                     "FSDP2 shards dim 0 in rank order, so they must add up to its first dimension"
                 )
-            # gloo's gather moves equal sizes: every rank pads its rows to the largest rank's (FSDP2
-            # pads the same way); rank 0 keeps each rank's own rows.
-            padded = max(counts)
-            buf = _padded_bytes(piece.local, padded)
-            gathered = group.gather_bytes(buf, f"{role}: a tensor of shape {piece.shape}")
-            if group.rank == 0:
-                parts = [
-                    b.view(piece.local.dtype).view(padded, *piece.shape[1:])[:n]
-                    for b, n in zip(gathered, counts, strict=True)
-                ]
-                whole[id(piece)] = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            what = f"{role}: a tensor of shape {piece.shape}"
+            if group.rank != 0:
+                if counts[group.rank]:
+                    group.send(piece.local.contiguous(), what)
+                continue
+            if group.world_size == 1:
+                # The whole tensor already, in the writer's own copy (or the host backend's fresh
+                # buffer, which a replicated role writes from too): no copy, unless its storage holds
+                # more than its bytes (torch.save writes whole storages).
+                local = piece.local
+                compact = local.untyped_storage().nbytes() == local.numel() * local.element_size()
+                whole[id(piece)] = local if compact and local.is_contiguous() else local.contiguous().clone()
+                continue
+            # Each rank's rows land in place (dim-0 slices of a contiguous tensor are contiguous):
+            # no padding, no gather buffers, no concatenation; rank 0 copies its own rows once.
+            out = torch.empty(piece.shape, dtype=piece.local.dtype)
+            starts = [sum(counts[:r]) for r in range(group.world_size)]
+            out[: counts[0]].copy_(piece.local)
+            group.receive(
+                [
+                    (r, out[starts[r] : starts[r] + counts[r]])
+                    for r in range(1, group.world_size)
+                    if counts[r]
+                ],
+                what,
+            )
+            whole[id(piece)] = out
         if group.rank == 0:
             for piece in self.pieces:
                 if not piece.sharded:
                     whole[id(piece)] = piece.local
         return whole
-
-
-def _padded_bytes(local: torch.Tensor, rows: int) -> torch.Tensor:
-    """``local``'s rows padded with zeros to ``rows`` rows, contiguous, as flat bytes."""
-    if local.shape[0] == rows and local.is_contiguous():
-        padded = local
-    else:
-        padded = torch.zeros((rows, *local.shape[1:]), dtype=local.dtype)
-        padded[: local.shape[0]] = local
-    return padded.reshape(-1).view(torch.uint8)
 
 
 def capture_shards(
