@@ -192,13 +192,15 @@ class ShardedCapture:
                 if counts[group.rank]:
                     group.send(piece.local.contiguous(), what)
                 continue
-            if group.world_size == 1:
-                # The whole tensor already, in the writer's own copy (or the host backend's fresh
-                # buffer, which a replicated role writes from too): no copy, unless its storage holds
-                # more than its bytes (torch.save writes whole storages).
+            if counts[0] == piece.shape[0]:
+                # Rank 0 holds every row (one rank, or the others' shards are empty): the whole tensor
+                # already, in the writer's own copy (or the host backend's fresh buffer, which a
+                # replicated role writes from too). No copy, unless its storage holds more than its
+                # bytes (torch.save writes whole storages).
                 local = piece.local
                 compact = local.untyped_storage().nbytes() == local.numel() * local.element_size()
-                whole[id(piece)] = local if compact and local.is_contiguous() else local.contiguous().clone()
+                exact = compact and local.is_contiguous()
+                whole[id(piece)] = local if exact else local.clone(memory_format=torch.contiguous_format)
                 continue
             # Each rank's rows land in place (dim-0 slices of a contiguous tensor are contiguous):
             # no padding, no gather buffers, no concatenation; rank 0 copies its own rows once.
