@@ -103,13 +103,16 @@ def test_evaluate_is_greedy_and_fixed(manager: RolloutManager) -> None:
     b = manager.evaluate(step=2)
     assert a == b
     assert a["eval/samples"] == 4.0
+    # the training sampling too: its draws do not depend on the step
+    assert a["eval/sampled_samples"] == 4.0 * manager.config.sampling.n_samples_per_prompt
+    assert 0.0 <= a["eval/accuracy"] <= 1.0
 
 
 def test_bad_prompts_are_refused_with_the_row(manager: RolloutManager) -> None:
     with pytest.raises(ValueError, match="is empty"):
-        manager._encode([{"prompt": "   "}])
+        manager.renderer.render({"prompt": "   "})
     with pytest.raises(ValueError, match=r"too long: 301 tokens > rollout.max_prompt_length 256"):
-        manager._encode([{"prompt": "1" * 300}])
+        manager._encode([manager.renderer.render({"prompt": "1" * 300})])
 
 
 def test_bad_reward_result_names_the_function(manager: RolloutManager) -> None:

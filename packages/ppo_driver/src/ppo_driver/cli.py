@@ -32,6 +32,7 @@ examples:
   ppo-driver train --config my.yaml --ray-address auto   # join a running Ray cluster
   ppo-driver validate configs/2gpu-disaggregate.yaml
   ppo-driver plot runs/demo                         # writes runs/demo/curves.png
+  ppo-driver import-model model.gguf models/my-model   # a GGUF file or HF folder -> model.path
 
 --set takes dotted names and YAML values: --set algorithm.estimator=grpo --set placement.critic=none
 Config sections: model, placement, rollout, algorithm, train, offload, checkpoint, logging, ray;
@@ -99,6 +100,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder written by `train`")
     plot.add_argument("-o", "--output", type=Path, help="PNG path (default: RUN_DIR/curves.png)")
+
+    imp = sub.add_parser(
+        "import-model",
+        help="turn a GGUF file or a Hugging Face folder into a model folder a run loads",
+        description="Write SRC (a .gguf file, a folder holding one, or a Hugging Face model folder) to OUT "
+        "as safetensors with its config, tokenizer, chat template and generation config, then check "
+        "that the actor, the critic and the built-in engine load it. Nothing is downloaded. Use OUT as "
+        "model.path.",
+    )
+    imp.add_argument("src", type=Path, metavar="SRC", help="a .gguf file or a Hugging Face model folder")
+    imp.add_argument("out", type=Path, metavar="OUT", help="the model folder to write (must not exist)")
+    imp.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights as saved (default float32; training loads float32 either way)",
+    )
+    imp.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    imp.add_argument("--no-check", action="store_true", help="skip loading it as actor, critic and engine")
     return parser
 
 
@@ -116,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args, console)
         if args.command == "validate":
             return _validate(args, console)
+        if args.command == "import-model":
+            return _import_model(args, console)
         if args.command == "plot":
             from ppo_driver.plot import plot_run
 
@@ -222,6 +244,28 @@ def describe_layout(config: RunConfig) -> str:
     return "\n".join(lines)
 
 
+def _import_model(args: argparse.Namespace, console: Console) -> int:
+    from ppo_driver.import_model import import_model
+
+    report = import_model(args.src, args.out, dtype=args.dtype, force=args.force, check=not args.no_check)
+    src = report.source
+    what = f"GGUF {src.folder / (src.gguf_file or '')}" if src.kind == "gguf" else f"folder {src.folder}"
+    console.print(
+        f"imported {what} -> {report.out} ({report.parameters / 1e6:.1f}M parameters, {report.dtype}, "
+        f"chat template: {'yes' if report.chat_template else 'no'})",
+        highlight=False,
+    )
+    if not args.no_check:
+        console.print(
+            f"checked: the actor, the critic (values {report.critic_values_shape}) and the built-in engine "
+            f"load it; eos token ids {list(report.eos_token_ids)}; greedy answer to "
+            f"{report.check_prompt!r}: {report.check_answer!r}",
+            highlight=False,
+        )
+    console.print(f"use it with: --set model.path={report.out}", highlight=False)
+    return 0
+
+
 def _train(args: argparse.Namespace, console: Console) -> int:
     config = resolve(args)
     logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
@@ -237,6 +281,10 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         f"{config.placement.mode} on {config.placement.device}; run folder {run_dir}",
         highlight=False,
     )
+    from ppo_rollout.data import describe_eval_source
+
+    if config.rollout.eval_prompts:
+        console.print(f"evaluation prompts: {describe_eval_source(config.rollout)}", highlight=False)
     err = Console(stderr=True, soft_wrap=True)
 
     def show_warning(message: Warning | str, *_: object, **__: object) -> None:

@@ -36,6 +36,7 @@ from pydantic.fields import FieldInfo
 
 from ppo_lifecycle import OffloadPlan
 from ppo_rollout.config import RolloutSettings
+from ppo_rollout.tasks import get_task
 from ppo_trainer.config import AlgorithmConfig, DType, MemoryBackendName, TrainSettings
 
 SECTION = ConfigDict(extra="forbid", validate_default=True)
@@ -306,6 +307,17 @@ class RunConfig(_Section):
             raise ValueError(
                 "model.path is null (the built-in tiny model, whose tokenizer is made for a built-in "
                 "task) but rollout.task is null; set rollout.task, or model.path to a Hugging Face model"
+            )
+        if self.model.path is None and r.task is not None and get_task(r.task).needs_real_tokenizer:
+            raise ValueError(
+                f"rollout.task={r.task!r} needs a real model (its prompts are English, which the built-in "
+                "tiny model's digit tokenizer cannot spell); set model.path to a model folder made by "
+                "`ppo-driver import-model`, or pick a digit task (copy_small, copy, reverse)"
+            )
+        if self.model.path is None and r.chat_template:
+            raise ValueError(
+                "rollout.chat_template needs a tokenizer with a chat template, which the built-in tiny "
+                "model lacks; set model.path to a chat model, or rollout.chat_template=false"
             )
         if r.engine == "sglang":
             if t.check_weights:

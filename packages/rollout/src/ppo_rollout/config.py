@@ -98,8 +98,23 @@ class RolloutSettings:
     # 32 x 8 samples a step: the default run learns its task in 60 steps (8 prompts reached 0.34).
     prompts_per_step: int = Field(default=32, ge=1)
     sampling: SamplingSettings = SamplingSettings()
-    eval_prompts: int = Field(default=16, ge=0, description="prompts of each evaluation (greedy)")
+    eval_prompts: int = Field(
+        default=16, ge=0, description="prompts of each evaluation (greedy, then the training sampling)"
+    )
+    eval_dataset: str | None = Field(
+        default=None,
+        description="JSONL file of held-out prompts to evaluate on (never trained on); null: the task's "
+        "held-out stream, or the training file's first rows",
+    )
     max_prompt_length: int = Field(default=256, ge=2, description="in tokens, including <bos>")
+    chat_template: bool = Field(
+        default=False,
+        description="render each prompt with the tokenizer's chat template: the prompt field's list of "
+        "messages, or its string as one user turn, with the generation prompt",
+    )
+    system_prompt: str | None = Field(
+        default=None, description="chat_template only: a system message put before each chat"
+    )
 
     def __post_init__(self) -> None:
         if (self.task is None) == (self.dataset is None):
@@ -114,6 +129,11 @@ class RolloutSettings:
                 raise ValueError(
                     f"rollout.task={self.task!r} is not a built-in task; use one of {sorted(TASKS)}"
                 )
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError(
+                "rollout.system_prompt needs rollout.chat_template=true (the system message is part of "
+                "the chat); set chat_template=true or remove system_prompt"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
@@ -146,3 +166,7 @@ class RolloutConfig(RolloutSettings):
             raise ValueError("the built-in engine runs on one device: set rollout.gpus_per_engine to 0 or 1")
         if self.dataset is not None and not Path(self.dataset).is_file():
             raise ValueError(f"rollout.dataset: no file at {self.dataset!r}; give a JSONL file path")
+        if self.eval_dataset is not None and not Path(self.eval_dataset).is_file():
+            raise ValueError(
+                f"rollout.eval_dataset: no file at {self.eval_dataset!r}; give a JSONL file path"
+            )

@@ -1,4 +1,5 @@
-"""Prompt sources: a built-in task stream or a JSONL file, with a resumable position."""
+"""Prompt sources (a built-in task stream or a JSONL file, with a resumable position), the held-out
+evaluation file, and how a row becomes the prompt's token ids (plain, or through the chat template)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,24 @@ import json
 import random
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .tasks import get_task
 
-__all__ = ["JsonlPrompts", "PromptSource", "TaskPrompts"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .config import RolloutSettings
+
+__all__ = [
+    "HeldOutEval",
+    "JsonlPrompts",
+    "PromptRenderer",
+    "PromptSource",
+    "TaskPrompts",
+    "describe_eval_source",
+    "open_prompts",
+]
 
 
 class PromptSource(Protocol):
@@ -40,8 +54,8 @@ class TaskPrompts:
         return rows
 
     def eval_rows(self, count: int) -> list[dict[str, Any]]:
-        # A different seed string: evaluation prompts are fixed and independent of training progress.
-        return [self.task.row(i, f"eval/{self.seed}") for i in range(count)]
+        # The task's held-out stream: fixed, independent of training progress.
+        return [self.task.eval_row(i, self.seed) for i in range(count)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "task", "task": self.task.name, "seed": self.seed, "position": self.position}
@@ -55,10 +69,12 @@ class TaskPrompts:
 class JsonlPrompts:
     """Rows of a JSONL file, reshuffled each epoch with ``Random(f"{seed}/{epoch}")``.
 
-    Evaluation rows are the file's first rows, in file order.
+    Evaluation rows are the file's first rows, in file order (``HeldOutEval`` takes them from a file
+    of their own). With ``messages_ok`` the prompt field may hold a chat, a list of
+    ``{"role": ..., "content": ...}`` objects, for the chat template.
     """
 
-    def __init__(self, path: str | Path, prompt_field: str, seed: int) -> None:
+    def __init__(self, path: str | Path, prompt_field: str, seed: int, *, messages_ok: bool = False) -> None:
         self.path = Path(path)
         self.prompt_field = prompt_field
         self.seed = seed
@@ -76,11 +92,15 @@ class JsonlPrompts:
                         f"{self.path}:{lineno}: each line must be a JSON object, got {type(row).__name__}"
                     )
                 prompt = row.get(prompt_field)
-                if not isinstance(prompt, str):
+                if isinstance(prompt, list) and messages_ok:
+                    _check_messages(prompt, f"{self.path}:{lineno}: field {prompt_field!r}")
+                elif not isinstance(prompt, str):
+                    chat = " or a list of chat messages" if messages_ok else ""
+                    hint = "" if messages_ok else " (a list of messages needs rollout.chat_template=true)"
                     raise ValueError(
-                        f"{self.path}:{lineno}: field {prompt_field!r} must be a string "
-                        "(set prompt_field to the "
-                        f"field that holds the prompt); row keys: {sorted(row)}"
+                        f"{self.path}:{lineno}: field {prompt_field!r} must be a string{chat} "
+                        f"(set prompt_field to the field that holds the prompt{hint}); "
+                        f"row keys: {sorted(row)}"
                     )
                 self.rows.append(row)
         if not self.rows:
@@ -117,3 +137,134 @@ class JsonlPrompts:
         self.epoch = int(state["epoch"])
         self.offset = int(state["offset"])
         self._order = self._make_order(self.epoch)
+
+
+def _check_messages(messages: list[Any], where: str) -> None:
+    if not messages:
+        raise ValueError(f"{where}: the chat is empty; give at least one user message")
+    for i, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"{where}: message {i} must be an object with string 'role' and 'content' "
+                f'(e.g. {{"role": "user", "content": "What is 2 + 3?"}}); got {message!r}'
+            )
+
+
+class HeldOutEval:
+    """A training source whose evaluation rows come from a JSONL file of their own (never trained on):
+    its first ``count`` rows, in file order (all of them when it has fewer)."""
+
+    def __init__(self, train: PromptSource, eval_file: JsonlPrompts) -> None:
+        if eval_file.prompt_field != train.prompt_field:
+            raise ValueError("the evaluation file must use the training source's prompt_field")
+        self.train = train
+        self.eval_file = eval_file
+        self.prompt_field = train.prompt_field
+
+    def next_rows(self, count: int) -> list[dict[str, Any]]:
+        return self.train.next_rows(count)
+
+    def eval_rows(self, count: int) -> list[dict[str, Any]]:
+        return self.eval_file.eval_rows(count)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.train.state_dict()  # the evaluation rows are fixed: no position to keep
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.train.load_state_dict(state)
+
+
+def open_prompts(settings: RolloutSettings, seed: int) -> PromptSource:
+    """The run's prompt source: the task's streams, or the dataset with ``eval_dataset``'s rows (if set)
+    for evaluation."""
+    chat = settings.chat_template
+    source: PromptSource
+    if settings.task is not None:
+        source = TaskPrompts(settings.task, seed)
+    else:
+        if settings.dataset is None:  # RolloutSettings holds one of the two
+            raise ValueError("set rollout.task or rollout.dataset")
+        source = JsonlPrompts(settings.dataset, settings.prompt_field, seed, messages_ok=chat)
+    if settings.eval_dataset is not None:
+        eval_file = JsonlPrompts(settings.eval_dataset, settings.prompt_field, seed, messages_ok=chat)
+        source = HeldOutEval(source, eval_file)
+    return source
+
+
+def describe_eval_source(settings: RolloutSettings) -> str:
+    """Where a run's evaluation prompts come from, in words (the driver prints it at the start)."""
+    if settings.eval_dataset is not None:
+        return f"held-out file {settings.eval_dataset} (at most {settings.eval_prompts} rows)"
+    if settings.task is not None:
+        return f"the held-out stream of task {settings.task} ({settings.eval_prompts} prompts)"
+    return (
+        f"the first {settings.eval_prompts} rows of the training file {settings.dataset}: no "
+        "rollout.eval_dataset is set, so evaluation measures prompts the run trains on"
+    )
+
+
+class PromptRenderer:
+    """A row's prompt as the model sees it: the prompt string as it is (``<bos>`` added as the
+    tokenizer does), or, with ``chat_template``, the tokenizer's chat template applied to the row's
+    messages (a prompt string is one user turn; ``system_prompt`` comes first unless the row's chat
+    starts with a system message) with the generation prompt, the special tokens the template writes
+    and no others (as verl and OpenRLHF encode a rendered chat)."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_field: str,
+        *,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+    ) -> None:
+        if chat_template and not tokenizer.chat_template:
+            raise ValueError(
+                "rollout.chat_template is true but the model's tokenizer has no chat template "
+                "(tokenizer_config.json or chat_template.jinja); set rollout.chat_template=false, or "
+                "import a chat model with `ppo-driver import-model`"
+            )
+        self.tokenizer = tokenizer
+        self.prompt_field = prompt_field
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+
+    def messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
+        value = row.get(self.prompt_field)
+        messages = (
+            [dict(m) for m in value]
+            if isinstance(value, list)
+            else [{"role": "user", "content": self._text(row)}]
+        )
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def _text(self, row: Mapping[str, Any]) -> str:
+        text = row.get(self.prompt_field)
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(
+                f"prompt {self.prompt_field!r} of row {dict(row)!r} is empty; every row needs a "
+                "non-empty prompt"
+            )
+        return text
+
+    def render(self, row: Mapping[str, Any]) -> str:
+        """The prompt text (the chat template's output when on)."""
+        if not self.chat_template:
+            return self._text(row)
+        text = self.tokenizer.apply_chat_template(
+            self.messages(row), add_generation_prompt=True, tokenize=False
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"the chat template rendered {type(text).__name__}, expected text")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a ``render`` result."""
+        ids = self.tokenizer(text, add_special_tokens=not self.chat_template)["input_ids"]
+        return [int(i) for i in ids]

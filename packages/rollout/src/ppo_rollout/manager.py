@@ -15,7 +15,7 @@ from ppo_weight_sync import EngineEndpoint
 
 from .batch import Sample, rank_fields, split_indices
 from .config import RolloutConfig, SamplingConfig, SamplingSettings
-from .data import JsonlPrompts, PromptSource, TaskPrompts
+from .data import PromptRenderer, PromptSource, open_prompts
 from .engine.builtin import MEMORY_TAGS
 from .engine.core import GenerationOutput
 from .engine.handles import BuiltinEngineHandle, EngineHandle, SGLangEngineHandle, Waiter
@@ -40,6 +40,10 @@ class RolloutBatch:
     sample_ids: list[list[int]] = field(default_factory=list)
     critic_boxes: list[Box] = field(default_factory=list)
     critic_sample_ids: list[list[int]] = field(default_factory=list)
+
+
+# The reward from which an evaluation sample counts as correct (eval/accuracy).
+CORRECT_REWARD = 1.0
 
 
 def _version_number(version: str | None) -> int:
@@ -95,13 +99,16 @@ class RolloutManager:
         self.dp_size = dp_size
         self.critic_dp_size = dp_size if critic_dp_size is None else critic_dp_size
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.source: PromptSource
+        self.source: PromptSource = open_prompts(config, config.seed)
+        self.renderer = PromptRenderer(
+            self.tokenizer,
+            self.source.prompt_field,
+            chat_template=config.chat_template,
+            system_prompt=config.system_prompt,
+        )
         if config.task is not None:
-            self.source = TaskPrompts(config.task, config.seed)
             reward_spec = config.reward or get_task(config.task).reward
         else:
-            assert config.dataset is not None  # guaranteed by RolloutConfig
-            self.source = JsonlPrompts(config.dataset, config.prompt_field, config.seed)
             if config.reward is None:
                 raise ValueError(
                     "rollout.reward is required with a dataset (a registered name or 'module:function')"
@@ -172,16 +179,12 @@ class RolloutManager:
         return [e.endpoint() for e in self.engines]
 
     # -- prompts -------------------------------------------------------------------------------------
-    def _encode(self, rows: Sequence[Mapping[str, Any]]) -> list[list[int]]:
-        field_name = self.source.prompt_field
+    def _encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of rendered prompts: every engine kind gets ids (SGLang's ``/generate`` takes
+        ``input_ids``), so the chat template is applied once, here, for both."""
         out = []
-        for row in rows:
-            text = row.get(field_name)
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(
-                    f"prompt {field_name!r} of row {dict(row)!r} is empty; every row needs a non-empty prompt"
-                )
-            ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        for text in texts:
+            ids = self.renderer.encode(text)
             if len(ids) > self.config.max_prompt_length:
                 raise ValueError(
                     f"prompt {text[:60]!r} is too long: {len(ids)} tokens > rollout.max_prompt_length "
@@ -233,11 +236,12 @@ class RolloutManager:
             out.append(None if version is None else str(version))
         return out
 
-    def _score(self, rows: Sequence[Mapping[str, Any]], outputs: Sequence[GenerationOutput]) -> list[float]:
-        field_name = self.source.prompt_field
+    def _score(
+        self, rows: Sequence[Mapping[str, Any]], texts: Sequence[str], outputs: Sequence[GenerationOutput]
+    ) -> list[float]:
         inputs = [
             RewardInput(
-                prompt=rows[o.prompt_position][field_name],
+                prompt=texts[o.prompt_position],
                 response=str(self.tokenizer.decode(list(o.token_ids), skip_special_tokens=True)),
                 response_token_ids=o.token_ids,
                 finish_reason=o.finish_reason,
@@ -256,7 +260,8 @@ class RolloutManager:
         cfg = self.config
         t0 = time.perf_counter()
         rows = self.source.next_rows(cfg.prompts_per_step)
-        prompts = self._encode(rows)
+        texts = [self.renderer.render(row) for row in rows]
+        prompts = self._encode(texts)
         before = self._weight_versions()
         outputs = self._run(prompts, cfg.sampling, step, stream=0)
         t_gen = time.perf_counter() - t0
@@ -267,7 +272,7 @@ class RolloutManager:
                 f"{after}); a weight update must not overlap a generate call"
             )
         bounds = self._engine_bounds(len(prompts))
-        rewards = self._score(rows, outputs)
+        rewards = self._score(rows, texts, outputs)
         samples = [
             Sample(
                 prompt_index=o.prompt_position,
@@ -310,26 +315,37 @@ class RolloutManager:
         )
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Mean reward on ``eval_prompts`` fixed prompts (greedy unless ``eval_sampling`` says otherwise)."""
+        """Reward, accuracy and response length on ``eval_prompts`` fixed held-out prompts, twice:
+        greedy (``eval_sampling`` when set; ``eval/reward_mean``, ``eval/accuracy``, ...) and with the
+        training sampling (``eval/sampled_reward_mean``, ...). A sample is correct when its reward is
+        at least 1 (``exact_match``, ``math_answer``: 1 is right)."""
         cfg = self.config
         if cfg.eval_prompts == 0:
             return {}
         if self._offloaded:
             raise RuntimeError("rollout engines are offloaded; call onload() before evaluate()")
-        sampling = cfg.eval_sampling or SamplingSettings(
+        greedy = cfg.eval_sampling or SamplingSettings(
             temperature=0.0,
             max_new_tokens=cfg.sampling.max_new_tokens,
             stop_token_ids=cfg.sampling.stop_token_ids,
             n_samples_per_prompt=1,
         )
         rows = self.source.eval_rows(cfg.eval_prompts)
-        outputs = self._run(self._encode(rows), sampling, step, stream=1)
-        rewards = self._score(rows, outputs)
-        return {
-            "eval/reward_mean": statistics.fmean(rewards),
-            "eval/response_length_mean": statistics.fmean(len(o.token_ids) for o in outputs),
-            "eval/samples": float(len(outputs)),
-        }
+        texts = [self.renderer.render(row) for row in rows]
+        prompts = self._encode(texts)
+        metrics: dict[str, float] = {}
+        for prefix, sampling, stream in (("", greedy, 1), ("sampled_", cfg.sampling, 2)):
+            # Seeded as step 0 at every evaluation: the same draws each time, so the curve shows the
+            # policy's change and not the sampling noise.
+            outputs = self._run(prompts, sampling, 0, stream=stream)
+            rewards = self._score(rows, texts, outputs)
+            metrics |= {
+                f"eval/{prefix}reward_mean": statistics.fmean(rewards),
+                f"eval/{prefix}accuracy": sum(r >= CORRECT_REWARD for r in rewards) / len(rewards),
+                f"eval/{prefix}response_length_mean": statistics.fmean(len(o.token_ids) for o in outputs),
+                f"eval/{prefix}samples": float(len(outputs)),
+            }
+        return metrics
 
     # -- colocated runs --------------------------------------------------------------------------------
     def _memory(self, op: str, tags: Sequence[str] | None) -> None:

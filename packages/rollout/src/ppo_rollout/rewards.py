@@ -17,7 +17,10 @@ import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
+
+from .answers import extract_answer, parse_number
 
 __all__ = [
     "RewardError",
@@ -27,6 +30,8 @@ __all__ = [
     "check_rewards",
     "compute_rewards",
     "exact_match",
+    "math_answer",
+    "math_answer_strict",
     "register_reward",
     "registered_rewards",
     "resolve_reward",
@@ -37,7 +42,7 @@ __all__ = [
 class RewardInput:
     """One generated sample as a reward function sees it."""
 
-    prompt: str  # prompt text (as in the dataset row)
+    prompt: str  # prompt text: the dataset row's, or the chat template's rendering of it
     response: str  # decoded response, special tokens (eos) removed
     response_token_ids: tuple[int, ...]
     finish_reason: str  # "stop" | "length"
@@ -180,3 +185,57 @@ def char_match(samples: Sequence[RewardInput]) -> list[float]:
 def exact_match(samples: Sequence[RewardInput]) -> list[float]:
     """1.0 when the response equals the label (after stripping whitespace), else 0.0."""
     return [1.0 if s.response.strip() == _label(s).strip() else 0.0 for s in samples]
+
+
+# -- verifiable math answers ----------------------------------------------------------------------
+
+# What a marked but wrong answer earns under ``math_answer_strict``: verl's gsm8k scorer gives such a
+# ``format_score`` for an answer in the ``#### N`` format whatever its value (verl
+# utils/reward_score/gsm8k.py, volcengine/verl@b178a3cd).
+FORMAT_SCORE = 0.1
+
+
+def _label_value(sample: RewardInput) -> Fraction:
+    """The row's ``label`` as a number: ``"42"``, ``42``, ``"-1,234.5"``, or a GSM8K solution
+    ending in ``#### 42``."""
+    label = sample.row.get("label")
+    value: Fraction | None = None
+    if isinstance(label, int | float) and not isinstance(label, bool) and math.isfinite(label):
+        value = Fraction(label)
+    elif isinstance(label, str):
+        value = parse_number(label)
+        if value is None:
+            found = extract_answer(label)
+            value = found.value if found.mark in ("hashes", "boxed") else None
+    if value is None:
+        raise ValueError(
+            "the math rewards need a numeric 'label' field in each dataset row (42, \"-1,234.5\" or a "
+            f"solution ending in '#### 42'); prompt {sample.prompt[-80:]!r} has {label!r}"
+        )
+    return value
+
+
+@register_reward("math_answer")
+def math_answer(samples: Sequence[RewardInput]) -> list[float]:
+    """1.0 when the response's final number (the marked one, else the last; ``answers.py``) equals
+    the numeric label, else 0.0 (no number at all included)."""
+    out = []
+    for s in samples:
+        found = extract_answer(s.response)
+        out.append(1.0 if found.value is not None and found.value == _label_value(s) else 0.0)
+    return out
+
+
+@register_reward("math_answer_strict")
+def math_answer_strict(samples: Sequence[RewardInput]) -> list[float]:
+    """The value and the format: 1.0 for a marked answer (``\\boxed{}``, ``#### N``, "the answer is
+    N") equal to the label, ``FORMAT_SCORE`` (0.1) for a marked answer that is wrong, 0.0 when the
+    response marks no answer (a bare correct number included)."""
+    out = []
+    for s in samples:
+        found = extract_answer(s.response)
+        if not found.marked or found.value is None:
+            out.append(0.0)
+        else:
+            out.append(1.0 if found.value == _label_value(s) else FORMAT_SCORE)
+    return out

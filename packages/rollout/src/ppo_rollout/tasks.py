@@ -1,18 +1,38 @@
 """Synthetic tasks with verifiable rewards, and the tiny random model that learns them.
 
-Each task makes prompt rows ``{"prompt": "1234>", "label": "4321"}`` from an index and a seed (so
-a data position is one integer and resumes exactly). Rewards give partial credit per character.
+Each task makes prompt rows from an index and a seed (so a data position is one integer and resumes
+exactly), and held-out evaluation rows from a stream of their own. The digit tasks
+(``{"prompt": "1234>", "label": "4321"}``, partial credit per character) are made for the built-in
+tokenizer and the tiny model; the arithmetic tasks (``{"prompt": "What is 23 + 45 - 12? ...",
+"label": "56"}``, reward ``math_answer``) for a real instruct model with its chat template.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["TASKS", "Task", "get_task", "make_tiny_model"]
+__all__ = ["TASKS", "ArithmeticTask", "PromptTask", "Task", "get_task", "make_tiny_model"]
+
+
+class PromptTask(Protocol):
+    """A built-in task: rows made on the fly, training and held-out evaluation streams apart."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def reward(self) -> str: ...
+    @property
+    def needs_real_tokenizer(self) -> bool:
+        """True when the built-in character tokenizer cannot spell its prompts (use model.path)."""
+        ...
+
+    def row(self, index: int, seed: int | str) -> dict[str, Any]: ...
+    def eval_row(self, index: int, seed: int | str) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -24,6 +44,7 @@ class Task:
     digits: str = "0123456789"
     reward: str = "char_match"
     separator: str = ">"
+    needs_real_tokenizer: bool = False
 
     def row(self, index: int, seed: int | str) -> dict[str, Any]:
         """Row ``index`` of the stream for ``seed``: the same pair always gives the same row."""
@@ -32,9 +53,65 @@ class Task:
         digits = "".join(rng.choice(self.digits) for _ in range(n))
         return {"prompt": digits + self.separator, "label": self.transform(digits), "index": index}
 
+    def eval_row(self, index: int, seed: int | str) -> dict[str, Any]:
+        """Held-out row ``index``: a stream of its own seed, fixed whatever the training position."""
+        return self.row(index, f"eval/{seed}")
+
     @property
     def max_response_chars(self) -> int:
         return self.max_digits
+
+
+# One in HELD_OUT_EVERY arithmetic questions (by a hash of its text) is held out: the training stream
+# never asks it, the evaluation stream asks nothing else.
+HELD_OUT_EVERY = 10
+
+
+def _held_out(question: str) -> bool:
+    return hashlib.sha256(question.encode()).digest()[0] % HELD_OUT_EVERY == 0
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Integer arithmetic with ``terms`` operands in ``[low, high]`` and operators from ``ops``
+    (``*`` binds first): ``difficulty`` picks the level (the tables below), the answer may be negative.
+
+    The row's ``label`` is the exact value; ``math_answer`` compares the response's final number with
+    it. Held-out questions (one in ``HELD_OUT_EVERY``, by their text) never appear in training.
+    """
+
+    name: str
+    terms: tuple[int, int]
+    low: int
+    high: int
+    ops: str
+    reward: str = "math_answer"
+    instruction: str = "Answer with the number only."
+    needs_real_tokenizer: bool = True
+
+    def _question(self, rng: random.Random) -> tuple[str, int]:
+        n = rng.randint(*self.terms)
+        numbers = [rng.randint(self.low, self.high) for _ in range(n)]
+        ops = [rng.choice(self.ops) for _ in range(n - 1)]
+        text = " ".join([str(numbers[0]), *(f"{op} {x}" for op, x in zip(ops, numbers[1:], strict=True))])
+        # Python's own precedence and integer arithmetic: the label is exact.
+        value = eval(text, {"__builtins__": {}})
+        return text, int(value)
+
+    def _draw(self, stream: str, index: int, held_out: bool) -> dict[str, Any]:
+        # Rejection: about HELD_OUT_EVERY draws for a held-out row, one or two for a training row.
+        for attempt in range(10_000):
+            text, value = self._question(random.Random(f"{self.name}/{stream}/{index}/{attempt}"))
+            if _held_out(text) == held_out:
+                prompt = f"What is {text}? {self.instruction}".strip()
+                return {"prompt": prompt, "label": str(value), "index": index}
+        raise RuntimeError(f"task {self.name}: no {'held-out' if held_out else 'training'} question found")
+
+    def row(self, index: int, seed: int | str) -> dict[str, Any]:
+        return self._draw(str(seed), index, held_out=False)
+
+    def eval_row(self, index: int, seed: int | str) -> dict[str, Any]:
+        return self._draw(f"eval/{seed}", index, held_out=True)
 
 
 def _identity(s: str) -> str:
@@ -45,18 +122,24 @@ def _reverse(s: str) -> str:
     return s[::-1]
 
 
-TASKS: Mapping[str, Task] = {
+TASKS: Mapping[str, PromptTask] = {
     t.name: t
     for t in (
         # The easiest: copy 2-3 digits from {0,1,2,3}; a tiny model learns it with PPO on CPU in minutes.
         Task("copy_small", _identity, 2, 3, digits="0123"),
         Task("copy", _identity, 3, 4),
         Task("reverse", _reverse, 3, 4),
+        # The difficulty knob: arithmetic_<level>, from one-step sums of small numbers to three-term
+        # expressions with products.
+        ArithmeticTask("arithmetic_1", (2, 2), 0, 20, "+-"),
+        ArithmeticTask("arithmetic_2", (2, 2), 10, 99, "+-"),
+        ArithmeticTask("arithmetic_3", (3, 3), 1, 50, "+-"),
+        ArithmeticTask("arithmetic_4", (3, 3), 2, 20, "+-*"),
     )
 }
 
 
-def get_task(name: str) -> Task:
+def get_task(name: str) -> PromptTask:
     try:
         return TASKS[name]
     except KeyError:
@@ -84,7 +167,11 @@ def make_tiny_model(
 
     from .tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 
-    get_task(task)  # validate the name: every built-in task shares the tokenizer
+    if get_task(task).needs_real_tokenizer:  # also validates the name
+        raise ValueError(
+            f"task {task!r} needs a real model's tokenizer (its prompts are English); the tiny model's "
+            "character tokenizer spells only the digit tasks: set model.path to an imported model"
+        )
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")
     folder = Path(folder)

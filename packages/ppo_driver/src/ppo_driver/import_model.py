@@ -1,0 +1,189 @@
+"""``ppo-driver import-model SRC OUT``: a GGUF file or a Hugging Face folder to the folder a run loads.
+
+The output is what ``model.path`` takes: ``config.json``, ``model.safetensors``, the tokenizer with
+its chat template, and ``generation_config.json`` (its eos token ends the engines' responses). A GGUF
+file is dequantized by transformers (``gguf_file=``, through the ``gguf`` package: the driver's
+``import`` extra); transformers refuses ``save_pretrained`` on a model loaded that way (its config
+still says "quantized"), so the model is rebuilt from its config, without the quantization entry, and
+the loaded state dict. Then the folder is checked the way a run uses it: the actor (a causal LM), the
+critic (the backbone and a value head) and the built-in engine load it, and the engine answers one
+prompt through the chat template. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["ImportReport", "import_model", "resolve_source"]
+
+DType = Literal["float32", "bfloat16"]
+CHECK_QUESTION = "What is 2 + 3?"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the weights come from: a GGUF file (``folder/gguf_file``) or a Hugging Face folder."""
+
+    kind: Literal["gguf", "hf"]
+    folder: Path
+    gguf_file: str | None = None
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """What was written and what the checks saw."""
+
+    out: Path
+    source: Source
+    parameters: int
+    dtype: DType
+    chat_template: bool
+    eos_token_ids: tuple[int, ...]
+    critic_values_shape: tuple[int, ...]
+    check_prompt: str
+    check_answer: str
+
+
+def resolve_source(src: str | Path) -> Source:
+    """A ``.gguf`` file, a folder holding exactly one, or a Hugging Face folder (``config.json``)."""
+    path = Path(src)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: not a .gguf file; give a GGUF file or a Hugging Face model folder")
+        return Source("gguf", path.parent, path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return Source("hf", path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return Source("gguf", path, ggufs[0].name)
+        if ggufs:
+            names = ", ".join(g.name for g in ggufs)
+            raise ValueError(f"{path} holds several GGUF files ({names}); give the one to import")
+        raise ValueError(
+            f"{path} holds neither config.json (a Hugging Face folder) nor a .gguf file; give one of those"
+        )
+    raise ValueError(f"{path}: no such file or folder; give a GGUF file or a Hugging Face model folder")
+
+
+def _load(source: Source) -> tuple[Any, Any]:
+    """(the model in float32, the tokenizer), both from ``source``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per tensor group: noise in a CLI's output
+    if source.kind == "hf":
+        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32)
+        return model, AutoTokenizer.from_pretrained(source.folder)
+    try:
+        import gguf  # noqa: F401 - transformers needs it to read the file; fail early with the fix
+    except ImportError:
+        raise ValueError(
+            "importing a GGUF file needs the `gguf` package: `uv sync` in this workspace installs it, "
+            "elsewhere `pip install 'ppo-driver[import]'`"
+        ) from None
+    loaded = AutoModelForCausalLM.from_pretrained(
+        source.folder, gguf_file=source.gguf_file, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+    # save_pretrained refuses a GGUF-loaded model: rebuild it from its config without the
+    # quantization entry, and its (dequantized) weights.
+    values = loaded.config.to_dict()
+    values.pop("quantization_config", None)
+    values.pop("_name_or_path", None)
+    config = type(loaded.config).from_dict(values)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(
+            f"{source.gguf_file}: the rebuilt model does not take the file's weights (missing "
+            f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})"
+        )
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    return model, tokenizer
+
+
+def import_model(
+    src: str | Path, out: str | Path, *, dtype: DType = "float32", force: bool = False, check: bool = True
+) -> ImportReport:
+    """Write ``src`` (GGUF file or Hugging Face folder) to ``out`` as safetensors and check it loads.
+
+    ``out`` must not exist (``force``: replace it). The folder is written beside ``out`` and renamed
+    into place once complete, so a failed import leaves no half-written model behind.
+    """
+    import torch
+
+    source = resolve_source(src)
+    out = Path(out)
+    if out.exists() and not force:
+        raise ValueError(f"{out} already exists; remove it or pass --force to replace it")
+    model, tokenizer = _load(source)
+    model = model.to(getattr(torch, dtype))
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        model.generation_config.save_pretrained(partial)
+        if check:
+            report = check_folder(partial, source, dtype)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)
+    if not check:
+        return ImportReport(out, source, sum(p.numel() for p in model.parameters()), dtype,
+                            bool(tokenizer.chat_template), (), (), "", "")  # fmt: skip
+    return ImportReport(**{**report.__dict__, "out": out})
+
+
+def check_folder(folder: Path, source: Source, dtype: DType) -> ImportReport:
+    """Load ``folder`` as the actor, the critic and the built-in engine do; one greedy answer."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from ppo_rollout import BuiltinEngine, SamplingConfig
+    from ppo_rollout.data import PromptRenderer
+    from ppo_trainer.models import load_causal_lm, load_critic
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    chat = bool(tokenizer.chat_template)
+    renderer = PromptRenderer(tokenizer, "prompt", chat_template=chat)
+    prompt = renderer.render({"prompt": CHECK_QUESTION})
+    ids = renderer.encode(prompt)
+
+    actor = load_causal_lm(folder, seed=0)
+    parameters = sum(p.numel() for p in actor.parameters())
+    critic = load_critic(folder, seed=0)
+    with torch.no_grad():
+        values = critic(torch.tensor([ids]))
+        actor_logits = actor(torch.tensor([ids])).logits[0, -1]
+    if values.shape != (1, len(ids)) or not torch.isfinite(values).all():
+        raise ValueError(f"{folder}: the critic gives values of shape {tuple(values.shape)} (or non-finite)")
+    del critic
+
+    engine = BuiltinEngine(folder, "cpu", dtype, name="import-check")
+    engine_state = dict(engine.named_tensors())
+    for name, tensor in actor.state_dict().items():
+        theirs = engine_state.get(name)
+        if theirs is None or not torch.equal(theirs, tensor.to(theirs.dtype)):
+            raise ValueError(f"{folder}: the engine's {name!r} differs from the actor's")
+    out = engine.generate([ids], SamplingConfig(temperature=0.0, max_new_tokens=24), seed=0)[0]
+    del engine
+    eos = GenerationConfig.from_pretrained(folder).eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    if not eos_ids:
+        raise ValueError(f"{folder}: generation_config.json names no eos_token_id; responses would never end")
+    if not torch.isfinite(actor_logits).all():
+        raise ValueError(f"{folder}: the actor's logits are not finite")
+    answer = str(tokenizer.decode(list(out.token_ids), skip_special_tokens=True))
+    return ImportReport(folder, source, parameters, dtype, chat, eos_ids, tuple(values.shape), prompt, answer)
