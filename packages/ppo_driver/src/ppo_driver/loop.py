@@ -453,6 +453,7 @@ RESUME_FREE = (
     "logging.",
     "ray.",
     "rollout.eval_interval",
+    "rollout.eval_dataset",
 )
 
 

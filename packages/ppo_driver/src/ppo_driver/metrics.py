@@ -174,6 +174,15 @@ class StepProgress:
             self.console.print(f"step {step}/{self.total}  {info}", highlight=False)
 
 
+# Held-out evaluation (ppo_rollout's RolloutManager.evaluate): greedy, then with the training sampling.
+EVAL_SHOWN = (
+    ("eval/reward_mean", "eval reward"),
+    ("eval/accuracy", "eval accuracy"),
+    ("eval/sampled_accuracy", "eval accuracy, sampled"),
+    ("eval/response_length_mean", "eval response length"),
+)
+
+
 def summary_table(history: list[dict[str, Any]], run_dir: Path, window: int = 5) -> Table:
     """First and last ``window`` steps' means of the main metrics, and where the files are."""
     table = Table(title=f"run summary: {run_dir}", show_header=True)
@@ -181,7 +190,7 @@ def summary_table(history: list[dict[str, Any]], run_dir: Path, window: int = 5)
     table.add_column(f"first {window} steps", justify="right")
     table.add_column(f"last {window} steps", justify="right")
     first, last = history[:window], history[-window:]
-    for key, label in (*SHOWN, ("eval/reward_mean", "eval reward")):
+    for key, label in (*SHOWN, *EVAL_SHOWN):
         a, b = _mean(first, key), _mean(last, key)
         if a is None and b is None:
             continue

@@ -135,8 +135,9 @@ def _model(config: RunConfig) -> list[str]:
         return []
     return [
         f"model.path={path!r} does not exist; set it to a local Hugging Face model folder (download one "
-        f"with `hf download {path if _HUB_ID.match(path) else 'ORG/NAME'} --local-dir DIR`), or to null "
-        "for the built-in tiny model"
+        f"with `hf download {path if _HUB_ID.match(path) else 'ORG/NAME'} --local-dir DIR`, or make one "
+        "from a GGUF file with `ppo-driver import-model FILE.gguf DIR`), or to null for the built-in tiny "
+        "model"
     ]
 
 
