@@ -30,6 +30,40 @@ def test_help_lists_every_command_and_flag(capsys: pytest.CaptureFixture[str]) -
         assert word in out
 
 
+def test_import_model_names_a_bad_source_and_an_existing_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["import-model", str(tmp_path / "missing.gguf"), str(tmp_path / "out")]) == 1
+    assert (
+        "no such file or folder; give a GGUF file or a Hugging Face model folder" in capsys.readouterr().err
+    )
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    assert main(["import-model", str(tmp_path / "weights.bin"), str(tmp_path / "out")]) == 1
+    assert "not a .gguf file" in capsys.readouterr().err
+    assert main(["import-model", str(tmp_path), str(tmp_path / "out")]) == 1
+    assert "neither config.json" in capsys.readouterr().err
+
+
+def test_import_model_copies_a_hugging_face_folder_and_checks_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ppo_rollout import make_tiny_model
+
+    src = make_tiny_model("copy", tmp_path / "src", seed=0)
+    out = tmp_path / "out"
+    assert main(["import-model", str(src), str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "chat template: no" in text
+    assert "checked: the actor, the critic" in text
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    assert not (tmp_path / "out.partial").exists()
+    assert main(["import-model", str(src), str(out)]) == 1
+    assert "already exists; remove it or pass --force" in capsys.readouterr().err
+    assert main(["import-model", str(src), str(out), "--force", "--no-check"]) == 0
+
+
 def test_console_script_is_installed() -> None:
     exe = shutil.which("ppo-driver")
     assert exe is not None

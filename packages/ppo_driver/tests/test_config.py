@@ -41,7 +41,17 @@ def test_cpu_default_file_equals_embedded_default() -> None:
     assert load_config(REPO / "configs" / "cpu-default.yaml") == load_config()
 
 
-@pytest.mark.parametrize("name", ["cpu-default", "2gpu-colocate", "2gpu-disaggregate", "sglang-hf-template"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "cpu-default",
+        "2gpu-colocate",
+        "2gpu-disaggregate",
+        "sglang-hf-template",
+        "smollm2-ppo-1gpu",
+        "smollm2-grpo-1gpu",
+    ],
+)
 def test_example_configs_validate(name: str) -> None:
     config = load_config(REPO / "configs" / f"{name}.yaml")
     if name.startswith("2gpu"):
@@ -51,6 +61,33 @@ def test_example_configs_validate(name: str) -> None:
             + (config.placement.rollout_gpus or 0) * (config.placement.mode == "disaggregate")
             == 2
         )
+
+
+@pytest.mark.parametrize("name", ["smollm2-ppo-1gpu", "smollm2-grpo-1gpu"])
+def test_smollm2_configs_train_the_imported_model_with_its_template(name: str) -> None:
+    config = load_config(REPO / "configs" / f"{name}.yaml")
+    assert config.model.path == "models/smollm2-135m-instruct"
+    assert (config.rollout.task, config.rollout.reward, config.rollout.chat_template) == (
+        "arithmetic_1",
+        "math_answer",
+        True,
+    )
+    assert (config.placement.device, config.placement.actor_gpus, config.placement.mode) == (
+        "cuda",
+        1,
+        "colocate",
+    )
+    assert config.algorithm.estimator == ("ppo" if "ppo" in name else "grpo")
+    assert config.train.actor_lr <= 1e-5
+
+
+def test_real_model_tasks_and_templates_need_a_model_path() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.task='arithmetic_1' needs a real model"):
+        load_config(None, ["rollout.task=arithmetic_1"])
+    with pytest.raises(ConfigError, match=r"rollout\.chat_template needs a tokenizer with a chat template"):
+        load_config(None, ["rollout.chat_template=true"])
+    with pytest.raises(ConfigError, match=r"rollout\.system_prompt needs rollout\.chat_template=true"):
+        load_config(None, ["rollout.system_prompt=hi"])
 
 
 def test_overrides_parse_yaml_scalars() -> None:
