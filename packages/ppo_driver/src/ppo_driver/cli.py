@@ -255,11 +255,12 @@ def _import_model(args: argparse.Namespace, console: Console) -> int:
         f"chat template: {'yes' if report.chat_template else 'no'})",
         highlight=False,
     )
-    if not args.no_check:
+    if report.check is not None:
+        check = report.check
         console.print(
-            f"checked: the actor, the critic (values {report.critic_values_shape}) and the built-in engine "
-            f"load it; eos token ids {list(report.eos_token_ids)}; greedy answer to "
-            f"{report.check_prompt!r}: {report.check_answer!r}",
+            f"checked: the actor, the critic (values {check.critic_values_shape}) and the built-in engine "
+            f"load it; eos token ids {list(check.eos_token_ids)}; greedy answer to "
+            f"{check.prompt!r}: {check.answer!r}",
             highlight=False,
         )
     console.print(f"use it with: --set model.path={report.out}", highlight=False)

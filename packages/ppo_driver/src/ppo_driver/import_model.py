@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["ImportReport", "import_model", "resolve_source"]
+__all__ = ["CheckResult", "ImportReport", "Source", "check_folder", "import_model", "resolve_source"]
 
 DType = Literal["float32", "bfloat16"]
 CHECK_QUESTION = "What is 2 + 3?"
@@ -33,18 +33,26 @@ class Source:
 
 
 @dataclass(frozen=True)
+class CheckResult:
+    """What loading the folder as a run does saw: the eos tokens, the critic's values' shape for the
+    check prompt, and the engine's greedy answer to it."""
+
+    eos_token_ids: tuple[int, ...]
+    critic_values_shape: tuple[int, ...]
+    prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
 class ImportReport:
-    """What was written and what the checks saw."""
+    """What was written (``check`` is None when the checks were skipped)."""
 
     out: Path
     source: Source
     parameters: int
     dtype: DType
     chat_template: bool
-    eos_token_ids: tuple[int, ...]
-    critic_values_shape: tuple[int, ...]
-    check_prompt: str
-    check_answer: str
+    check: CheckResult | None
 
 
 def resolve_source(src: str | Path) -> Source:
@@ -132,21 +140,18 @@ def import_model(
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         model.generation_config.save_pretrained(partial)
-        if check:
-            report = check_folder(partial, source, dtype)
+        result = check_folder(partial, dtype) if check else None
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
-    if not check:
-        return ImportReport(out, source, sum(p.numel() for p in model.parameters()), dtype,
-                            bool(tokenizer.chat_template), (), (), "", "")  # fmt: skip
-    return ImportReport(**{**report.__dict__, "out": out})
+    parameters = sum(p.numel() for p in model.parameters())  # a tied embedding counts once
+    return ImportReport(out, source, parameters, dtype, bool(tokenizer.chat_template), result)
 
 
-def check_folder(folder: Path, source: Source, dtype: DType) -> ImportReport:
+def check_folder(folder: Path, dtype: DType) -> CheckResult:
     """Load ``folder`` as the actor, the critic and the built-in engine do; one greedy answer."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig
@@ -162,7 +167,6 @@ def check_folder(folder: Path, source: Source, dtype: DType) -> ImportReport:
     ids = renderer.encode(prompt)
 
     actor = load_causal_lm(folder, seed=0)
-    parameters = sum(p.numel() for p in actor.parameters())
     critic = load_critic(folder, seed=0)
     with torch.no_grad():
         values = critic(torch.tensor([ids]))
@@ -186,4 +190,4 @@ def check_folder(folder: Path, source: Source, dtype: DType) -> ImportReport:
     if not torch.isfinite(actor_logits).all():
         raise ValueError(f"{folder}: the actor's logits are not finite")
     answer = str(tokenizer.decode(list(out.token_ids), skip_special_tokens=True))
-    return ImportReport(folder, source, parameters, dtype, chat, eos_ids, tuple(values.shape), prompt, answer)
+    return CheckResult(eos_ids, tuple(values.shape), prompt, answer)
