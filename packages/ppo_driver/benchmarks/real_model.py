@@ -24,6 +24,7 @@ fails when a run's final held-out greedy accuracy is below ``--goal`` or took lo
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -120,6 +121,7 @@ def accuracy_before(config_path: Path, model: Path, overrides: list[str]) -> Acc
     """The run's held-out evaluation of the untrained model: its rows, renderer, reward, sampling."""
     import statistics
 
+    import torch
     from transformers import AutoTokenizer
 
     from ppo_driver.config import load_config
@@ -164,6 +166,10 @@ def accuracy_before(config_path: Path, model: Path, overrides: list[str]) -> Acc
         acc = sum(x >= CORRECT_REWARD for x in rewards) / len(rewards)
         out[name] = (acc, statistics.fmean(len(o.token_ids) for o in outputs))
     del engine
+    # The runs start in processes of their own on the same GPU: hand this one's cached memory back.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return Accuracy(out["greedy"][0], out["sampled"][0], out["greedy"][1])
 
 
