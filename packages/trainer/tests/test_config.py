@@ -93,6 +93,8 @@ def test_normalize_advantages_null_whitens_gae_only(
 ) -> None:
     alg = AlgorithmConfig(estimator=estimator, normalize_advantages=normalize)  # type: ignore[arg-type]
     assert alg.whiten_advantages is whiten
+    assert alg.normalize_advantages is whiten  # resolved at construction: a dump says what runs
+    assert AlgorithmConfig(estimator=estimator, normalize_advantages=whiten) == alg  # type: ignore[arg-type]
 
 
 def test_new_modes_are_accepted() -> None:

@@ -88,7 +88,8 @@ class AlgorithmConfig:
     normalize_advantages: bool | None = Field(
         default=None,
         description="whiten advantages over the loss-masked tokens of all data-parallel ranks; null: true "
-        "with estimator=ppo, false with grpo (its advantages are normalised per group already)",
+        "with estimator=ppo, false with grpo (its advantages are normalised per group already), resolved "
+        "at construction; true with grpo is an error",
     )
     norm_adv_by_std_in_grpo: bool = Field(
         default=True,
@@ -117,6 +118,9 @@ class AlgorithmConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.normalize_advantages is None:
+            # Resolved once, so the dumped config says what runs (frozen: set through object).
+            object.__setattr__(self, "normalize_advantages", self.estimator == "ppo")
         if self.use_kl_loss and self.kl_loss_coef == 0.0:
             raise ValueError(
                 "algorithm.use_kl_loss=true with algorithm.kl_loss_coef=0 has no effect; "
@@ -147,10 +151,8 @@ class AlgorithmConfig:
 
     @property
     def whiten_advantages(self) -> bool:
-        """``normalize_advantages`` resolved: null whitens GAE's advantages and leaves GRPO's as they are."""
-        if self.normalize_advantages is None:
-            return self.estimator == "ppo"
-        return self.normalize_advantages
+        """``normalize_advantages`` as resolved at construction (null: GAE's whitened, GRPO's not)."""
+        return bool(self.normalize_advantages)
 
     @property
     def clip_high(self) -> float:
