@@ -39,6 +39,18 @@ BAD: list[tuple[str, str | None, list[str], str]] = [
     ("unknown field", None, ["train.learning_rate=0.1"], "unknown field 'train.learning_rate'"),
     ("wrong type", None, ["train.steps=many"], "train.steps"),
     ("out of range", None, ["algorithm.gamma=1.5"], "algorithm.gamma"),
+    (
+        "grpo whitened twice",
+        None,
+        ["algorithm.estimator=grpo", "placement.critic=none", "algorithm.normalize_advantages=true"],
+        "algorithm.normalize_advantages=true with algorithm.estimator='grpo'",
+    ),
+    (
+        "grpo std switch under ppo",
+        None,
+        ["algorithm.norm_adv_by_std_in_grpo=false"],
+        "algorithm.estimator='grpo'",
+    ),
     ("unknown enum", None, ["placement.mode=spread"], "placement.mode"),
     ("sglang on cpu", None, ["rollout.engine=sglang"], "rollout.engine"),
     ("cuda backend on cpu", None, ["offload.backend=torch_memory_saver"], "offload.backend"),

@@ -255,12 +255,46 @@ def test_grpo_without_critic() -> None:
         (["rollout.dataset=x.jsonl"], "rollout.task"),
         (["rollout.task=nope"], "rollout.task"),
         (["placement.critic_gpus=2"], "placement.critic_gpus"),
+        (
+            ["algorithm.estimator=grpo", "placement.critic=none", "algorithm.normalize_advantages=true"],
+            "algorithm.normalize_advantages",
+        ),
+        (["algorithm.norm_adv_by_std_in_grpo=false"], "algorithm.norm_adv_by_std_in_grpo"),
+        (["algorithm.loss_scale_factor=16"], "algorithm.loss_scale_factor"),
+        (["algorithm.loss_aggregation=seq_sum"], "algorithm.loss_aggregation"),
     ],
 )
 def test_rules_name_the_field(overrides: list[str], field: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert field in str(info.value)
+
+
+def test_grpo_and_dr_grpo_settings_reach_the_trainer() -> None:
+    from ppo_driver import build
+
+    grpo = ["algorithm.estimator=grpo", "placement.critic=none"]
+    config = load_config(None, grpo)
+    assert config.algorithm.normalize_advantages is False  # null resolves to no second whitening
+    assert load_config(None).algorithm.normalize_advantages is True  # the PPO default as before
+    dr_grpo = [
+        *grpo,
+        "algorithm.norm_adv_by_std_in_grpo=false",
+        "algorithm.loss_aggregation=seq_mean_token_sum_norm",
+        "algorithm.use_kl_loss=true",
+        "algorithm.kl_loss_coef=0.01",
+        "algorithm.kl_estimator=abs",
+    ]
+    alg = build.actor_trainer_config(load_config(None, dr_grpo), "/m").algorithm
+    assert (alg.norm_adv_by_std_in_grpo, alg.loss_aggregation, alg.kl_estimator) == (
+        False,
+        "seq_mean_token_sum_norm",
+        "abs",
+    )
+    # Dr. GRPO's constant: the rollout's longest response unless set.
+    assert alg.loss_scale_factor == load_config(None).rollout.sampling.max_new_tokens
+    fixed = build.actor_trainer_config(load_config(None, [*dr_grpo, "algorithm.loss_scale_factor=512"]), "/m")
+    assert fixed.algorithm.loss_scale_factor == 512
 
 
 def test_dump_round_trips(tmp_path: Path) -> None:

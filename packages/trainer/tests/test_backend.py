@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig, sharding
+from ppo_trainer import ppo_math as pm
 from ppo_trainer.backend import DataParallel
 from ppo_trainer.models import count_parameters, load_critic, load_policy_state_into_critic
 
@@ -113,13 +114,20 @@ def test_batch_validation_names_the_field(fields_factory: Callable) -> None:
         samples.pad_values([torch.zeros(1), torch.zeros(1)])
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("aggregation", pm.LOSS_AGGREGATIONS)
 def test_micro_batch_size_does_not_change_the_update(
     tiny_model: Path, fields_factory: Callable, aggregation: str
 ) -> None:
     samples = Samples.from_fields(fields_factory(6, seed=5))
     values = torch.randn(len(samples), samples.max_response) * samples.response_mask
-    alg = AlgorithmConfig(num_mini_batches=1, lam=0.9, loss_aggregation=aggregation, entropy_coef=0.01)  # type: ignore[arg-type]
+    scale = 8 if aggregation == "seq_mean_token_sum_norm" else None
+    alg = AlgorithmConfig(
+        num_mini_batches=1,
+        lam=0.9,
+        loss_aggregation=aggregation,  # type: ignore[arg-type]
+        loss_scale_factor=scale,
+        entropy_coef=0.01,
+    )
     updated = []
     for micro in (1, 4, 6):
         t = trainer(tiny_model, micro_batch_size=micro, algorithm=alg)
@@ -158,6 +166,33 @@ def test_grpo_and_kl_loss_train_without_a_critic(tiny_model: Path, fields_factor
     assert second["ref_kl"] > 0.0
     assert second["kl_loss"] > 0.0
     assert not any(p.requires_grad for p in t.reference.parameters())
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo_trains_on_the_group_advantages_as_they_are(
+    tiny_model: Path, fields_factory: Callable, monkeypatch: pytest.MonkeyPatch, norm_by_std: bool
+) -> None:
+    """No second whitening: a group of equal rewards has zero advantages on every token, the others
+    their group's normalised (or, Dr. GRPO, centred) reward, not shifted by the batch's mean."""
+    fields = fields_factory(8, seed=8, samples_per_prompt=4)
+    fields["reward"] = [torch.tensor([r]) for r in (1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0)]
+    samples = Samples.from_fields(fields)
+    seen: list[torch.Tensor] = []
+    original = pm.policy_loss
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(args[2].detach().cpu())  # the advantages of the micro-batch
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pm, "policy_loss", spy)
+    alg = AlgorithmConfig(estimator="grpo", num_mini_batches=1, norm_adv_by_std_in_grpo=norm_by_std)
+    trainer(tiny_model, algorithm=alg, micro_batch_size=8).train_actor(samples, None)
+    advantages = seen[0]
+    assert advantages[:4].abs().max().item() == 0.0
+    std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std().item() if norm_by_std else 1.0
+    eps = 1e-6 if norm_by_std else 0.0
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + eps)
+    torch.testing.assert_close(advantages[4:], expected[:, None] * samples.response_mask[4:])
 
 
 def test_ppo_actor_moves_towards_rewarded_responses(tiny_model: Path, fields_factory: Callable) -> None:

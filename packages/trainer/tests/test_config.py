@@ -24,6 +24,10 @@ from ppo_trainer import AlgorithmConfig, TrainerConfig
         ({"kl_estimator": "k4"}, "kl_estimator"),
         ({"loss_aggregation": "sum"}, "loss_aggregation"),
         ({"estimator": "grpo", "kl_coef": 0.1}, "kl_coef"),
+        ({"estimator": "grpo", "normalize_advantages": True}, "normalize_advantages=true with .*'grpo'"),
+        ({"norm_adv_by_std_in_grpo": False}, "norm_adv_by_std_in_grpo=false has no effect"),
+        ({"loss_scale_factor": 4}, "loss_scale_factor=4 only applies"),
+        ({"loss_aggregation": "seq_mean_token_sum_norm", "loss_scale_factor": 0}, "loss_scale_factor"),
         ({"ppo_epochs": 0}, "ppo_epochs"),
         ({"num_mini_batches": 0}, "num_mini_batches"),
     ],
@@ -62,12 +66,49 @@ def test_algorithm_config_rejects(kwargs: dict, field: str) -> None:
         ({"device": "cuda", "weight_sync_colocated_tp": ((0, 1),)}, "at least two distinct ranks"),
         ({"data_parallel": "ddp"}, "data_parallel"),
         ({"role": "critic", "algorithm": AlgorithmConfig(estimator="grpo")}, "grpo"),
+        (
+            {"algorithm": AlgorithmConfig(loss_aggregation="seq_mean_token_sum_norm")},
+            "seq_mean_token_sum_norm' needs algorithm.loss_scale_factor",
+        ),
     ],
 )
 def test_trainer_config_rejects(kwargs: dict, field: str) -> None:
     base = {"role": "actor", "model_path": "/m"} | kwargs
     with pytest.raises(ValueError, match=field):
         TrainerConfig(**base)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "normalize", "whiten"),
+    [
+        ("ppo", None, True),
+        ("ppo", False, False),
+        ("ppo", True, True),
+        ("grpo", None, False),
+        ("grpo", False, False),
+    ],
+)
+def test_normalize_advantages_null_whitens_gae_only(
+    estimator: str, normalize: bool | None, whiten: bool
+) -> None:
+    alg = AlgorithmConfig(estimator=estimator, normalize_advantages=normalize)  # type: ignore[arg-type]
+    assert alg.whiten_advantages is whiten
+    assert alg.normalize_advantages is whiten  # resolved at construction: a dump says what runs
+    assert AlgorithmConfig(estimator=estimator, normalize_advantages=whiten) == alg  # type: ignore[arg-type]
+
+
+def test_new_modes_are_accepted() -> None:
+    alg = AlgorithmConfig(
+        estimator="grpo",
+        norm_adv_by_std_in_grpo=False,
+        loss_aggregation="seq_mean_token_sum_norm",
+        loss_scale_factor=512,
+        use_kl_loss=True,
+        kl_loss_coef=0.01,
+        kl_estimator="abs",
+    )
+    config = TrainerConfig(role="actor", model_path="/m", algorithm=alg)
+    assert config.algorithm.loss_scale_factor == 512
 
 
 def test_configs_are_frozen_and_derived_by_replace() -> None:

@@ -87,8 +87,10 @@ def test_kl_estimators_hand_values() -> None:
     assert pm.kl_estimate(logp, ref, "k2").item() == pytest.approx(0.5)
     assert pm.kl_estimate(logp, ref, "k3").item() == pytest.approx(math.exp(-1) - 1 + 1)
     assert pm.kl_estimate(logp, ref, "low_var_kl").item() == pytest.approx(math.exp(-1))
-    far = pm.kl_estimate(torch.tensor([-40.0]), torch.tensor([0.0]), "low_var_kl")
-    assert far.item() == pytest.approx(10.0)  # clamped; k3 would be e^40
+    assert pm.kl_estimate(ref, logp, "abs").item() == pytest.approx(1.0)
+    for kind in ("k3", "low_var_kl"):  # one estimator, two names: both clamped
+        far = pm.kl_estimate(torch.tensor([-40.0]), torch.tensor([0.0]), kind)  # type: ignore[arg-type]
+        assert far.item() == pytest.approx(10.0)  # unclamped it would be e^40
     with pytest.raises(ValueError, match="KL estimator"):
         pm.kl_estimate(logp, ref, "k9")  # type: ignore[arg-type]
 
@@ -147,7 +149,7 @@ def test_policy_loss_hand_values() -> None:
     torch.testing.assert_close(t.clip_fraction, torch.tensor([1.0, 0.0, 0.0, 0.0]))
     torch.testing.assert_close(t.dual_clip_fraction, torch.tensor([0.0, 0.0, 1.0, 0.0]))
     r = torch.tensor([1.5, 1.5, 4.0, 0.5])
-    torch.testing.assert_close(t.approx_kl, (r - 1) - torch.log(r))
+    torch.testing.assert_close(t.ppo_kl, -torch.log(r))  # k1 of KL(old || new)
     with pytest.raises(ValueError, match="eps_clip_c"):
         pm.policy_loss(logp, old, adv, 0.2, None, 1.0)
 
@@ -160,10 +162,13 @@ def test_value_loss_hand_values() -> None:
     # 1: clipped 0.7 -> max((1-0)^2, (0.7-0)^2)/2 = 0.5;   2: 0.5 * 1 = 0.5;
     # 3: |0.1| <= 0.2, unclipped = clipped = 0.5 -> 0
     torch.testing.assert_close(loss, torch.tensor([0.5, 0.5, 0.0]))
-    torch.testing.assert_close(clipfrac, torch.tensor([1.0, 0.0, 0.0]))
-    # the clipped branch wins when it is farther from the return
-    loss2, _ = pm.value_loss(torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([1.0]), 0.2)
+    # 1 moved 0.5 > 0.2 from V_old, away from the return: the unclipped branch (1.0) wins over the
+    # clipped one (0.49), so the clip does not decide this token's loss and is not counted.
+    torch.testing.assert_close(clipfrac, torch.tensor([0.0, 0.0, 0.0]))
+    # the clipped branch wins when it is farther from the return: the clip decides the loss
+    loss2, clip2 = pm.value_loss(torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([1.0]), 0.2)
     torch.testing.assert_close(loss2, torch.tensor([0.5 * 0.8**2]))
+    torch.testing.assert_close(clip2, torch.tensor([1.0]))
 
 
 @settings(max_examples=30, deadline=None)
@@ -207,11 +212,14 @@ def test_whiten_all_reduce_sees_the_statistics() -> None:
 def test_grpo_advantages_hand_values() -> None:
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.3])
     groups = torch.tensor([7, 7, 2, 2, 9])
-    adv = pm.grpo_advantages(rewards, groups, eps=0.0)
+    adv = pm.grpo_advantages(rewards, groups, eps=1e-6)
     s = 1 / math.sqrt(2)  # unbiased std of {1, 0}
-    torch.testing.assert_close(adv[:2], torch.tensor([0.5 / s, -0.5 / s]))
+    torch.testing.assert_close(adv[:2], torch.tensor([0.5 / (s + 1e-6), -0.5 / (s + 1e-6)]))
     assert torch.isfinite(adv).all()
-    assert adv[2:].abs().sum().item() == 0.0  # equal rewards and a single sample give no signal
+    assert adv[2:4].abs().sum().item() == 0.0  # equal rewards give no signal
+    assert adv[4].item() == pytest.approx(0.3 / (1 + 1e-6))  # a single sample: mean 0, std 1 (verl)
+    centred = pm.grpo_advantages(rewards, groups, norm_by_std=False)  # Dr. GRPO
+    torch.testing.assert_close(centred, torch.tensor([0.5, -0.5, 0.0, 0.0, 0.3]))
     with pytest.raises(ValueError, match="group_ids"):
         pm.grpo_advantages(rewards, groups[:3])
 
@@ -224,7 +232,9 @@ def test_grpo_matches_per_group_loop(rows) -> None:  # type: ignore[no-untyped-d
     adv = pm.grpo_advantages(rewards, groups)
     for i, (g, r) in enumerate(rows):
         members = torch.tensor([rr for gg, rr in rows if gg == g], dtype=torch.float32)
-        expected = 0.0 if len(members) == 1 else float((r - members.mean()) / (members.std() + 1e-6))
+        expected = (
+            r / (1 + 1e-6) if len(members) == 1 else float((r - members.mean()) / (members.std() + 1e-6))
+        )
         assert adv[i].item() == pytest.approx(expected, rel=1e-3, abs=1e-3)
 
 
@@ -233,8 +243,14 @@ def test_aggregation_modes_hand_values() -> None:
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert pm.aggregate(loss, mask, "token_mean").item() == pytest.approx(10.0 / 4)
     assert pm.aggregate(loss, mask, "seq_mean_token_mean").item() == pytest.approx((2.0 + 4.0) / 2)
+    assert pm.aggregate(loss, mask, "seq_mean_token_sum").item() == pytest.approx((6.0 + 4.0) / 2)
+    norm = pm.aggregate(loss, mask, "seq_mean_token_sum_norm", scale=5.0)
+    assert norm.item() == pytest.approx((6.0 / 5 + 4.0 / 5) / 2)
     assert pm.aggregation_denominator(mask, "token_mean").item() == 4.0
-    assert pm.aggregation_denominator(mask, "seq_mean_token_mean").item() == 2.0
+    for mode in ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
+        assert pm.aggregation_denominator(mask, mode).item() == 2.0  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="scale"):
+        pm.aggregate(loss, mask, "seq_mean_token_sum_norm")
     with pytest.raises(ValueError, match="aggregation"):
         pm.aggregate(loss, mask, "sum")  # type: ignore[arg-type]
 
@@ -244,7 +260,7 @@ def test_aggregation_modes_hand_values() -> None:
     st.integers(2, 8),
     st.integers(1, 5),
     st.integers(1, 4),
-    st.sampled_from(["token_mean", "seq_mean_token_mean"]),
+    st.sampled_from(pm.LOSS_AGGREGATIONS),
     st.integers(0, 1000),
 )
 def test_split_aggregation_with_global_denominator_equals_whole(n, t, parts, mode, seed) -> None:  # type: ignore[no-untyped-def]
@@ -252,8 +268,8 @@ def test_split_aggregation_with_global_denominator_equals_whole(n, t, parts, mod
     g = torch.Generator().manual_seed(seed)
     loss = torch.randn(n, t, generator=g)
     mask = (torch.rand(n, t, generator=g) > 0.3).float()
-    whole = pm.aggregate(loss, mask, mode)
+    whole = pm.aggregate(loss, mask, mode, scale=7.0)
     denominator = pm.aggregation_denominator(mask, mode).clamp(min=1.0)
     pieces = torch.tensor_split(torch.arange(n), parts)
-    split = sum(pm.aggregate(loss[p], mask[p], mode, denominator) for p in pieces if len(p))
+    split = sum(pm.aggregate(loss[p], mask[p], mode, denominator, scale=7.0) for p in pieces if len(p))
     assert float(split) == pytest.approx(float(whole), rel=1e-5, abs=1e-6)

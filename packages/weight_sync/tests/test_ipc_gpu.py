@@ -107,6 +107,9 @@ def test_buffers_stay_in_ordinary_segments_under_expandable_segments(peer: IpcPe
     previous = allocator_settings()
     assert previous is not None, "this torch's allocator settings cannot be read"
     set_allocator_settings("max_split_size_mb:512,expandable_segments:True")
+    # Earlier tests in this process leave ordinary segments cached; without this the resident tensor
+    # below can be carved from one of them instead of a new expandable segment.
+    torch.cuda.empty_cache()
     try:
         device = torch.device("cuda", 0)
         resident = torch.ones(64 * MiB, dtype=torch.uint8, device=device)  # in an expandable segment

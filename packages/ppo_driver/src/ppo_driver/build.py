@@ -18,7 +18,7 @@ from ppo_driver.config import RunConfig
 from ppo_lifecycle import OffloadPlan
 from ppo_placement import PlacementSpec, plan_layout
 from ppo_rollout import RolloutConfig, RolloutSettings
-from ppo_trainer import TrainerConfig, TrainSettings
+from ppo_trainer import AlgorithmConfig, TrainerConfig, TrainSettings
 
 if TYPE_CHECKING:  # ppo_weight_sync imports torch: `ppo-driver validate` must not (preflight.py)
     from ppo_weight_sync import SenderPlan
@@ -43,7 +43,7 @@ def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerCo
         **_settings(config.train, TrainSettings),
         role="actor",
         model_path=str(model_path),
-        algorithm=config.algorithm,
+        algorithm=trainer_algorithm(config),
         dtype=config.model.dtype,
         seed=config.train.seed,
         device=config.placement.device,
@@ -54,6 +54,15 @@ def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerCo
         # The engines hold the weights in the rollout dtype and reject any other.
         weight_sync_dtype=_rollout_dtype(config),
     )
+
+
+def trainer_algorithm(config: RunConfig) -> AlgorithmConfig:
+    """The ``algorithm`` section with what it leaves to the run filled in: Dr. GRPO's constant
+    (``loss_scale_factor``) defaults to the longest response the rollout may give."""
+    a = config.algorithm
+    if a.loss_aggregation == "seq_mean_token_sum_norm" and a.loss_scale_factor is None:
+        return dataclasses.replace(a, loss_scale_factor=config.rollout.sampling.max_new_tokens)
+    return a
 
 
 def critic_trainer_config(actor: TrainerConfig, config: RunConfig) -> TrainerConfig:

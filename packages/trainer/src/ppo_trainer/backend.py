@@ -51,6 +51,18 @@ def _no_region(tag: str) -> ContextManager[None]:
 
 
 @dataclass(frozen=True)
+class Counts:
+    """A mini-batch's global counts (all micro-batches, all ranks), the divisors of its micro-batch terms.
+
+    ``loss``: the loss aggregation's ``D`` (tokens or samples); ``tokens``: the loss tokens, for the
+    metrics that are token means whatever the aggregation (clip fractions, ``ppo_kl``), as in verl.
+    """
+
+    loss: torch.Tensor
+    tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
 class DataParallel:
     """Where this rank sits and how to sum a tensor over all ranks (returns the sum, same device).
 
@@ -318,9 +330,26 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def _global_count(self, mask: torch.Tensor) -> torch.Tensor:
-        local = pm.aggregation_denominator(mask, self.alg.loss_aggregation).reshape(1)
-        return self.dp.all_reduce(local)[0].clamp(min=1.0)
+    def _global_counts(self, mask: torch.Tensor) -> Counts:
+        local = torch.stack(
+            [
+                pm.aggregation_denominator(mask, self.alg.loss_aggregation),
+                pm.aggregation_denominator(mask, "token_mean"),
+            ]
+        )
+        total = self.dp.all_reduce(local).clamp(min=1.0)
+        return Counts(loss=total[0], tokens=total[1])
+
+    def _aggregate(self, loss: torch.Tensor, mask: torch.Tensor, counts: Counts) -> torch.Tensor:
+        """A loss term's share of the mini-batch's loss, by ``loss_aggregation``."""
+        alg = self.alg
+        scale = None if alg.loss_scale_factor is None else float(alg.loss_scale_factor)
+        return pm.aggregate(loss, mask, alg.loss_aggregation, counts.loss, scale)
+
+    @staticmethod
+    def _token_mean(x: torch.Tensor, mask: torch.Tensor, counts: Counts) -> torch.Tensor:
+        """A metric's share of its mean over the mini-batch's loss tokens."""
+        return pm.aggregate(x, mask, "token_mean", counts.tokens)
 
     def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         names = sorted(sums)
@@ -334,7 +363,7 @@ class TorchTrainer:
     def _run_epochs(
         self,
         samples: Samples,
-        micro_loss: Callable[[list[int], MicroBatch, torch.Tensor], dict[str, torch.Tensor]],
+        micro_loss: Callable[[list[int], MicroBatch, Counts], dict[str, torch.Tensor]],
     ) -> dict[str, float]:
         """PPO epochs x mini-batches of optimizer steps; ``micro_loss`` returns ``{"loss": .., metrics}``."""
         totals: dict[str, float] = {}
@@ -350,10 +379,10 @@ class TorchTrainer:
         self.model.train()
         for _ in range(self.alg.ppo_epochs):
             for mini in split_even(len(samples), self.alg.num_mini_batches):
-                denominator = self._global_count(samples.loss_mask[mini])
+                counts = self._global_counts(samples.loss_mask[mini])
                 sums: dict[str, torch.Tensor] = {}
                 for rows in chunks(mini, self.config.micro_batch_size):
-                    terms = micro_loss(rows, collate(samples, rows, self.device), denominator)
+                    terms = micro_loss(rows, collate(samples, rows, self.device), counts)
                     (terms["loss"] * self._loss_scale).backward()
                     for name, value in terms.items():
                         sums[name] = sums.get(name, torch.zeros(())) + value.detach().float().cpu()
@@ -404,18 +433,17 @@ class TorchTrainer:
         old_values = self.compute_values(samples)
         _, returns = pm.compute_gae(rewards, old_values, samples.response_mask, alg.gamma, alg.lam)
 
-        def micro_loss(rows: list[int], mb: MicroBatch, denominator: torch.Tensor) -> dict[str, torch.Tensor]:
+        def micro_loss(rows: list[int], mb: MicroBatch, counts: Counts) -> dict[str, torch.Tensor]:
             mask = samples.loss_mask[rows].to(self.device)
             values = self._values(mb)
             loss, clipped = pm.value_loss(
                 values, old_values[rows].to(self.device), returns[rows].to(self.device), alg.value_clip
             )
-            mode = alg.loss_aggregation
-            value_loss = pm.aggregate(loss, mask, mode, denominator)
+            value_loss = self._aggregate(loss, mask, counts)
             return {
                 "loss": value_loss,
                 "value_loss": value_loss,
-                "value_clip_fraction": pm.aggregate(clipped, mask, mode, denominator),
+                "value_clip_fraction": self._token_mean(clipped, mask, counts),
             }
 
         metrics = self._run_epochs(samples, micro_loss)
@@ -452,10 +480,13 @@ class TorchTrainer:
             )
             advantages, _ = pm.compute_gae(rewards, values, samples.response_mask, alg.gamma, alg.lam)
         else:
-            per_sample = pm.grpo_advantages(samples.reward, samples.prompt_index)
+            per_sample = pm.grpo_advantages(
+                samples.reward, samples.prompt_index, norm_by_std=alg.norm_adv_by_std_in_grpo
+            )
             advantages = per_sample[:, None] * samples.response_mask
         metrics_extra["advantages_mean"] = self._masked_global_mean(advantages, samples.loss_mask)
-        if alg.normalize_advantages:
+        # GRPO's advantages are normalised per group already (AlgorithmConfig.whiten_advantages).
+        if alg.whiten_advantages:
             advantages = pm.whiten(advantages, samples.loss_mask, self.dp.all_reduce)
         if ref_log_probs is not None:
             ref_kl = pm.kl_estimate(old_log_probs, ref_log_probs, alg.kl_estimator)
@@ -476,9 +507,8 @@ class TorchTrainer:
                 (raw > alg.tis_cap).float(), samples.loss_mask
             )
 
-        def micro_loss(rows: list[int], mb: MicroBatch, denominator: torch.Tensor) -> dict[str, torch.Tensor]:
+        def micro_loss(rows: list[int], mb: MicroBatch, counts: Counts) -> dict[str, torch.Tensor]:
             mask = samples.loss_mask[rows].to(self.device)
-            mode = alg.loss_aggregation
             log_probs, entropy = self._policy(self.model, mb, with_entropy=True)
             assert entropy is not None
             terms = pm.policy_loss(
@@ -490,20 +520,21 @@ class TorchTrainer:
                 alg.eps_clip_c,
             )
             token_loss = terms.loss if tis_weight is None else terms.loss * tis_weight[rows].to(self.device)
-            pg_loss = pm.aggregate(token_loss, mask, mode, denominator)
-            entropy_mean = pm.aggregate(entropy, mask, mode, denominator)
+            pg_loss = self._aggregate(token_loss, mask, counts)
+            # Aggregated like the loss it enters (verl's entropy metric is the same term).
+            entropy_mean = self._aggregate(entropy, mask, counts)
             loss = pg_loss - alg.entropy_coef * entropy_mean if alg.entropy_coef > 0 else pg_loss
             out = {
                 "pg_loss": pg_loss,
                 "entropy": entropy_mean,
-                "pg_clip_fraction": pm.aggregate(terms.clip_fraction, mask, mode, denominator),
-                "dual_clip_fraction": pm.aggregate(terms.dual_clip_fraction, mask, mode, denominator),
-                "ppo_kl": pm.aggregate(terms.approx_kl, mask, mode, denominator),
+                "pg_clip_fraction": self._token_mean(terms.clip_fraction, mask, counts),
+                "dual_clip_fraction": self._token_mean(terms.dual_clip_fraction, mask, counts),
+                "ppo_kl": self._token_mean(terms.ppo_kl, mask, counts),
             }
             if alg.use_kl_loss:
                 assert ref_log_probs is not None  # needs_reference holds when use_kl_loss
                 kl_term = pm.kl_estimate(log_probs, ref_log_probs[rows].to(self.device), alg.kl_estimator)
-                kl_loss = pm.aggregate(kl_term, mask, mode, denominator)
+                kl_loss = self._aggregate(kl_term, mask, counts)
                 loss = loss + alg.kl_loss_coef * kl_loss
                 out["kl_loss"] = kl_loss
             out["loss"] = loss

@@ -22,8 +22,10 @@ from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
 Estimator = Literal["ppo", "grpo"]
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
-LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
+KLEstimator = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
+LossAggregation = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
 Role = Literal["actor", "critic"]
 Device = Literal["cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16"]
@@ -77,15 +79,34 @@ class AlgorithmConfig:
     )
     use_kl_loss: bool = Field(default=False, description="the KL to the reference as a loss term instead")
     kl_loss_coef: float = Field(default=0.0, ge=0)
-    kl_estimator: KLEstimator = Field(default="low_var_kl", description="low_var_kl: k3 clamped to [-10, 10]")
+    kl_estimator: KLEstimator = Field(
+        default="low_var_kl",
+        description="k1: log pi - log pi_ref; abs: |k1|; k2: k1^2 / 2; k3 (low_var_kl, its verl name): "
+        "exp(-k1) - 1 + k1 with k1 clamped to [-20, 20] and the result to [-10, 10]",
+    )
     entropy_coef: float = Field(default=0.0, ge=0, description="the loss subtracts entropy_coef * entropy")
-    normalize_advantages: bool = Field(
-        default=True, description="whiten advantages over the loss-masked tokens of all data-parallel ranks"
+    normalize_advantages: bool | None = Field(
+        default=None,
+        description="whiten advantages over the loss-masked tokens of all data-parallel ranks; null: true "
+        "with estimator=ppo, false with grpo (its advantages are normalised per group already), resolved "
+        "at construction; true with grpo is an error",
+    )
+    norm_adv_by_std_in_grpo: bool = Field(
+        default=True,
+        description="grpo: divide each group's centred rewards by the group's std; false: Dr. GRPO (centred "
+        "rewards only)",
     )
     loss_aggregation: LossAggregation = Field(
         default="token_mean",
         description="token_mean: over all loss tokens of the global batch; seq_mean_token_mean: mean over "
-        "each sample's tokens, then over samples",
+        "each sample's tokens, then over samples; seq_mean_token_sum: sum over each sample's tokens, mean "
+        "over samples; seq_mean_token_sum_norm (Dr. GRPO): that sum divided by loss_scale_factor",
+    )
+    loss_scale_factor: int | None = Field(
+        default=None,
+        ge=1,
+        description="seq_mean_token_sum_norm: the constant each sample's token sum is divided by; null: "
+        "rollout.sampling.max_new_tokens (the driver fills it in)",
     )
     ppo_epochs: int = Field(default=1, ge=1, description="passes over each step's batch")
     num_mini_batches: int = Field(default=4, ge=1, description="optimizer steps per pass")
@@ -97,16 +118,41 @@ class AlgorithmConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.normalize_advantages is None:
+            # Resolved once, so the dumped config says what runs (frozen: set through object).
+            object.__setattr__(self, "normalize_advantages", self.estimator == "ppo")
         if self.use_kl_loss and self.kl_loss_coef == 0.0:
             raise ValueError(
                 "algorithm.use_kl_loss=true with algorithm.kl_loss_coef=0 has no effect; "
                 "set algorithm.kl_loss_coef>0 or algorithm.use_kl_loss=false"
+            )
+        if self.estimator == "grpo" and self.normalize_advantages:
+            raise ValueError(
+                "algorithm.normalize_advantages=true with algorithm.estimator='grpo' would whiten the "
+                "group-normalised advantages again over the whole batch (a group of equal rewards would "
+                "get non-zero advantages); set algorithm.normalize_advantages=null or false"
+            )
+        if self.estimator != "grpo" and not self.norm_adv_by_std_in_grpo:
+            raise ValueError(
+                "algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.estimator="
+                f"{self.estimator!r}; set algorithm.estimator='grpo' or remove norm_adv_by_std_in_grpo"
+            )
+        if self.loss_scale_factor is not None and self.loss_aggregation != "seq_mean_token_sum_norm":
+            raise ValueError(
+                f"algorithm.loss_scale_factor={self.loss_scale_factor} only applies to "
+                f"algorithm.loss_aggregation='seq_mean_token_sum_norm' (got {self.loss_aggregation!r}); "
+                "remove loss_scale_factor or set that aggregation"
             )
         if self.estimator == "grpo" and self.kl_coef > 0.0:
             raise ValueError(
                 "algorithm.kl_coef > 0 (a KL reward penalty) needs algorithm.estimator='ppo'; with 'grpo' "
                 "use algorithm.use_kl_loss=true and algorithm.kl_loss_coef instead"
             )
+
+    @property
+    def whiten_advantages(self) -> bool:
+        """``normalize_advantages`` as resolved at construction (null: GAE's whitened, GRPO's not)."""
+        return bool(self.normalize_advantages)
 
     @property
     def clip_high(self) -> float:
@@ -293,6 +339,15 @@ class TrainerConfig(TrainSettings):
             raise ValueError("weight_sync_colocated_tp needs device='cuda' (CUDA IPC); leave it empty on CPU")
         if self.device == "cpu" and self.weight_sync_backend == "nccl":
             raise ValueError("weight_sync_backend='nccl' needs device='cuda'; use 'gloo' on CPU")
+        if (
+            self.algorithm.loss_aggregation == "seq_mean_token_sum_norm"
+            and self.algorithm.loss_scale_factor is None
+        ):
+            raise ValueError(
+                "algorithm.loss_aggregation='seq_mean_token_sum_norm' needs algorithm.loss_scale_factor (the "
+                "constant each sample's token sum is divided by, e.g. the longest response); ppo-driver "
+                "sets it to rollout.sampling.max_new_tokens when null"
+            )
         if self.role == "critic" and self.algorithm.estimator == "grpo":
             raise ValueError("a critic is not used with estimator='grpo'; drop the critic or use 'ppo'")
 

@@ -1,25 +1,46 @@
 """PPO math as pure torch functions over padded ``[batch, time]`` response tensors.
 
 Conventions: ``mask`` is 1.0 on tokens that count and 0.0 elsewhere (padding, tokens excluded from the
-loss). Every function is elementwise or vectorised over the batch; none touches a model, an optimizer or
-a process group (whitening takes an optional ``all_reduce`` callable so that it can span DP ranks).
+loss). Masked-out positions are *selected away* (``torch.where``), never multiplied by 0, so a NaN or inf
+there (a padding logit, an overflowing ratio) changes no result. Every function is elementwise or
+vectorised over the batch; none touches a model, an optimizer or a process group (whitening takes an
+optional ``all_reduce`` callable so that it can span DP ranks).
+
+The formulas agree with verl's ``core_algos.py`` and OpenRLHF's ``loss.py`` / ``utils.py`` (the trainer
+README's table of conventions lists where, and why, they differ; ``tests/test_reference_parity.py``
+re-states the references' formulas).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
+
+from ppo_trainer.config import KLEstimator, LossAggregation
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over data-parallel ranks and returns the sum (identity on a single rank)."""
 
+LOSS_AGGREGATIONS: tuple[LossAggregation, ...] = get_args(LossAggregation)
+
+# exp(20) ~ 4.9e8: beyond it a token's ratio is noise that would only overflow (exp(89) is inf in float32)
+# and, multiplied by a zero gradient elsewhere, turn into NaN. verl and OpenRLHF clamp at the same bound.
+LOG_RATIO_CLAMP = 20.0
+# verl's low_var_kl bound on the k3 value (OpenRLHF clamps every estimator to it).
+KL_VALUE_CLAMP = 10.0
+
+
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x * m`` where ``m != 0`` and exactly 0 elsewhere, whatever ``x`` holds there (NaN, inf)."""
+    return torch.where(mask != 0, x * mask, torch.zeros_like(x))
+
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum_i x_i * m_i`` over every element."""
-    return (x * mask).sum()
+    """``sum_i x_i * m_i`` over the elements with ``m_i != 0`` (a NaN elsewhere does not leak in)."""
+    return masked(x, mask).sum()
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -54,14 +75,16 @@ def compute_gae(
     advantages = torch.zeros_like(rewards)
     next_value = rewards.new_zeros(batch)
     next_adv = rewards.new_zeros(batch)
+    zero = rewards.new_zeros(batch)
     for t in reversed(range(time)):
-        m = mask[:, t]
+        keep = mask[:, t] != 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         adv = delta + gamma * lam * next_adv
-        next_adv = m * adv + (1.0 - m) * next_adv
-        next_value = m * values[:, t] + (1.0 - m) * next_value
-        advantages[:, t] = m * adv
-    returns = (advantages + values) * mask
+        # Selected, not blended with the mask: a NaN value on a skipped token must not reach the others.
+        next_adv = torch.where(keep, adv, next_adv)
+        next_value = torch.where(keep, values[:, t], next_value)
+        advantages[:, t] = torch.where(keep, adv, zero)
+    returns = masked(advantages + values, mask)
     return advantages, returns
 
 
@@ -86,36 +109,34 @@ def token_rewards(
     rows = torch.arange(batch, device=mask.device)[has_token]
     out[rows, last[has_token]] = reward.float()[has_token]
     if kl is not None and kl_coef != 0.0:
-        out = out - kl_coef * kl.float() * mask
+        out = out - kl_coef * masked(kl.float(), mask)
     return out
 
 
-def kl_estimate(
-    log_probs: torch.Tensor,
-    ref_log_probs: torch.Tensor,
-    kind: Literal["k1", "k2", "k3", "low_var_kl"],
-) -> torch.Tensor:
+def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: KLEstimator) -> torch.Tensor:
     """Per-token estimators of ``KL(pi || pi_ref)`` from samples of ``pi`` (Schulman's k1/k2/k3).
 
     With ``d = log pi - log pi_ref``:
 
     - ``k1 = d`` (unbiased, high variance, can be negative),
+    - ``abs = |d|``,
     - ``k2 = d^2 / 2``,
-    - ``k3 = exp(-d) - 1 + d`` (unbiased, non-negative),
-    - ``low_var_kl`` = k3 with ``d`` clamped to [-20, 20] and the result clamped to [-10, 10], so a
-      single token with a huge ratio cannot blow up the loss.
+    - ``k3 = exp(-d) - 1 + d`` (unbiased, non-negative) with ``d`` clamped to [-20, 20] and the result to
+      [-10, 10], so a single token with a huge ratio cannot blow up the loss; ``low_var_kl`` is the same
+      estimator under verl's other name for it.
     """
     d = log_probs.float() - ref_log_probs.float()
     if kind == "k1":
         return d
+    if kind == "abs":
+        return d.abs()
     if kind == "k2":
         return 0.5 * d.square()
-    if kind == "k3":
-        return torch.expm1(-d) + d
-    if kind == "low_var_kl":
-        d = d.clamp(-20.0, 20.0)
-        return (torch.expm1(-d) + d).clamp(-10.0, 10.0)
-    raise ValueError(f"kind={kind!r} is not a KL estimator; use 'k1', 'k2', 'k3' or 'low_var_kl'")
+    if kind in ("k3", "low_var_kl"):
+        # Clamping d first keeps exp(-d) finite, so the gradient is 0 (not 0 * inf) beyond the bound.
+        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (torch.expm1(-d) + d).clamp(-KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+    raise ValueError(f"kind={kind!r} is not a KL estimator; use 'k1', 'abs', 'k2', 'k3' or 'low_var_kl'")
 
 
 @dataclass(frozen=True)
@@ -123,9 +144,9 @@ class PolicyLossTerms:
     """Per-token terms of the clipped policy loss, all ``[B, T]``; aggregate them with ``aggregate``."""
 
     loss: torch.Tensor
-    clip_fraction: torch.Tensor  # 1.0 where the ratio clip is active
+    clip_fraction: torch.Tensor  # 1.0 where the clipped branch is strictly larger (the clip is active)
     dual_clip_fraction: torch.Tensor  # 1.0 where the dual clip bounds the loss
-    approx_kl: torch.Tensor  # k3 estimate of KL(old || new) per token
+    ppo_kl: torch.Tensor  # k1 estimate of KL(old || new) per token: old - new log-prob, clamped
 
 
 def policy_loss(
@@ -138,19 +159,22 @@ def policy_loss(
 ) -> PolicyLossTerms:
     """PPO clipped surrogate with separate low and high bounds and optional dual clip.
 
-    With ``ratio = exp(log_probs - old_log_probs)`` and advantage ``A``::
+    With ``ratio = exp(clamp(log_probs - old_log_probs, -20, 20))`` and advantage ``A``::
 
         L_clip = max(-A * ratio, -A * clamp(ratio, 1 - eps_clip, 1 + eps_clip_high))
         L      = min(L_clip, -A * eps_clip_c)   where A < 0 and eps_clip_c is set (dual clip, c > 1)
         L      = L_clip                         elsewhere
 
-    ``clip_fraction`` marks tokens where the clipped branch is strictly larger; ``approx_kl`` is
-    ``(ratio - 1) - log(ratio)``, the k3 estimate of KL(old || new).
+    The clamp of the log-ratio (verl's and OpenRLHF's) bounds the ratio at ``e^20`` and gives a token
+    beyond it no gradient, where the bare ``exp`` gave 8.8e9 at a log-ratio of 24 and inf (a NaN
+    gradient) near 89. ``clip_fraction`` marks tokens where the clipped branch is strictly larger;
+    ``ppo_kl`` is ``old_log_probs - log_probs`` after the clamp (k1 of KL(old || new), verl's
+    ``ppo_kl``).
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
     if eps_clip_c is not None and not eps_clip_c > 1.0:
         raise ValueError(f"eps_clip_c={eps_clip_c!r} must be > 1 (dual-clip lower bound)")
-    log_ratio = log_probs.float() - old_log_probs.float()
+    log_ratio = (log_probs.float() - old_log_probs.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     adv = advantages.float()
     unclipped = -adv * ratio
@@ -162,9 +186,8 @@ def policy_loss(
         bound = -adv * eps_clip_c
         dual = ((adv < 0) & (loss > bound)).float()
         loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
-    approx_kl = (ratio - 1.0) - log_ratio
     return PolicyLossTerms(
-        loss=loss, clip_fraction=clip_fraction, dual_clip_fraction=dual, approx_kl=approx_kl.detach()
+        loss=loss, clip_fraction=clip_fraction, dual_clip_fraction=dual, ppo_kl=-log_ratio.detach()
     )
 
 
@@ -173,14 +196,19 @@ def value_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss, per token.
 
-    ``V_clip = V_old + clamp(V - V_old, -value_clip, value_clip)`` and
+    ``V_clip = clamp(V, V_old - value_clip, V_old + value_clip)`` and
     ``L = 0.5 * max((V - R)^2, (V_clip - R)^2)``. Returns ``(loss, clip_fraction)`` where
-    ``clip_fraction`` is 1.0 on tokens with ``|V - V_old| > value_clip``.
+    ``clip_fraction`` is 1.0 on tokens where the clipped branch is strictly larger, i.e. where the clip
+    decides the loss (verl's ``vf_clipfrac``); a value outside the band that moved toward the return is
+    not counted, since the unclipped branch wins there.
     """
     values, old_values, returns = values.float(), old_values.float(), returns.float()
-    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
-    loss = 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
-    clip_fraction = ((values - old_values).abs() > value_clip).float()
+    # Clamping V itself (not V_old + clamp(V - V_old)) keeps V_clip == V bit for bit inside the band,
+    # so rounding never makes the clipped branch win there and count as clipped.
+    clipped = torch.clamp(values, old_values - value_clip, old_values + value_clip)
+    unclipped_loss, clipped_loss = (values - returns).square(), (clipped - returns).square()
+    loss = 0.5 * torch.maximum(unclipped_loss, clipped_loss)
+    clip_fraction = (clipped_loss > unclipped_loss).float()
     return loss, clip_fraction
 
 
@@ -206,8 +234,9 @@ def whiten(
 ) -> torch.Tensor:
     """Whiten over masked-in elements, optionally across data-parallel ranks.
 
-    ``mu = sum(x m) / sum(m)``, ``var = sum((x - mu)^2 m) / sum(m)`` (population variance), both summed
-    over every rank through ``all_reduce``; returns ``(x - mu) / sqrt(var + eps) * m``.
+    ``mu = sum(x m) / sum(m)``, ``var = sum((x - mu)^2 m) / sum(m)`` (population variance, as
+    OpenRLHF; verl's ``masked_whiten`` uses the unbiased one), both summed over every rank through
+    ``all_reduce``; returns ``(x - mu) / sqrt(var + eps) * m``.
     """
     reduce: AllReduce = all_reduce if all_reduce is not None else (lambda t: t)
     x32, mask32 = x.float(), mask.float()
@@ -215,16 +244,20 @@ def whiten(
     count = stats[1].clamp(min=1.0)
     mean = stats[0] / count
     var = reduce(masked_sum((x32 - mean).square(), mask32).reshape(1))[0] / count
-    return (x32 - mean) * torch.rsqrt(var + eps) * mask32
+    return masked((x32 - mean) * torch.rsqrt(var + eps), mask32)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, norm_by_std: bool = True
+) -> torch.Tensor:
     """Group-normalised outcome advantages (GRPO), one per sample.
 
     ``A_i = (r_i - mean_g) / (std_g + eps)`` over the samples ``g`` sharing ``group_ids[i]``, with the
-    unbiased standard deviation; a group of one sample, or of equal rewards, gets ``A = 0``.
-    ``rewards`` and ``group_ids``
-    are ``[N]``. The caller broadcasts ``A_i`` over the sample's response tokens.
+    unbiased standard deviation; ``norm_by_std=False`` gives ``A_i = r_i - mean_g`` (Dr. GRPO, verl's
+    ``norm_adv_by_std_in_grpo: false``). A group of equal rewards gets ``A = 0``. A group of one sample
+    has no baseline: as in verl it takes mean 0 and std 1, so ``A = r / (1 + eps)`` (``r`` without the
+    std). ``rewards`` and ``group_ids`` are ``[N]``; the caller broadcasts ``A_i`` over the sample's
+    response tokens.
     """
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
         raise ValueError(
@@ -235,49 +268,55 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float =
     groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
     counts = torch.zeros(groups, device=rewards.device).index_add_(0, inverse, torch.ones_like(rewards))
     sums = torch.zeros(groups, device=rewards.device).index_add_(0, inverse, rewards)
-    mean = sums / counts
+    single = counts == 1
+    mean = torch.where(single, torch.zeros_like(sums), sums / counts)
     sq = torch.zeros(groups, device=rewards.device).index_add_(0, inverse, (rewards - mean[inverse]).square())
-    std = torch.sqrt(sq / (counts - 1.0).clamp(min=1.0))
-    informative = (counts[inverse] > 1) & (std[inverse] > 0)
-    adv = (rewards - mean[inverse]) / torch.where(informative, std[inverse] + eps, torch.ones_like(rewards))
-    return torch.where(informative, adv, torch.zeros_like(adv))
+    std = torch.where(single, torch.ones_like(sums), torch.sqrt(sq / (counts - 1.0).clamp(min=1.0)))
+    centred = rewards - mean[inverse]
+    if not norm_by_std:
+        return centred
+    return centred / (std[inverse] + eps)
 
 
 def aggregate(
     loss: torch.Tensor,
     mask: torch.Tensor,
-    mode: Literal["token_mean", "seq_mean_token_mean"],
+    mode: LossAggregation,
     denominator: float | torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token ``[B, T]`` loss to a scalar.
+    """Reduce a per-token ``[B, T]`` loss to a scalar, with ``S_i = sum_t L_it m_it``, sample i's sum.
 
-    - ``token_mean``: ``sum_{i,t} L_it m_it / D`` with ``D`` the number of masked-in tokens.
-    - ``seq_mean_token_mean``: ``sum_i (sum_t L_it m_it / n_i) / D`` with ``n_i`` sample i's masked-in
-      tokens and ``D`` the number of samples having at least one.
+    - ``token_mean``: ``sum_i S_i / D`` with ``D`` the number of masked-in tokens.
+    - ``seq_mean_token_mean``: ``sum_i (S_i / n_i) / D`` with ``n_i`` sample i's masked-in tokens and
+      ``D`` the number of samples having at least one.
+    - ``seq_mean_token_sum``: ``sum_i S_i / D``, the same ``D``: long answers weigh more.
+    - ``seq_mean_token_sum_norm`` (Dr. GRPO): ``sum_i (S_i / scale) / D``, the same ``D``, ``scale`` a
+      constant (the longest response the rollout may give), so that no sample's tokens are reweighted by
+      its length and the loss keeps one scale through training.
 
     ``denominator`` overrides ``D``: the trainer passes the count over the whole global batch (all
     micro-batches, all ranks), so that summing the micro-batch losses of every rank yields exactly the
     global mean and the gradient does not depend on how the batch was split.
     """
     loss, mask = loss.float(), mask.float()
-    if mode == "token_mean":
+    if mode in ("token_mean", "seq_mean_token_sum"):
         total = masked_sum(loss, mask)
-        count = mask.sum()
     elif mode == "seq_mean_token_mean":
-        per_seq_tokens = mask.sum(dim=1)
-        total = ((loss * mask).sum(dim=1) / per_seq_tokens.clamp(min=1.0)).sum()
-        count = (per_seq_tokens > 0).float().sum()
+        total = (masked(loss, mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum()
+    elif mode == "seq_mean_token_sum_norm":
+        if scale is None or not scale > 0:
+            raise ValueError(f"mode='seq_mean_token_sum_norm' needs scale > 0 (got {scale!r})")
+        total = masked_sum(loss, mask) / scale
     else:
         raise ValueError(
-            f"mode={mode!r} is not a loss aggregation; use 'token_mean' or 'seq_mean_token_mean'"
+            f"mode={mode!r} is not a loss aggregation; use one of {', '.join(map(repr, LOSS_AGGREGATIONS))}"
         )
-    d = count.clamp(min=1.0) if denominator is None else denominator
+    d = aggregation_denominator(mask, mode).clamp(min=1.0) if denominator is None else denominator
     return total / d
 
 
-def aggregation_denominator(
-    mask: torch.Tensor, mode: Literal["token_mean", "seq_mean_token_mean"]
-) -> torch.Tensor:
+def aggregation_denominator(mask: torch.Tensor, mode: LossAggregation) -> torch.Tensor:
     """The local ``D`` of ``aggregate`` (sum it over micro-batches and ranks for the global one)."""
     if mode == "token_mean":
         return mask.float().sum()

@@ -294,7 +294,9 @@ class GenerationCore:
         stop_ids = torch.tensor(call.stop_ids, dtype=torch.long, device=dev)
         # The cache object is filled in place by every forward pass.
         cache_arg = {self._cache_kwarg: _new_cache()}
-        with call.guard():
+        # SDPA_BACKENDS leaves out cuDNN attention: on an H200 (torch 2.11) its kernel is not bit-for-bit
+        # repeatable, so the same seed drew different samples twice (benchmarks/decode_determinism.py).
+        with call.guard(), sdpa_kernel(SDPA_BACKENDS):
             out = self.model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache_arg
             )
@@ -317,7 +319,7 @@ class GenerationCore:
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=dev)], dim=1)
             last_pos = last_pos + 1
-            with call.guard():
+            with call.guard(), sdpa_kernel(SDPA_BACKENDS):
                 out = self.model(
                     input_ids=tokens[:, None],
                     attention_mask=mask,

@@ -19,8 +19,10 @@ from .static_decode import DecodeBuffers, LlamaStaticDecoder, Sampler
 
 __all__ = ["SDPA_BACKENDS", "DecodeGraphs"]
 
-# Attention kernels for the static decoder: both take an additive mask and are capture-safe. (cuDNN's
-# is left out: its plans are built per shape at first use, which a capture must not do.)
+# Attention kernels for both decode paths: both take an additive mask, are capture-safe and repeat bit
+# for bit. cuDNN's is left out: its plans are built per shape at first use, which a capture must not do,
+# and on an H200 (torch 2.11) it gave different samples for the same seed twice in the decode loop
+# (164 of 256 samples repeated; EFFICIENT and MATH alone: 256 of 256; benchmarks/decode_determinism.py).
 SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

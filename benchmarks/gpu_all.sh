@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every test marked `gpu` in every package, on the machine's GPUs: each package's run alone, then one
+# pytest call over all of them (tests that interfere show only there). Exits non-zero when any run
+# fails, after running the rest. Tests that need two GPUs skip themselves on one.
+# Run from anywhere: bash benchmarks/gpu_all.sh   (on the GPU machine: source .carry/setup.sh first)
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+for src in "$ROOT"/packages/*/src; do PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}"; done
+export PYTHONPATH PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+PER_PACKAGE_S="${PER_PACKAGE_S:-300}"
+ARGS=(-m gpu -q -p no:cacheprovider -o addopts="" -rfEs -o faulthandler_timeout=120)
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader || true
+failed=()
+packages=()
+for tests in "$ROOT"/packages/*/tests; do
+  if grep -rqs "pytest.mark.gpu" "$tests"; then packages+=("$(basename "$(dirname "$tests")")"); fi
+done
+for pkg in "${packages[@]}"; do
+  echo "== $pkg: pytest -m gpu =="
+  # exit 5 (every test deselected) is a failure too: a package listed here has gpu tests
+  (cd "$ROOT/packages/$pkg" && timeout -k 10 "$PER_PACKAGE_S" "$PY" -m pytest "${ARGS[@]}" tests) \
+    || { echo "FAILED: $pkg (exit $?)"; failed+=("$pkg"); }
+done
+echo "== all packages in one pytest call =="
+dirs=(); for pkg in "${packages[@]}"; do dirs+=("packages/$pkg/tests"); done
+(cd "$ROOT" && timeout -k 10 $((PER_PACKAGE_S * 3)) "$PY" -m pytest "${ARGS[@]}" --import-mode=importlib "${dirs[@]}") \
+  || { echo "FAILED: all packages in one call (exit $?)"; failed+=("all-in-one"); }
+if ((${#failed[@]})); then echo "gpu_all: FAILED: ${failed[*]}"; exit 1; fi
+echo "gpu_all: every gpu test passed (${packages[*]})"
