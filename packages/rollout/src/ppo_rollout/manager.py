@@ -318,7 +318,8 @@ class RolloutManager:
         """Reward, accuracy and response length on ``eval_prompts`` fixed held-out prompts, twice:
         greedy (``eval_sampling`` when set; ``eval/reward_mean``, ``eval/accuracy``, ...) and with the
         training sampling (``eval/sampled_reward_mean``, ...). A sample is correct when its reward is
-        at least 1 (``exact_match``, ``math_answer``: 1 is right)."""
+        at least 1 (``exact_match``, ``math_answer``: 1 is right). ``step`` no longer seeds anything:
+        every evaluation draws alike (below)."""
         cfg = self.config
         if cfg.eval_prompts == 0:
             return {}
