@@ -150,3 +150,55 @@ def test_groups_rebuilt_and_rebound(megatron_groups: Any) -> None:
     t = torch.ones(2)
     dist.all_reduce(t, group=mpu.get_data_parallel_group())
     assert t.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("critic", [False, True])
+def test_build_gpt_puts_every_tensor_on_the_target_device(
+    megatron_groups: Any, monkeypatch: pytest.MonkeyPatch, critic: bool
+) -> None:
+    """The KL-loss crash on the GPU, on the CPU: megatron makes its linear layers and RoPE on
+    ``torch.cuda.current_device()`` but the local spec's RMSNorm on the default device. With the
+    current device pointed at ``meta`` (a device that is not the CPU, as CUDA is), a model that is not
+    wrapped in megatron's DDP (the reference) kept CPU norms; build_gpt must leave none behind."""
+    from ppo_trainer.megatron_backend import held_tensors, misplaced_tensors
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "meta")
+    hf = _hf("llama", True)
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    meta = torch.device("meta")
+    gpt = build_gpt(hf.config, shape, tp=1, critic=critic, dtype=torch.bfloat16, device=meta)
+    assert misplaced_tensors({"reference": gpt}, meta) == []
+    tensors = held_tensors(gpt)
+    assert {t.device for t in tensors} == {meta}
+    # What the memory backend tracks includes RoPE's frequencies (a plain attribute, not a buffer):
+    # torch_memory_saver would discard them at a sleep otherwise.
+    rope = gpt.rotary_pos_emb.inv_freq
+    assert any(t is rope for t in tensors)
+    norms = [n for n, _ in gpt.named_parameters() if "layernorm" in n]
+    assert len(norms) == 2 * 2 + 1  # input and pre-MLP per layer, and the final norm
+
+
+def test_megatron_norms_are_made_on_the_cpu_without_build_gpt(
+    megatron_groups: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why build_gpt moves the model: megatron-core alone leaves the norms on the default device
+    (the check fails loudly should a megatron-core version place them itself; then the move is moot)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from ppo_trainer.megatron_backend import _transformer_config, misplaced_tensors
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "meta")
+    hf = _hf("llama", True)
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    gpt = GPTModel(
+        config=_transformer_config(hf.config, shape, 1, torch.bfloat16, on_cpu=False),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=64,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="rope",
+    )
+    stray = misplaced_tensors({"gpt": gpt}, torch.device("meta"))
+    assert stray
+    assert all("layernorm" in s and "(cpu)" in s for s in stray), stray
