@@ -21,13 +21,20 @@ class _Rope(nn.Module):
         self.inv_freq = torch.arange(4, dtype=torch.float32, device=device)
 
 
-def _model(linear: torch.device, norm: torch.device, rope: torch.device) -> nn.Module:
-    model = nn.Module()
-    model.proj = nn.Linear(8, 8, device=linear)
-    model.input_layernorm = nn.RMSNorm(8, device=norm)
-    model.rope = _Rope(rope)
-    model.register_buffer("mask", torch.ones(2, device=linear))
-    return model
+class _Model(nn.Module):
+    """A linear layer, a norm, RoPE and a buffer, each on the device asked for."""
+
+    def __init__(self, linear: torch.device, norm: torch.device, rope: torch.device) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, device=linear)
+        self.input_layernorm = nn.RMSNorm(8, device=norm)
+        self.rope = _Rope(rope)
+        self.mask: torch.Tensor
+        self.register_buffer("mask", torch.ones(2, device=linear))
+
+
+def _model(linear: torch.device, norm: torch.device, rope: torch.device) -> _Model:
+    return _Model(linear, norm, rope)
 
 
 def test_misplaced_tensors_names_the_stray_norm_and_attribute() -> None:
