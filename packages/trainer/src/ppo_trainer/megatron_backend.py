@@ -39,6 +39,7 @@ from ppo_trainer import optimizer_format as of
 from ppo_trainer.backend import DataParallel, Region, TorchTrainer, _no_region, init_adam_state
 from ppo_trainer.batch import MicroBatch, Samples
 from ppo_trainer.config import TrainerConfig
+from ppo_trainer.lr_schedule import scheduled_factor
 from ppo_trainer.megatron_groups import MegatronGroups
 from ppo_trainer.models import load_causal_lm, load_critic
 
@@ -599,6 +600,15 @@ class MegatronTrainer(TorchTrainer):
         return values.float().gather(1, mb.logit_positions)
 
     # ------------------------------------------------------------------ optimisation
+    def set_step(self, step: int) -> float:
+        """The learning rate of training step ``step`` (``lr_schedule``) into every param group of
+        megatron's optimizers (no ``OptimizerParamScheduler``: the step's rate is set here, once)."""
+        lr = self.config.lr * scheduled_factor(self.config, step)
+        for opt in self._optimizers():
+            for group in opt.optimizer.param_groups:
+                group["lr"] = lr
+        return lr
+
     def _optimizer_step(self) -> float:
         """Reduce gradients over data parallelism, clip, step (main weights -> bf16 weights), clear."""
         self.ddp.finish_grad_sync()
