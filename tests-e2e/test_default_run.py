@@ -21,6 +21,9 @@ STEPS = DEFAULT.train.steps
 WINDOW = 5
 LEARNT = 0.8  # mean reward of the last WINDOW steps, and of the final greedy evaluation
 RESUME_AT = DEFAULT.checkpoint.interval  # the first checkpoint of the default run
+# A second seed beside the default one: the recipe passes by its margin on every seed (the README's
+# seed sweep), not by one curve that this CPU's float rounding happens to give.
+OTHER_SEED = 0
 
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -35,20 +38,36 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return work / "run", done.stdout
 
 
-@pytest.mark.timeout(480)
-def test_default_run_learns(default_run: tuple[Path, str]) -> None:
-    run_dir, stdout = default_run
+def _assert_learnt(run_dir: Path) -> None:
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     rewards = [r["rollout/reward_mean"] for r in records]
     first, last = statistics.fmean(rewards[:WINDOW]), statistics.fmean(rewards[-WINDOW:])
-    # The task is learnt, not merely started: the bar for the default run.
+    # The task is learnt, not merely started: the bar for the default run.
     assert last >= LEARNT, (first, last, rewards)
     assert records[-1]["eval/reward_mean"] >= LEARNT, records[-1]
+
+
+@pytest.mark.timeout(480)
+def test_default_run_learns(default_run: tuple[Path, str]) -> None:
+    run_dir, stdout = default_run
+    _assert_learnt(run_dir)
     assert "run summary" in stdout
     starting = stdout.index("starting the rollout engine, the actor (1 rank), the critic (1 rank) ...")
     assert re.search(r"^started in \d+\.\d s$", stdout[starting:], re.MULTILINE), stdout[starting:][:500]
     assert "engines hold the actor's final weights: match" in stdout
+
+
+@pytest.mark.timeout(480)
+def test_default_recipe_learns_on_another_seed(tmp_path: Path) -> None:
+    done = run_cli(
+        "train",
+        *("--run-dir", "run", "--set", f"train.seed={OTHER_SEED}", "--set", "logging.progress=false"),
+        cwd=tmp_path,
+        timeout=420,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _assert_learnt(tmp_path / "run")
 
 
 @pytest.mark.timeout(480)

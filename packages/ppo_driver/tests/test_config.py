@@ -246,7 +246,7 @@ def test_grpo_without_critic() -> None:
         (["placement.actor_gpus=3"], "placement.actor_gpus"),
         (["train.global_batch_size=10"], "train.global_batch_size"),
         (["algorithm.num_mini_batches=3"], "algorithm.num_mini_batches"),
-        (["train.num_critic_only_steps=60"], "train.num_critic_only_steps"),
+        (["train.num_critic_only_steps=120"], "train.num_critic_only_steps"),
         (["placement.rollout_gpus=2"], "placement.rollout_gpus"),
         (["rollout.engine=sglang"], "rollout.engine"),
         (["offload.backend=pinned"], "offload.backend"),

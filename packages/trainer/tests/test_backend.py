@@ -460,3 +460,16 @@ def test_optimizer_state_made_at_setup_trains_bit_identically_to_lazy(
         assert a.device == b.device
         assert torch.equal(a, b)
     assert float(state_a[0][1]) == 6.0  # 3 steps x 2 mini-batches
+
+
+def test_the_step_sets_the_scheduled_rate(tiny_model: Path, fields_factory: Callable) -> None:
+    samples = Samples.from_fields(fields_factory(8, seed=6))
+    t = trainer(tiny_model, role="critic", lr=1e-3, total_steps=3, min_lr_ratio=0.0)
+    assert t.set_step(1) == pytest.approx(1e-3)
+    assert t.set_step(2) == pytest.approx(0.5e-3)
+    assert [g["lr"] for g in t.optimizer.param_groups] == [pytest.approx(0.5e-3)]
+    # At the last step the cosine reaches its floor, 0 here: the step leaves the weights as they were.
+    assert t.set_step(3) == 0.0
+    before = [p.detach().clone() for p in t.params]
+    t.train_critic(samples)
+    assert all(torch.equal(a, b) for a, b in zip(before, t.params, strict=True))

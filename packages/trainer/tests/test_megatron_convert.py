@@ -310,3 +310,82 @@ def test_tensor_parallel_ranks_pool_their_samples() -> None:
     assert torch.equal(pooled.rollout_log_probs[0:2, : a.max_response], a.rollout_log_probs)
     assert torch.equal(pooled.rollout_log_probs[2:3, : b.max_response], b.rollout_log_probs)
     assert torch.equal(pooled.loss_mask[0:2, : a.max_response], a.loss_mask)
+
+
+# SmolLM2-135M-Instruct's layout (config.json): hidden 576, 9 query heads over 3 KV heads of 64,
+# MLP 1536, tied embeddings, RoPE base 100000; 2 layers and a small odd vocabulary here (TP 3 pads it).
+SMOLLM2_LAYOUT: dict[str, Any] = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 64,
+}
+
+
+def _smollm2_checkpoint(folder: Any, layers: int = 2, vocab: int = 499) -> dict[str, torch.Tensor]:
+    """A SmolLM2-shaped Llama saved by transformers in bf16 (every tensor random, norms included);
+    the file's tensors, as a real checkpoint holds them (no ``lm_head.weight``: it is tied)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=layers, vocab_size=vocab, **SMOLLM2_LAYOUT)
+    model = LlamaForCausalLM(config)
+    _randomize(model)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_smollm2_layout_round_trip_is_bit_exact(tmp_path: Any, tp: int) -> None:
+    """A transformers bf16 checkpoint with SmolLM2's grouped-query attention and tied embeddings:
+    file -> megatron (fused QKV, fused gate/up, TP shards) -> Hugging Face, every bit back."""
+    from transformers import AutoConfig
+
+    saved = _smollm2_checkpoint(tmp_path)
+    assert "lm_head.weight" not in saved  # tied: transformers writes the embeddings once
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(tmp_path))
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.heads_per_group) == (9, 3, 64, 3)
+    assert shape.tied_embeddings
+    shape.check_tensor_parallel(tp)
+    mega = hf_to_megatron(saved, shape)
+    assert "output_layer.weight" not in mega  # megatron reuses the embeddings
+    qkv = mega["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert tuple(qkv.shape) == ((9 + 2 * 3) * 64, 576)
+    shards = {name: split_for_tp(name, t, tp, shape) for name, t in mega.items()}
+    assert shards["decoder.layers.1.self_attention.linear_qkv.weight"][0].shape[0] == qkv.shape[0] // tp
+    back = megatron_to_hf({n: gather_from_tp(n, s, shape) for n, s in shards.items()}, shape)
+    assert set(back) == set(saved) | {"lm_head.weight"}
+    for name, tensor in saved.items():
+        assert back[name].dtype == torch.bfloat16
+        assert torch.equal(back[name].view(torch.int16), tensor.view(torch.int16)), name
+    assert back["lm_head.weight"] is back["model.embed_tokens.weight"]
+
+
+def test_smollm2_grouped_query_layout_is_what_megatron_attention_splits(tmp_path: Any) -> None:
+    """Each of the 3 query groups of the fused QKV: its 3 query heads, then its key head, then its
+    value head, as megatron's attention splits them; HF's 9 query heads read key head ``i // 3``."""
+    from transformers import AutoConfig
+
+    saved = _smollm2_checkpoint(tmp_path, layers=1)
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(tmp_path))
+    fused = hf_to_megatron(saved, shape)["decoder.layers.0.self_attention.linear_qkv.weight"].float()
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(2))
+    mixed = (x @ fused.T).view(5, 3, (3 + 2) * 64)
+    mq, mk, mv = torch.split(mixed, [3 * 64, 64, 64], dim=2)
+    layer = "model.layers.0.self_attn."
+    q = x @ saved[layer + "q_proj.weight"].float().T  # [5, 9 * 64]
+    k = x @ saved[layer + "k_proj.weight"].float().T  # [5, 3 * 64]
+    v = x @ saved[layer + "v_proj.weight"].float().T
+    for head in range(9):
+        group = head // 3  # transformers' repeat_kv: query head i attends with key/value head i // 3
+        ours = mq[:, group, (head % 3) * 64 : (head % 3 + 1) * 64]
+        # Same rows of the same weights; only the matmul's blocking may differ: float32 rounding.
+        close = {"rtol": 1e-6, "atol": 1e-4}
+        torch.testing.assert_close(ours, q[:, head * 64 : (head + 1) * 64], **close)
+        torch.testing.assert_close(mk[:, group], k[:, group * 64 : (group + 1) * 64], **close)
+        torch.testing.assert_close(mv[:, group], v[:, group * 64 : (group + 1) * 64], **close)

@@ -150,3 +150,122 @@ def test_groups_rebuilt_and_rebound(megatron_groups: Any) -> None:
     t = torch.ones(2)
     dist.all_reduce(t, group=mpu.get_data_parallel_group())
     assert t.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("critic", [False, True])
+def test_build_gpt_puts_every_tensor_on_the_target_device(
+    megatron_groups: Any, monkeypatch: pytest.MonkeyPatch, critic: bool
+) -> None:
+    """The KL-loss crash on the GPU, on the CPU: megatron makes its linear layers and RoPE on
+    ``torch.cuda.current_device()`` but the local spec's RMSNorm on the default device. With the
+    current device pointed at ``meta`` (a device that is not the CPU, as CUDA is), a model that is not
+    wrapped in megatron's DDP (the reference) kept CPU norms; build_gpt must leave none behind."""
+    from ppo_trainer.megatron_backend import held_tensors, misplaced_tensors
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "meta")
+    hf = _hf("llama", True)
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    meta = torch.device("meta")
+    gpt = build_gpt(hf.config, shape, tp=1, critic=critic, dtype=torch.bfloat16, device=meta)
+    assert misplaced_tensors({"reference": gpt}, meta) == []
+    tensors = held_tensors(gpt)
+    assert {t.device for t in tensors} == {meta}
+    # What the memory backend tracks includes RoPE's frequencies (a plain attribute, not a buffer):
+    # torch_memory_saver would discard them at a sleep otherwise.
+    rope = gpt.rotary_pos_emb.inv_freq
+    assert any(t is rope for t in tensors)
+    norms = [n for n, _ in gpt.named_parameters() if "layernorm" in n]
+    assert len(norms) == 2 * 2 + 1  # input and pre-MLP per layer, and the final norm
+
+
+def test_megatron_norms_are_made_on_the_cpu_without_build_gpt(
+    megatron_groups: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why build_gpt moves the model: megatron-core alone leaves the norms on the default device
+    (the check fails loudly should a megatron-core version place them itself; then the move is moot)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from ppo_trainer.megatron_backend import _transformer_config, misplaced_tensors
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "meta")
+    hf = _hf("llama", True)
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    gpt = GPTModel(
+        config=_transformer_config(hf.config, shape, 1, torch.bfloat16, on_cpu=False),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=64,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="rope",
+    )
+    stray = misplaced_tensors({"gpt": gpt}, torch.device("meta"))
+    assert stray
+    assert all("layernorm" in s and "(cpu)" in s for s in stray), stray
+
+
+def _smollm2_shaped(layers: int = 2, vocab: int = 499) -> Any:
+    """A Llama with SmolLM2-135M's head layout (9 query heads over 3 KV heads of 64, hidden 576,
+    MLP 1536, tied embeddings, RoPE base 100000), fewer layers and a small vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # norms away from ones: a norm loaded into the wrong slot shows
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def test_smollm2_layout_through_megatron_gptmodel_is_bit_exact(megatron_groups: Any) -> None:
+    """The bf16 checkpoint into megatron's own GPTModel (bf16 parameters, as on the GPU) and back out
+    of its parameters in Hugging Face names: every bit, lm_head the embeddings."""
+    from megatron.core.transformer.module import Float16Module
+
+    from ppo_trainer.megatron_backend import _unwrap_name
+
+    hf = _smollm2_shaped()
+    state = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    cpu = torch.device("cpu")
+    gpt = build_gpt(hf.config, shape, tp=1, critic=False, dtype=torch.bfloat16, device=cpu)
+    # As the backend wraps it: Float16Module casts what megatron made in float32 (the torch norms).
+    module = Float16Module(gpt.config, gpt)
+    load_hf_into(module, state, shape, tp=1, tp_rank=0, critic=False)
+    mega = {_unwrap_name(n): p.detach() for n, p in module.named_parameters()}
+    assert {t.dtype for t in mega.values()} == {torch.bfloat16}
+    assert "output_layer.weight" not in mega  # tied: megatron's output layer is the embedding
+    back = mc.megatron_to_hf(mega, shape)
+    assert list(back) == list(state)
+    for name, tensor in state.items():
+        assert back[name].dtype == torch.bfloat16
+        assert torch.equal(back[name].view(torch.int16), tensor.view(torch.int16)), name
+
+
+def test_smollm2_layout_logits_match_transformers(megatron_groups: Any) -> None:
+    """Grouped-query attention 9/3 and tied embeddings compute what transformers computes (float32)."""
+    hf = _smollm2_shaped()
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    cpu = torch.device("cpu")
+    gpt = build_gpt(hf.config, shape, tp=1, critic=False, dtype=torch.float32, device=cpu)
+    load_hf_into(gpt, hf.state_dict(), shape, tp=1, tp_rank=0, critic=False)
+    gpt.eval()
+    tokens = torch.randint(0, 499, (2, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = gpt(tokens, torch.arange(13).unsqueeze(0).expand(2, -1), _causal(13))
+        theirs = hf(input_ids=tokens).logits
+    diff = (ours - theirs).abs().max().item()
+    assert diff < 1e-4, f"max abs logit difference {diff}"

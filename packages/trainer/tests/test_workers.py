@@ -132,6 +132,7 @@ def test_actor_and_critic_learn_and_values_reach_the_actor(groups: tuple[TrainGr
         metrics = actor.train(n, [box], same_split(result.values, [8])).metrics
         assert metrics["optimizer_steps"] == 1.0
         assert metrics["handoff_get_s"] > 0
+        assert metrics["lr"] == result.metrics["lr"] == 1e-3  # no run length given: constant
     assert value_losses[-1] < value_losses[0], value_losses
     after = unpack(actor.compute_log_probs([box])[0])
     gains = torch.stack(

@@ -47,6 +47,7 @@ def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerCo
         dtype=config.model.dtype,
         seed=config.train.seed,
         device=config.placement.device,
+        total_steps=config.train.steps,
         memory_backend=config.offload.backend,
         weight_sync_backend=weight_sync_backend(config),
         weight_sync_colocated=weight_sync_colocated(config),

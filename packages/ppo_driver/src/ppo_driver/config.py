@@ -128,7 +128,7 @@ class RolloutSection(RolloutSettings):
 class TrainSection(TrainSettings):
     """The ``train`` section: ppo-trainer's ``TrainSettings`` and the loop's own fields."""
 
-    steps: int = Field(default=60, ge=1)
+    steps: int = Field(default=120, ge=1)
     # ``async`` is a Python keyword: the field is ``async_`` in code, ``async`` in YAML and in dumps.
     async_: Literal["off", "one_step_off"] = Field(
         default="off",
@@ -184,7 +184,7 @@ class OffloadSection(_Section):
 
 class CheckpointSection(_Section):
     dir: str | None = Field(default=None, description="null: <run_dir>/checkpoints")
-    interval: int = Field(default=30, ge=0, description="save every N steps; 0: only at the end")
+    interval: int = Field(default=60, ge=0, description="save every N steps; 0: only at the end")
     save_final: bool = True
     resume: bool = Field(default=True, description="resume from the latest complete checkpoint in dir")
     keep: int = Field(default=2, ge=1, description="complete checkpoints kept; older ones are deleted")

@@ -98,8 +98,9 @@ class RolloutSettings:
     # 32 x 8 samples a step: the default run learns its task in 60 steps (8 prompts reached 0.34).
     prompts_per_step: int = Field(default=32, ge=1)
     sampling: SamplingSettings = SamplingSettings()
+    # 64: with 16 each prompt is 1/16 of the greedy score, too coarse to tell a learnt task from luck
     eval_prompts: int = Field(
-        default=16, ge=0, description="prompts of each evaluation (greedy, then the training sampling)"
+        default=64, ge=0, description="prompts of each evaluation (greedy, then the training sampling)"
     )
     eval_dataset: str | None = Field(
         default=None,

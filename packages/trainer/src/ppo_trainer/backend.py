@@ -35,6 +35,7 @@ from ppo_trainer import ppo_math as pm
 from ppo_trainer import sharding
 from ppo_trainer.batch import MicroBatch, Samples, chunks, collate, split_even
 from ppo_trainer.config import TrainerConfig
+from ppo_trainer.lr_schedule import scheduled_factor
 from ppo_trainer.models import (
     CriticModel,
     load_causal_lm,
@@ -303,6 +304,13 @@ class TorchTrainer:
         return out * samples.response_mask
 
     # ------------------------------------------------------------------ optimisation
+    def set_step(self, step: int) -> float:
+        """The learning rate of training step ``step`` (``lr_schedule``) into every param group."""
+        lr = self.config.lr * scheduled_factor(self.config, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
     def _optimizer_step(self) -> float:
         """Sum gradients over ranks, clip, step, clear; returns the global gradient norm before clipping."""
         if self.sharded:

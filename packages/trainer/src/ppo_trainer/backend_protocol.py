@@ -41,6 +41,10 @@ class TrainerBackend(Protocol):
         """How the role is parallelised, for logs: ``replicate``, ``fsdp2`` or ``megatron tp=T dp=D``."""
         ...
 
+    def set_step(self, step: int) -> float:
+        """Set the optimizer's learning rate for training step ``step`` (``lr_schedule``); returns it."""
+        ...
+
     # The PPO steps (ppo_math, as in the torch backend).
     def compute_log_probs(self, samples: Samples) -> torch.Tensor: ...
 

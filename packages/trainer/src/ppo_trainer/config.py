@@ -21,6 +21,8 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
+from ppo_trainer.lr_schedule import LrSchedule
+
 Estimator = Literal["ppo", "grpo"]
 KLEstimator = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
 LossAggregation = Literal[
@@ -84,7 +86,11 @@ class AlgorithmConfig:
         description="k1: log pi - log pi_ref; abs: |k1|; k2: k1^2 / 2; k3 (low_var_kl, its verl name): "
         "exp(-k1) - 1 + k1 with k1 clamped to [-20, 20] and the result to [-10, 10]",
     )
-    entropy_coef: float = Field(default=0.0, ge=0, description="the loss subtracts entropy_coef * entropy")
+    # 0.01, not the references' 0: the embedded default run (a tiny model learning from scratch) needs the
+    # exploration; without it some seeds settle early on a policy that never finds the better answer.
+    # A pretrained LLM's config sets 0 (configs/smollm2-*.yaml): over a large vocabulary the bonus
+    # pulls towards noise.
+    entropy_coef: float = Field(default=0.01, ge=0, description="the loss subtracts entropy_coef * entropy")
     normalize_advantages: bool | None = Field(
         default=None,
         description="whiten advantages over the loss-masked tokens of all data-parallel ranks; null: true "
@@ -176,12 +182,26 @@ class TrainSettings:
     micro_batch_size: int = Field(
         default=8, ge=1, description="samples per forward/backward; gradients accumulate over them"
     )
-    # 5e-3: the driver's embedded default run (a tiny model, copy_small) must learn its task on any CPU.
-    # Its trajectory depends on the CPU's float kernels (same seed, same code): at 3e-3 it ended at 0.97
-    # reward on one host and plateaued near 0.7 on an AVX-512 one, where 5e-3 ends at 0.95 (eval 0.96).
-    actor_lr: float = Field(default=5e-3, gt=0, description="AdamW learning rate of the actor")
-    critic_lr: float = Field(default=5e-3, gt=0, description="AdamW learning rate of the critic")
+    # 1e-3 (actor) and 2e-3 (critic): the driver's embedded default run (a tiny model learning copy_small
+    # from scratch) learns on every seed with them. At 5e-3 it was a lottery: once the policy sharpened,
+    # single steps moved it by a KL of 0.3-0.8 and the reward fell from 0.8 to 0.5 (one seed of four
+    # learnt on one host). The seed sweep (ppo-driver's benchmarks/seed_sweep.py) measures it.
+    actor_lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate of the actor")
+    critic_lr: float = Field(default=2e-3, gt=0, description="AdamW learning rate of the critic")
     weight_decay: float = Field(default=0.0, ge=0)
+    # cosine: the default run's late steps, where nearly every sample is right and the whitened
+    # advantages are the critic's noise at full scale, otherwise move a sharp policy by a KL of 0.2-0.5
+    # and undo what it learnt (the default seed fell from 0.99 to 0.6 at step 114 of 120 at a constant
+    # rate).
+    lr_schedule: LrSchedule = Field(
+        default="cosine",
+        description="constant: the rate after warm-up; cosine: decays to min_lr_ratio x the rate at "
+        "the last step (train.steps)",
+    )
+    lr_warmup_steps: int = Field(default=0, ge=0, description="steps of linear warm-up from 0")
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="cosine: the last step's rate as a share of the rate"
+    )
     grad_clip: float = Field(default=1.0, ge=0, description="max global gradient norm; 0: no clipping")
     data_parallel: DataParallelKind = Field(
         default="auto",
@@ -293,6 +313,12 @@ class TrainerConfig(TrainSettings):
     betas: tuple[float, float] = (0.9, 0.999)
     seed: int = 1234
     device: Device = "cpu"
+    total_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="the run's training steps, the cosine schedule's length (the driver sets "
+        "train.steps); null: the rate stays constant after warm-up",
+    )
     memory_backend: MemoryBackendName = "auto"
     weight_sync_backend: WeightSyncBackend = "gloo"
     weight_sync_colocated: tuple[tuple[Annotated[int, Field(ge=0)], ...], ...] = Field(

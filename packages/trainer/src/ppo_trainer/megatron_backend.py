@@ -39,6 +39,7 @@ from ppo_trainer import optimizer_format as of
 from ppo_trainer.backend import DataParallel, Region, TorchTrainer, _no_region, init_adam_state
 from ppo_trainer.batch import MicroBatch, Samples
 from ppo_trainer.config import TrainerConfig
+from ppo_trainer.lr_schedule import scheduled_factor
 from ppo_trainer.megatron_groups import MegatronGroups
 from ppo_trainer.models import load_causal_lm, load_critic
 
@@ -128,7 +129,8 @@ def build_gpt(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    on_cpu = device is not None and device.type == "cpu"
+    where = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    on_cpu = where.type == "cpu"
     config = _transformer_config(hf, shape, tp, dtype, on_cpu)
     model = GPTModel(
         config=config,
@@ -144,9 +146,44 @@ def build_gpt(
         rotary_base=rope_base(hf),  # annotated int; used as a number
     )
     if critic:
-        where = device if device is not None else torch.device("cuda", torch.cuda.current_device())
         model.output_layer = ValueHead(shape.hidden_size, 1, dtype=dtype, device=where)
+    # The local spec's norms are torch.nn.RMSNorm (megatron's WrappedTorchNorm), made without a device:
+    # on the CPU, whatever use_cpu_initialization says. megatron's DDP copies a trained model's
+    # parameters into its device buffers and so hid it; the reference is not wrapped in DDP and kept
+    # CPU norms (the KL-loss crash in input_layernorm). Every tensor goes to the model's device here.
+    model.to(where)
     return model
+
+
+def held_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Every tensor ``module`` computes with: parameters, buffers, and tensors its submodules keep as
+    plain attributes (megatron's RoPE ``inv_freq``), each storage once. A memory backend must move all
+    of them: torch_memory_saver keeps only the tracked contents of a region it pauses."""
+    out: dict[int, torch.Tensor] = {}
+    for p in module.parameters():
+        out.setdefault(id(p), p.data)
+    for b in module.buffers():
+        out.setdefault(id(b), b)
+    for sub in module.modules():
+        for value in vars(sub).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                out.setdefault(id(value), value)
+    return list(out.values())
+
+
+def misplaced_tensors(modules: Mapping[str, nn.Module], device: torch.device) -> list[str]:
+    """``<model>.<tensor>`` for every parameter and buffer of ``modules`` not on ``device`` (a
+    forward would fail on it, and no memory backend would move it)."""
+    out: list[str] = []
+    for label, module in modules.items():
+        named = [*module.named_parameters(), *module.named_buffers()]
+        out += [f"{label}.{_unwrap_name(n)} ({t.device})" for n, t in named if t.device != device]
+        for sub_name, sub in module.named_modules():
+            for attr, value in vars(sub).items():
+                if isinstance(value, torch.Tensor) and value.device != device:
+                    where = f"{_unwrap_name(sub_name)}." if sub_name else ""
+                    out.append(f"{label}.{where}{attr} ({value.device})")
+    return out
 
 
 def _unwrap_name(name: str) -> str:
@@ -270,6 +307,7 @@ class MegatronTrainer(TorchTrainer):
                 ref.requires_grad_(False)
                 self.reference = ref
         del hf_state
+        self._require_on_device()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer_config = OptimizerConfig(
             optimizer="adam",
@@ -292,6 +330,24 @@ class MegatronTrainer(TorchTrainer):
             # makes them), the memory backend tracks them from setup and the pinned one allocates
             # their host buffers at track(), not in the first sleep. The step is unchanged.
             self._init_optimizer_state()
+
+    def _modules(self) -> dict[str, nn.Module]:
+        """The models this rank computes with: the trained one and, with a KL term, the reference."""
+        out: dict[str, nn.Module] = {"model": self.ddp.module}
+        if self.reference is not None:
+            out["reference"] = self.reference
+        return out
+
+    def _require_on_device(self) -> None:
+        """``RuntimeError`` naming any tensor of the models that is not on this rank's GPU: the step
+        would fail on it (a device mismatch deep in megatron) and no memory backend would move it."""
+        stray = misplaced_tensors(self._modules(), self.device)
+        if stray:
+            raise RuntimeError(
+                f"{self.config.role}: {len(stray)} megatron tensors are not on {self.device} "
+                f"(e.g. {', '.join(stray[:4])}); this megatron-core version places its modules "
+                "differently from what build_gpt expects"
+            )
 
     # ------------------------------------------------------------------ weights in and out
     def _load_into(
@@ -469,17 +525,16 @@ class MegatronTrainer(TorchTrainer):
         return [self.optimizer]
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        """The bf16 weights and DDP's gradient buffers (the memory backend moves whole buffers).
+        """Every tensor of the trained model and the reference (``held_tensors``: the bf16 weights,
+        RoPE's frequencies) and DDP's gradient buffers (the memory backend moves whole buffers).
 
         The gradient buffers go with the weights, not the optimizer state: DDP allocates both buffers
         in its constructor, inside the weights region, and torch_memory_saver pauses a region whole.
+        All on this rank's GPU (checked at setup): nothing the step computes with stays behind.
         """
-        modules: list[nn.Module] = [self.ddp.module]  # megatron's DDP names its buffer list `buffers`
-        if self.reference is not None:
-            modules.append(self.reference)
-        out = [t for m in modules for t in [*(p.data for p in m.parameters()), *m.buffers()]]
+        out = [t for m in self._modules().values() for t in held_tensors(m)]
         out += [b.grad_data for b in self._ddp_buffers() if b.grad_data is not None]
-        return [t for t in out if t.device.type == "cuda"]
+        return out
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
         """The float32 main weights and Adam moments (this rank's data-parallel shards)."""
@@ -545,6 +600,15 @@ class MegatronTrainer(TorchTrainer):
         return values.float().gather(1, mb.logit_positions)
 
     # ------------------------------------------------------------------ optimisation
+    def set_step(self, step: int) -> float:
+        """The learning rate of training step ``step`` (``lr_schedule``) into every param group of
+        megatron's optimizers (no ``OptimizerParamScheduler``: the step's rate is set here, once)."""
+        lr = self.config.lr * scheduled_factor(self.config, step)
+        for opt in self._optimizers():
+            for group in opt.optimizer.param_groups:
+                group["lr"] = lr
+        return lr
+
     def _optimizer_step(self) -> float:
         """Reduce gradients over data parallelism, clip, step (main weights -> bf16 weights), clear."""
         self.ddp.finish_grad_sync()

@@ -289,6 +289,7 @@ class TrainWorker:
         samples = Samples.from_fields(unpack_fields(batch_box))
         trainer = self.trainer
         self._last_step = step
+        lr = trainer.set_step(step)
         if self.role == "critic":
             if external is not None:
                 raise ValueError(f"critic rank {self.rank} got values to train on; values go to the actor")
@@ -296,18 +297,18 @@ class TrainWorker:
             # The handoff's first half (the driver's step budget): the values into the object store.
             t0 = time.perf_counter()
             box = pack_fields({"values": samples.unpad(values), "token_rewards": samples.unpad(rewards)})
-            return {**metrics, "handoff_put_s": time.perf_counter() - t0}, box
+            return {**metrics, "handoff_put_s": time.perf_counter() - t0, "lr": lr}, box
         if self.config.algorithm.estimator == "ppo":
             t0 = time.perf_counter()  # the handoff's second half: the critic's values out of the store
             values, rewards = self._critic_outputs(samples, external)
             get_s = time.perf_counter() - t0
-            return {**trainer.train_actor(samples, values, rewards), "handoff_get_s": get_s}, None
+            return {**trainer.train_actor(samples, values, rewards), "handoff_get_s": get_s, "lr": lr}, None
         if external is not None:
             raise ValueError(
                 f"actor rank {self.rank} got critic values but estimator='grpo' does not use them; "
                 "run GRPO without a critic"
             )
-        return trainer.train_actor(samples, None), None
+        return {**trainer.train_actor(samples, None), "lr": lr}, None
 
     def _critic_outputs(self, samples: Samples, external: Pieces | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The critic's values and token rewards for this rank's samples, padded ``[N, R_max]``."""
