@@ -117,7 +117,14 @@ def test_tampered_checkpoints_are_skipped_for_the_previous_one(reference: Path, 
     root = run_dir / "checkpoints"
     assert [s for s, _ in ck.complete_checkpoints(root)] == [2, 4, 6, 8]
     (root / "step_000008" / ck.MARKER).unlink()  # a copy cut short: no marker
-    tensor = root / "step_000006" / "actor" / "model.safetensors"
+    # 4 KB of tensor data zeroed, the file's size unchanged: only its content hash tells.
+    damaged = root / "step_000006" / "actor" / "model.safetensors"
+    size = damaged.stat().st_size
+    with damaged.open("r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(4096))
+    assert damaged.stat().st_size == size
+    tensor = root / "step_000004" / "actor" / "model.safetensors"
     tensor.write_bytes(tensor.read_bytes()[: tensor.stat().st_size // 2])  # truncated tensor file
     driver_json = root / "step_000004" / "driver.json"
     driver_json.write_bytes(b"x" + driver_json.read_bytes()[1:])  # bad JSON, of the size written
@@ -127,9 +134,11 @@ def test_tampered_checkpoints_are_skipped_for_the_previous_one(reference: Path, 
     run = Run(run_dir)
     assert run.finish() == 0, run.text()
     text = run.text()
+    assert f"checkpoint {root / 'step_000008'} is skipped: it has no COMPLETE marker" in text
     assert f"checkpoint {root / 'step_000006'} does not load" in text
-    assert "actor/model.safetensors has" in text
+    assert "actor/model.safetensors is not the file that was written (same size, other SHA-256" in text
     assert f"checkpoint {root / 'step_000004'} does not load" in text
+    assert "actor/model.safetensors has" in text
     assert "driver.json is not valid JSON" in text
     assert f"resumed from {root / 'step_000002'} (step 2)" in text
     assert "the last line is cut short" in text

@@ -5,6 +5,7 @@ full disk named as such, non-finite metrics, and SIGINT/SIGTERM turned into a re
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -27,11 +28,47 @@ def _write(folder: Path) -> None:
     (folder / "driver.json").write_text(json.dumps({"step": 1}))
 
 
-def test_marker_lists_every_file_with_its_size(tmp_path: Path) -> None:
+def test_marker_lists_every_file_with_its_size_and_hash(tmp_path: Path) -> None:
     final = ck.write_checkpoint(tmp_path, 1, _write)
     marker = json.loads((final / ck.MARKER).read_text())
-    assert marker["files"] == {"actor/model.safetensors": 100, "driver.json": len(json.dumps({"step": 1}))}
+    driver = json.dumps({"step": 1}).encode()
+    assert marker["files"] == {
+        "actor/model.safetensors": {"size": 100, "sha256": hashlib.sha256(b"x" * 100).hexdigest()},
+        "driver.json": {"size": len(driver), "sha256": hashlib.sha256(driver).hexdigest()},
+    }
     ck.verify(final)  # whole: no error
+
+
+def test_verify_finds_a_file_changed_at_the_same_size(tmp_path: Path) -> None:
+    final = ck.write_checkpoint(tmp_path, 1, _write)
+    tensor = final / "actor" / "model.safetensors"
+    tensor.write_bytes(b"x" * 60 + b"\0" * 40)  # zeros over part of it: the size is unchanged
+    with pytest.raises(ck.CheckpointError, match=r"actor/model.safetensors is not the file that was written"):
+        ck.verify(final)
+
+
+def test_a_marker_of_sizes_alone_is_still_read(tmp_path: Path) -> None:
+    # Drivers before the hashes recorded each file's size only: such checkpoints still resume.
+    final = ck.write_checkpoint(tmp_path, 1, _write)
+    marker = json.loads((final / ck.MARKER).read_text())
+    marker["files"] = {name: entry["size"] for name, entry in marker["files"].items()}
+    (final / ck.MARKER).write_text(json.dumps(marker))
+    ck.verify(final)
+    (final / "actor" / "model.safetensors").write_bytes(b"x" * 40)
+    with pytest.raises(ck.CheckpointError, match="has 40 bytes, 100 were written"):
+        ck.verify(final)
+
+
+def test_background_verify_gives_each_folder_its_verdict(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        ck.write_checkpoint(tmp_path, step, _write)
+    (tmp_path / "step_000003" / "driver.json").write_text(json.dumps({"step": 9}))  # same size, other bytes
+    (tmp_path / "step_000002" / ck.MARKER).unlink()
+    assert ck.unmarked_checkpoints(tmp_path) == [(2, tmp_path / "step_000002")]
+    verified = ck.BackgroundVerify(tmp_path)
+    with pytest.raises(ck.CheckpointError, match="driver.json is not the file that was written"):
+        verified.check(tmp_path / "step_000003")
+    verified.check(tmp_path / "step_000001")  # whole
 
 
 def test_verify_finds_a_truncated_file_a_missing_file_and_bad_json(tmp_path: Path) -> None:
