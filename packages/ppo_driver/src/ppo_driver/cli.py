@@ -245,6 +245,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = show_warning  # one line per warning, as the config's warnings
         result = train(config, run_dir, console=console)
+    if result.finished_at is not None:  # already at train.steps: nothing ran, nothing to compare
+        return 0
     if result.history:
         console.print(summary_table(result.history, run_dir))
         console.print(budget_table(result.history))

@@ -68,6 +68,8 @@ class RunResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     actor_checksum: str = ""
     engine_checksums: list[str] = field(default_factory=list)
+    # Set when the run was already done: the checkpoint at or past ``train.steps`` (nothing was started)
+    finished_at: Path | None = None
 
     @property
     def weights_match(self) -> bool:
@@ -91,6 +93,17 @@ def train(
     at = _Where()
     with ExitStack() as stack:
         stack.enter_context(RunLock(run_dir))  # creates run_dir; refuses a second run in it
+        # The content hashes of the checkpoints to resume from are checked while Ray and the roles start.
+        verified = checkpoint.BackgroundVerify(ckpt_root) if config.checkpoint.resume else None
+        done = _already_done(ckpt_root, verified, config.train.steps)
+        if done is not None:  # decided before anything starts: the finished run's files stay as they are
+            console.print(
+                f"nothing to do: {done[1]} is at step {done[0]} >= train.steps={config.train.steps}; "
+                f"the run's files are as it left them (raise train.steps to train on, or set "
+                "checkpoint.resume=false to start over)",
+                highlight=False,
+            )
+            return RunResult(run_dir, first_step=done[0] + 1, last_step=done[0], finished_at=done[1])
         if not config.checkpoint.resume:
             _start_over(run_dir, ckpt_root, console)
         (run_dir / "config.yaml").write_text(dump_config(config))
@@ -126,9 +139,7 @@ def train(
         # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
         # loads (one that does not is reported and skipped for the previous one).
         at.phase = "resume"
-        start = _resume(ckpt_root, roles, phases.enter, config, console) if config.checkpoint.resume else 0
-        if start >= config.train.steps:
-            console.print(f"nothing to do: the checkpoint is at step {start} >= train.steps", highlight=False)
+        start = _resume(ckpt_root, verified, roles, phases.enter, config, console) if verified else 0
 
         # First weight update: the engines start from the actor's weights (the loaded ones on resume).
         at.step = start
@@ -360,14 +371,39 @@ def _stop_if_asked(signals: StopSignals, step: int, ckpt_root: Path) -> None:
         raise Interrupted(signals.requested, step, resume_hint(checkpoint.latest_complete(ckpt_root)))
 
 
+def _already_done(
+    ckpt_root: Path, verified: checkpoint.BackgroundVerify | None, steps: int
+) -> tuple[int, Path] | None:
+    """The latest complete checkpoint, when it is whole and at or past ``steps``: nothing to train."""
+    found = checkpoint.latest_complete(ckpt_root)
+    if verified is None or found is None or found[0] < steps:
+        return None
+    try:
+        verified.check(found[1])
+    except (checkpoint.CheckpointError, OSError):
+        return None  # the resume reports it and falls back to an earlier checkpoint
+    return found
+
+
 def _resume(
-    ckpt_root: Path, roles: Roles, enter: Callable[[Phase], None], config: RunConfig, console: Console
+    ckpt_root: Path,
+    verified: checkpoint.BackgroundVerify,
+    roles: Roles,
+    enter: Callable[[Phase], None],
+    config: RunConfig,
+    console: Console,
 ) -> int:
     """Load the latest complete checkpoint that loads; return its step (0 when there is none)."""
+    for _, folder in checkpoint.unmarked_checkpoints(ckpt_root):
+        console.print(
+            f"[yellow]warning:[/] checkpoint {folder} is skipped: it has no {checkpoint.MARKER} marker "
+            "(copied in part, or the marker was removed), so nothing says its files are whole",
+            highlight=False,
+        )
     found = checkpoint.complete_checkpoints(ckpt_root)
     for step, folder in reversed(found):
         try:
-            checkpoint.verify(folder)
+            verified.check(folder)
             state = checkpoint.load_driver_state(folder)  # also restores the driver's RNG
             # One role resident at a time: the phases that train each have it so.
             enter("actor_train")
