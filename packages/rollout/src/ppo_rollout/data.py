@@ -63,6 +63,7 @@ class JsonlPrompts:
         self.prompt_field = prompt_field
         self.seed = seed
         self.rows: list[dict[str, Any]] = []
+        self.lines: list[int] = []  # the file's line number of each row, for error messages
         with self.path.open(encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, start=1):
                 if not line.strip():
@@ -70,21 +71,25 @@ class JsonlPrompts:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{self.path}:{lineno}: not valid JSON ({exc.msg})") from None
+                    raise ValueError(
+                        f"{self.path}:{lineno}: not JSON ({exc.msg}); one JSON object per line"
+                    ) from None
                 if not isinstance(row, dict):
                     raise ValueError(
-                        f"{self.path}:{lineno}: each line must be a JSON object, got {type(row).__name__}"
+                        f"{self.path}:{lineno}: a {type(row).__name__}, not a JSON object; "
+                        "one JSON object per line"
                     )
                 prompt = row.get(prompt_field)
                 if not isinstance(prompt, str):
                     raise ValueError(
                         f"{self.path}:{lineno}: field {prompt_field!r} must be a string "
-                        "(set prompt_field to the "
+                        "(set rollout.prompt_field to the "
                         f"field that holds the prompt); row keys: {sorted(row)}"
                     )
                 self.rows.append(row)
+                self.lines.append(lineno)
         if not self.rows:
-            raise ValueError(f"{self.path}: the dataset has no rows")
+            raise ValueError(f"{self.path} is empty; give a JSONL file with one prompt object per line")
         self.epoch = 0
         self.offset = 0
         self._order = self._make_order(0)

@@ -19,6 +19,7 @@ from .data import JsonlPrompts, PromptSource, TaskPrompts
 from .engine.builtin import MEMORY_TAGS
 from .engine.core import GenerationOutput
 from .engine.handles import BuiltinEngineHandle, EngineHandle, SGLangEngineHandle, Waiter
+from .prompts import encode_rows
 from .rewards import RewardInput, compute_rewards, resolve_reward
 from .slots import EngineSlots, actor_options
 from .tasks import get_task
@@ -173,22 +174,8 @@ class RolloutManager:
 
     # -- prompts -------------------------------------------------------------------------------------
     def _encode(self, rows: Sequence[Mapping[str, Any]]) -> list[list[int]]:
-        field_name = self.source.prompt_field
-        out = []
-        for row in rows:
-            text = row.get(field_name)
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(
-                    f"prompt {field_name!r} of row {dict(row)!r} is empty; every row needs a non-empty prompt"
-                )
-            ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-            if len(ids) > self.config.max_prompt_length:
-                raise ValueError(
-                    f"prompt {text[:60]!r} is too long: {len(ids)} tokens > rollout.max_prompt_length "
-                    f"{self.config.max_prompt_length}; shorten it or raise max_prompt_length"
-                )
-            out.append(ids)
-        return out
+        # The dataset pre-flight (prompts.check_dataset) encodes with the same function.
+        return encode_rows(self.tokenizer, rows, self.source.prompt_field, self.config.max_prompt_length)
 
     def _run(
         self, prompts: list[list[int]], settings: SamplingSettings, step: int, stream: int
