@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -66,7 +68,7 @@ def test_background_verify_gives_each_folder_its_verdict(tmp_path: Path) -> None
     (tmp_path / "step_000002" / ck.MARKER).unlink()
     assert ck.unmarked_checkpoints(tmp_path) == [(2, tmp_path / "step_000002")]
     verified = ck.BackgroundVerify(tmp_path)
-    with pytest.raises(ck.CheckpointError, match="driver.json is not the file that was written"):
+    with pytest.raises(ck.CheckpointError, match=r"driver.json is not the file that was written"):
         verified.check(tmp_path / "step_000003")
     verified.check(tmp_path / "step_000001")  # whole
 
@@ -119,7 +121,11 @@ def test_full_disk_is_named_and_leaves_nothing(tmp_path: Path) -> None:
         (folder / "part").write_bytes(b"x")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(ck.DiskFullError, match=rf"no space left on the device of {tmp_path}") as info:
+    message = (
+        rf"no space left on device in {tmp_path} \([\d.]+ [kMG]?B free, about 1 B needed for a checkpoint\) "
+        "while saving the step-3 checkpoint; free space there"
+    )
+    with pytest.raises(ck.DiskFullError, match=message) as info:
         ck.write_checkpoint(tmp_path, 3, full)
     assert info.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
@@ -204,6 +210,36 @@ def test_stop_signals_turn_the_first_signal_into_a_request() -> None:
         with pytest.raises(KeyboardInterrupt):  # asked twice: stop now
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_second_signal_is_seen_while_the_main_thread_waits_in_c() -> None:
+    # Both signals arrive while the main thread hashes (a C call that runs no Python handler): Python
+    # would run its handler once, after; the wakeup-fd thread counts two and stops at once.
+    import hashlib
+
+    seconds: list[int] = []
+    second = threading.Event()
+
+    def on_second(signum: int) -> None:
+        seconds.append(signum)
+        second.set()
+
+    def send_two() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals(on_second=on_second) as signals:
+        sender = threading.Thread(target=send_two)
+        data = b"x" * (1 << 29)
+        sender.start()
+        hashlib.sha256(data).digest()  # a fraction of a second or more, in C
+        assert second.wait(30), "the second SIGINT was not seen"
+        sender.join()
+        assert signals.requested == signal.SIGINT
+    assert seconds == [signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_starting_over_moves_the_earlier_run_aside(tmp_path: Path) -> None:

@@ -90,7 +90,60 @@ class CheckpointError(RuntimeError):
 
 
 class DiskFullError(OSError):
-    """No space left on the device of a run or checkpoint folder; the message names the folder."""
+    """No space left on the device of a run or checkpoint folder; the message names the folder, the
+    space free there and about how much a checkpoint needs."""
+
+
+def disk_full(folder: Path, needed: int | None, when: str) -> DiskFullError:
+    """The report of a full disk under ``folder``: what is free there, what a checkpoint needs."""
+    free = free_bytes(folder)
+    sizes = f"{_mb(free)} free" + (f", about {_mb(needed)} needed for a checkpoint" if needed else "")
+    return DiskFullError(
+        errno.ENOSPC,
+        f"no space left on device in {folder} ({sizes}) {when}; free space there, lower checkpoint.keep, "
+        "or set checkpoint.dir to a folder on another disk",
+    )
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes free to this user on the device of ``folder`` (or of its nearest existing parent)."""
+    probe = folder
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def checkpoint_bytes(root: Path) -> int | None:
+    """The size of the latest complete checkpoint under ``root`` (what the next save will about
+    write); None when there is none."""
+    found = latest_complete(root)
+    return _tree_bytes(found[1]) if found is not None else None
+
+
+def check_space(root: Path, needed: int | None) -> None:
+    """Raise ``DiskFullError`` when the device of ``root`` has less than ``needed`` bytes free: a save
+    of that size would fail there (start-up's check, before anything starts)."""
+    if needed is not None and free_bytes(root) < needed:
+        raise disk_full(root, needed, "for the run's next checkpoint")
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for here, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += (Path(here) / name).stat().st_size
+            except OSError:  # removed meanwhile
+                continue
+    return total
+
+
+def _mb(n: int) -> str:
+    if n >= 10e6:
+        return f"{n / 1e6:.0f} MB"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f} MB"
+    return f"{n / 1e3:.0f} kB" if n >= 1e3 else f"{n} B"
 
 
 def write_checkpoint(
@@ -166,13 +219,11 @@ class PendingCheckpoint:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _fail(self, exc: BaseException) -> None:
+        written = _tree_bytes(self.tmp)
         self.discard()  # also frees the space a full disk needs back
-        if is_disk_full(exc):
-            raise DiskFullError(
-                errno.ENOSPC,
-                f"no space left on the device of {self.root} while saving the step-{self.step} checkpoint; "
-                "free space there or set checkpoint.dir to a folder on another disk",
-            ) from exc
+        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+            needed = max(written, checkpoint_bytes(self.root) or 0)
+            raise disk_full(self.root, needed, f"while saving the step-{self.step} checkpoint") from exc
 
 
 def remove_unfinished(root: Path) -> list[Path]:

@@ -25,12 +25,14 @@ import hashlib
 import json
 import os
 import random
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import ray
@@ -38,7 +40,7 @@ import ray.exceptions
 import torch
 from rich.console import Console
 
-from ppo_driver import budget, build, checkpoint, children, processes
+from ppo_driver import budget, build, checkpoint, children, processes, reaper
 from ppo_driver.config import RunConfig, dump_config
 from ppo_driver.faults import (
     Interrupted,
@@ -91,6 +93,7 @@ def train(
     ckpt_root = Path(config.checkpoint.dir).resolve() if config.checkpoint.dir else run_dir / "checkpoints"
     timeout_s = config.ray.timeout_s
     at = _Where()
+    spared = set(reaper.descendants(os.getpid()))  # not the run's: a second Ctrl-C leaves them be
     with ExitStack() as stack:
         stack.enter_context(RunLock(run_dir))  # creates run_dir; refuses a second run in it
         # The content hashes of the checkpoints to resume from are checked while Ray and the roles start.
@@ -108,10 +111,13 @@ def train(
             _start_over(run_dir, ckpt_root, console)
         (run_dir / "config.yaml").write_text(dump_config(config))
         checkpoint.remove_unfinished(ckpt_root)  # saves a failed or killed run never completed
+        _check_space(config, ckpt_root)  # a save that cannot fit fails now, not minutes into the run
         stack.enter_context(_ray_session(config, console))
-        signals = stack.enter_context(StopSignals())
+        signals = stack.enter_context(
+            StopSignals(on_second=lambda signum: _stop_at_once(signum, at, ckpt_root, spared))
+        )
         # Entered before the roles: their shutdown runs first, then a failure is reported.
-        stack.enter_context(_report_failures(at, ckpt_root))
+        stack.enter_context(_report_failures(at, ckpt_root, run_dir))
         seed_everything(config.train.seed)
         model_path = _model_path(config, run_dir)
         # The roles' start-up (processes importing torch, loading the model) is most of a short run's
@@ -339,17 +345,52 @@ class _Where:
 
 
 @contextmanager
-def _report_failures(at: _Where, ckpt_root: Path) -> Iterator[None]:
+def _report_failures(at: _Where, ckpt_root: Path, run_dir: Path) -> Iterator[None]:
     """Turn an error of the run into ``RunFailed``: the step, the phase, and where a re-run resumes."""
     try:
         yield
     except (Interrupted, RunFailed):
         raise
     except Exception as exc:
-        error = _non_finite_weights(exc, at.step) or exc
+        error = _non_finite_weights(exc, at.step) or _disk_full(exc, run_dir) or exc
         # A background sleep or wake is reported in the phase (and step) that started it.
         step, phase = (exc.step, exc.phase) if isinstance(exc, TransitionFailed) else (at.step, at.phase)
         raise RunFailed(step, phase, error, resume_hint(checkpoint.latest_complete(ckpt_root))) from error
+
+
+def _check_space(config: RunConfig, ckpt_root: Path) -> None:
+    """Stop with one line, before anything starts, when the checkpoint folder's disk cannot hold the
+    next checkpoint: as large as the latest one, or (a first run from a local model folder) about
+    its weights' size times the copies a checkpoint holds. Nothing to compare for the tiny model."""
+    needed = checkpoint.checkpoint_bytes(ckpt_root) or _checkpoint_estimate(config)
+    try:
+        checkpoint.check_space(ckpt_root, needed)
+    except checkpoint.DiskFullError as exc:
+        raise RunFailed(0, "setup", exc, resume_hint(checkpoint.latest_complete(ckpt_root))) from exc
+
+
+# Copies of the weights' bytes one checkpoint holds: the actor's model, its two Adam moments and its
+# Hugging Face export; the critic's model and moments.
+_COPIES_WITH_CRITIC = 7
+_COPIES_WITHOUT = 4
+
+
+def _checkpoint_estimate(config: RunConfig) -> int | None:
+    if config.model.path is None or not Path(config.model.path).expanduser().is_dir():
+        return None
+    folder = Path(config.model.path).expanduser()
+    weights = sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+    return weights * (_COPIES_WITH_CRITIC if config.use_critic else _COPIES_WITHOUT) or None
+
+
+def _disk_full(exc: BaseException, folder: Path) -> checkpoint.DiskFullError | None:
+    """A full disk met outside a checkpoint's save (the run folder's files, the tiny model), named as
+    one; a save's own is already a ``DiskFullError``."""
+    if isinstance(exc, checkpoint.DiskFullError) or not checkpoint.is_disk_full(exc):
+        return None
+    error = checkpoint.disk_full(folder, None, "while writing the run's files")
+    error.__cause__ = exc
+    return error
 
 
 def _non_finite_weights(exc: BaseException, step: int) -> NonFiniteError | None:
@@ -364,6 +405,22 @@ def _non_finite_weights(exc: BaseException, step: int) -> NonFiniteError | None:
             return error
         seen = seen.__cause__ if seen is not None else None
     return None
+
+
+def _stop_at_once(signum: int, at: _Where, ckpt_root: Path, spared: set[int]) -> NoReturn:
+    """A second SIGINT/SIGTERM: no safe point is awaited. Every process the run started (the local Ray
+    instance and its workers) is killed, which leaves a checkpoint being written as a ``.tmp-`` folder
+    that resume discards: its COMPLETE marker is written last, after every file. One line says where
+    a re-run resumes; the exit code is 128 + the signal's number."""
+    for _ in range(3):  # a process started while the first ones were killed is found the next time
+        if not reaper.kill_all({p: t for p, t in reaper.descendants(os.getpid()).items() if p not in spared}):
+            break
+    sys.stderr.write(
+        f"stopped at once by a second {signal.Signals(signum).name} in step {at.step}, phase {at.phase}; "
+        f"every process the run started was ended; {resume_hint(checkpoint.latest_complete(ckpt_root))}\n"
+    )
+    sys.stderr.flush()
+    os._exit(128 + signum)  # nothing else to wait for: the lock goes with the process
 
 
 def _stop_if_asked(signals: StopSignals, step: int, ckpt_root: Path) -> None:
@@ -649,14 +706,24 @@ def _ray_session(config: RunConfig, console: Console) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    watchdog: reaper.Reaper | None = None
     if config.ray.address:
         ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
     else:
-        start_local_ray(config, console)
+        # Ends the local instance's processes if this one dies without a word (reaper.py).
+        watchdog = reaper.start()
+        try:
+            start_local_ray(config, console)
+        except BaseException:
+            if watchdog is not None:
+                watchdog.stop()
+            raise
     try:
         yield
     finally:
         ray.shutdown()
+        if watchdog is not None:
+            watchdog.stop()  # whatever Ray's shutdown left running is ended now
 
 
 # Ray waits a fixed 30 s for its raylet to register; on a loaded machine (load average above 10 on
