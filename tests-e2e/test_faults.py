@@ -117,7 +117,7 @@ def test_kills_and_stops_lose_nothing(reference: Path, tmp_path: Path) -> None:
     check_completed_like(run_dir, reference, due)
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(3600)
 def test_second_signal_and_sigkill_leave_nothing_and_a_finished_run_is_left_alone(
     reference: Path, tmp_path: Path
 ) -> None:
@@ -211,7 +211,7 @@ def _error_line(text: str) -> str:
     return line
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_an_engine_dying_during_a_weight_update_reads_in_one_line(tmp_path: Path) -> None:
     # The engine's process exits on its third weight load: start-up's, step 1's, then step 2's.
     run = Run(tmp_path / "run", env={"PPO_FAULT_ENGINE_EXIT": "3"})
@@ -225,7 +225,7 @@ def test_an_engine_dying_during_a_weight_update_reads_in_one_line(tmp_path: Path
     assert "Traceback (most recent call last)" in log.read_text()
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_a_reward_function_that_raises_is_named(tmp_path: Path) -> None:
     (tmp_path / "flaky_reward.py").write_text(
         "def score(samples):\n    raise RuntimeError('reward service unavailable (test)')\n"
@@ -255,7 +255,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_a_full_disk_is_one_line_at_the_failing_save_and_at_start_up(
     small_disk: Path, tmp_path: Path
 ) -> None:

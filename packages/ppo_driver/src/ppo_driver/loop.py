@@ -112,7 +112,10 @@ def train(
         (run_dir / "config.yaml").write_text(dump_config(config))
         checkpoint.remove_unfinished(ckpt_root)  # saves a failed or killed run never completed
         _check_space(config, ckpt_root)  # a save that cannot fit fails now, not minutes into the run
-        stack.enter_context(_ray_session(config, console))
+        try:
+            stack.enter_context(_ray_session(config, console))
+        except Exception as exc:  # Ray did not start (twice, for a local instance): one line, as any stop
+            raise RunFailed(0, "setup", exc, resume_hint(checkpoint.latest_complete(ckpt_root))) from exc
         signals = stack.enter_context(
             StopSignals(on_second=lambda signum: _stop_at_once(signum, at, ckpt_root, spared))
         )
