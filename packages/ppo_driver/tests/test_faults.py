@@ -202,6 +202,34 @@ def test_failure_report_names_step_phase_and_resume_point(tmp_path: Path) -> Non
     assert str(stopped).startswith("stopped by SIGTERM after step 5; a re-run")
 
 
+def test_one_line_reports_the_workers_own_error_without_rays_wrapping() -> None:
+    from ray.exceptions import RayTaskError
+
+    from ppo_driver.faults import one_line
+    from ppo_weight_sync import EngineUnavailableError
+
+    cause = EngineUnavailableError(
+        "rollout-0", "update_weights_from_distributed", "the engine actor died (x)"
+    )
+    traceback_text = 'Traceback (most recent call last):\n  File "w.py", line 1\nEngineUnavailableError: ...'
+    wrapped = RayTaskError("\x1b[36mray::TrainWorker.update_weights()\x1b[39m", traceback_text, cause)
+    error = wrapped.as_instanceof_cause()
+    assert "\n" in str(error)  # what the report used to print: lines, and colour codes
+    assert "\x1b" in str(error)
+    line = one_line(error)
+    assert line == (
+        "EngineUnavailableError: engine 'rollout-0': update_weights_from_distributed failed: "
+        "the engine actor died (x)"
+    )
+    assert one_line(OSError(errno.ENOSPC, "No space left on device", "/data/x")) == (
+        "OSError: No space left on device: /data/x"
+    )
+    assert one_line(RuntimeError("first\n  second\n")) == "RuntimeError: first second"
+    report = str(RunFailed(3, "weight_update", error, resume_hint(None)))
+    assert "\n" not in report
+    assert report.startswith("the run stopped at step 3, phase weight_update: EngineUnavailableError: ")
+
+
 def test_stop_signals_turn_the_first_signal_into_a_request() -> None:
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as signals:
