@@ -733,6 +733,9 @@ def _ray_session(config: RunConfig, console: Console) -> Iterator[None]:
 # 2 cores) that is too short, and a worker importing torch can miss its registration window.
 LOCAL_RAY_ENV = {
     "RAY_worker_register_timeout_seconds": "300",
+    # The raylet waits 30 s for its dashboard agent's port file, then aborts (a Python process that
+    # took longer than that to import at a load average of 20 on 2 cores).
+    "RAY_agent_register_timeout_ms": "300000",
     "RAY_gcs_server_port_wait_time_s": "60",
     "RAY_gcs_server_request_timeout_seconds": "180",
 }
