@@ -364,7 +364,10 @@ def _report_failures(at: _Where, ckpt_root: Path, run_dir: Path) -> Iterator[Non
 def _check_space(config: RunConfig, ckpt_root: Path) -> None:
     """Stop with one line, before anything starts, when the checkpoint folder's disk cannot hold the
     next checkpoint: as large as the latest one, or (a first run from a local model folder) about
-    its weights' size times the copies a checkpoint holds. Nothing to compare for the tiny model."""
+    its weights' size times the copies a checkpoint holds. Nothing to compare for the tiny model, or
+    for a run that saves nothing."""
+    if config.checkpoint.interval <= 0 and not config.checkpoint.save_final:
+        return
     needed = checkpoint.checkpoint_bytes(ckpt_root) or _checkpoint_estimate(config)
     try:
         checkpoint.check_space(ckpt_root, needed)
