@@ -112,7 +112,9 @@ DRILL_SETTINGS = {
     "logging.tensorboard": "false",
 }
 MARK = "PPO_FAULT_DRILL"  # an environment variable every process of a drill run inherits
-RUN_S = 300.0  # one run's limit on a loaded 2-core machine
+# One run's limit on a loaded 2-core machine; PPO_E2E_RUN_S raises it where the machine is shared
+# further (at a load average of 30 on 2 cores, the roles' start-up alone took over 5 minutes).
+RUN_S = float(os.environ.get("PPO_E2E_RUN_S", "300"))
 
 
 class Run:
@@ -183,6 +185,44 @@ def marked(mark: str) -> list[int]:
         except OSError:  # gone, or not ours to read
             continue
     return found
+
+
+def listening(pids: list[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every listening TCP socket of ``pids``, from ``/proc`` (Linux)."""
+    owner: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owner[target[8:-1]] = pid
+        except OSError:  # gone meanwhile
+            continue
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in owner:  # 0A: LISTEN
+                address, port = local.split(":")
+                found.append((_ip(address), int(port, 16), owner[inode]))
+    return found
+
+
+def _ip(hex_address: str) -> str:
+    raw = bytes.fromhex(hex_address)
+    # /proc/net writes each 32-bit word in host (little-endian) order.
+    words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
+    packed = b"".join(words)
+    if len(packed) == 4:
+        return ".".join(str(b) for b in packed)
+    if packed[:12] == bytes(10) + b"\xff\xff":  # an IPv4 address mapped into IPv6
+        return ".".join(str(b) for b in packed[12:])
+    return ":".join(packed[i : i + 2].hex() for i in range(0, 16, 2))
 
 
 def latest(run_dir: Path) -> tuple[int, Path] | None:

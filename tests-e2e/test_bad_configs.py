@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,7 @@ BAD: list[tuple[str, str | None, list[str], str]] = [
     ("model path missing", None, ["model.path=/no/such/model"], "model.path='/no/such/model' does not exist"),
     ("dataset missing", None, [*DATASET, "rollout.dataset={tmp}/none.jsonl"], "does not exist"),
     ("dataset empty", None, [*DATASET, "rollout.dataset={tmp}/empty.jsonl"], "is empty"),
-    ("dataset line not JSON", None, [*DATASET, "rollout.dataset={tmp}/bad.jsonl"], "line 2: not JSON"),
+    ("dataset line not JSON", None, [*DATASET, "rollout.dataset={tmp}/bad.jsonl"], "bad.jsonl:2: not JSON"),
     ("duplicate section", "train:\n  steps: 3\ntrain:\n  seed: 1\n", [], "duplicate key 'train'"),
 ]
 
@@ -133,6 +134,60 @@ def test_console_script_rejects_with_exit_2(tmp_path: Path) -> None:
     assert expected in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ppo_rollout import make_tiny_model
+
+    return make_tiny_model("copy", tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+# Rows only the whole dataset, tokenized with the run's tokenizer, shows to be bad (the tiny model's
+# tokenizer: one token per character plus <bos>; 64 positions; max_new_tokens 4).
+DATASET_ROWS = [
+    ("bad JSON past the first lines", {9: '{"prompt": "12",'}, "d.jsonl:9: not JSON"),
+    (
+        "prompt over max_prompt_length",
+        {7: json.dumps({"prompt": "1" * 300, "label": "1"})},
+        "d.jsonl:7: prompt '1111",
+    ),
+    (
+        "prompt past the model's positions",
+        {12: json.dumps({"prompt": "1" * 62, "label": "1"})},
+        "d.jsonl:12: the prompt is 63 tokens; with max_new_tokens 4 that is more than the model's "
+        "max_position_embeddings 64",
+    ),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("case", "bad", "expected"), DATASET_ROWS, ids=[d[0] for d in DATASET_ROWS])
+def test_a_bad_dataset_row_is_named_before_start(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    tiny_model: Path,
+    case: str,
+    bad: dict[int, str],
+    expected: str,
+) -> None:
+    lines = [json.dumps({"prompt": "12", "label": "12"}) for _ in range(20)]
+    for number, text in bad.items():
+        lines[number - 1] = text
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    sets = [
+        "rollout.task=null",
+        f"model.path={tiny_model}",
+        "rollout.reward=exact_match",
+        f"rollout.dataset={tmp_path / 'd.jsonl'}",
+    ]
+    code = main(["train", "--run-dir", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)]])
+    out, err = capsys.readouterr()
+    assert code == 2, (case, out, err)
+    assert expected in err, (case, err)
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    assert not ray.is_initialized()
 
 
 def test_table_is_large_enough() -> None:

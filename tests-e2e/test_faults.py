@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,9 +30,13 @@ from conftest import (
     final_checksum,
     kill_during_background_save,
     latest,
+    listening,
+    marked,
 )
 
 from ppo_driver import checkpoint as ck
+
+LOOPBACK = ("127.0.0.1", "0000:0000:0000:0000:0000:0000:0000:0001")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +117,62 @@ def test_kills_and_stops_lose_nothing(reference: Path, tmp_path: Path) -> None:
     check_completed_like(run_dir, reference, due)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(3600)
+def test_second_signal_and_sigkill_leave_nothing_and_a_finished_run_is_left_alone(
+    reference: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+
+    # Two Ctrl-C 0.2 s apart: the second stops the run at once, whatever the loop was waiting on.
+    run = Run(run_dir)
+    run.wait_for_step(2)
+    # A one-machine run listens on the loopback interface alone: Ray's servers and workers too.
+    sockets = listening(marked(run.mark))
+    assert sockets, "no listening socket found"  # the GCS server's at least
+    assert [s for s in sockets if s[0] not in LOOPBACK] == [], sockets
+    run.proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    run.proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    assert run.finish() == 128 + signal.SIGINT, run.text()
+    assert time.monotonic() - sent < 30, run.text()  # at once, not after the step's save
+    text = run.text()
+    found = latest(run_dir)
+    hint = "starts from step 0" if found is None else f"resumes from {found[1]} (step {found[0]})"
+    assert re.search(r"stopped at once by a second SIGINT in step \d+, phase \w+; ", text), text
+    assert hint in text, text
+    assert "Traceback" not in text, text
+    assert run.leftovers(timeout=15) == [], text
+    for _, folder in ck.complete_checkpoints(run_dir / "checkpoints"):
+        ck.verify(folder)  # nothing half-written was marked complete
+
+    # A SIGKILLed driver: the reaper ends what Ray's agents would leave running for a minute.
+    run = Run(run_dir)
+    run.wait_for_step((found[0] if found else 0) + 1)
+    run.proc.kill()
+    run.finish()
+    assert run.leftovers(timeout=20) == [], run.text()
+
+    run = Run(run_dir)
+    assert run.finish() == 0, run.text()
+    assert final_checksum(run_dir) == final_checksum(reference)
+
+    # Nothing left to do: said before Ray starts, and the finished run's files stay as they were.
+    def files() -> dict[Path, bytes]:
+        # Not the lock (its holder's pid) nor processes.json, which Run removes before it starts one.
+        skip = (".lock", "processes.json")
+        return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name not in skip}
+
+    before = files()
+    run = Run(run_dir)
+    assert run.finish(timeout=120) == 0, run.text()
+    text = run.text()
+    assert f"nothing to do: {run_dir / 'checkpoints' / 'step_000008'} is at step 8 >= train.steps=8" in text
+    assert "Started a local Ray instance" not in text, text
+    assert files() == before
+
+
+@pytest.mark.timeout(1800)
 def test_tampered_checkpoints_are_skipped_for_the_previous_one(reference: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
@@ -117,7 +180,14 @@ def test_tampered_checkpoints_are_skipped_for_the_previous_one(reference: Path, 
     root = run_dir / "checkpoints"
     assert [s for s, _ in ck.complete_checkpoints(root)] == [2, 4, 6, 8]
     (root / "step_000008" / ck.MARKER).unlink()  # a copy cut short: no marker
-    tensor = root / "step_000006" / "actor" / "model.safetensors"
+    # 4 KB of tensor data zeroed, the file's size unchanged: only its content hash tells.
+    damaged = root / "step_000006" / "actor" / "model.safetensors"
+    size = damaged.stat().st_size
+    with damaged.open("r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(4096))
+    assert damaged.stat().st_size == size
+    tensor = root / "step_000004" / "actor" / "model.safetensors"
     tensor.write_bytes(tensor.read_bytes()[: tensor.stat().st_size // 2])  # truncated tensor file
     driver_json = root / "step_000004" / "driver.json"
     driver_json.write_bytes(b"x" + driver_json.read_bytes()[1:])  # bad JSON, of the size written
@@ -127,13 +197,94 @@ def test_tampered_checkpoints_are_skipped_for_the_previous_one(reference: Path, 
     run = Run(run_dir)
     assert run.finish() == 0, run.text()
     text = run.text()
+    assert f"checkpoint {root / 'step_000008'} is skipped: it has no COMPLETE marker" in text
     assert f"checkpoint {root / 'step_000006'} does not load" in text
-    assert "actor/model.safetensors has" in text
+    assert "actor/model.safetensors is not the file that was written (same size, other SHA-256" in text
     assert f"checkpoint {root / 'step_000004'} does not load" in text
+    assert "actor/model.safetensors has" in text
     assert "driver.json is not valid JSON" in text
     assert f"resumed from {root / 'step_000002'} (step 2)" in text
     assert "the last line is cut short" in text
     assert final_checksum(run_dir) == final_checksum(reference)
+
+
+def _error_line(text: str) -> str:
+    """The run's report: one line, no terminal codes; the traceback went to the run folder's log."""
+    (line,) = [x for x in text.splitlines() if x.startswith("error: ")]
+    assert "\x1b" not in line, line
+    return line
+
+
+@pytest.mark.timeout(1800)
+def test_an_engine_dying_during_a_weight_update_reads_in_one_line(tmp_path: Path) -> None:
+    # The engine's process exits on its third weight load: start-up's, step 1's, then step 2's.
+    run = Run(tmp_path / "run", env={"PPO_FAULT_ENGINE_EXIT": "3"})
+    expect_clean_failure(run, "phase weight_update: EngineUnavailableError: engine 'rollout-0': ")
+    line = _error_line(run.text())
+    assert "the run stopped at step 2, phase weight_update" in line
+    assert "the engine actor died" in line
+    assert "RayTaskError" not in line
+    log = run.run_dir / "error.log"
+    assert f"(traceback: {log})" in line
+    assert "Traceback (most recent call last)" in log.read_text()
+
+
+@pytest.mark.timeout(1800)
+def test_a_reward_function_that_raises_is_named(tmp_path: Path) -> None:
+    (tmp_path / "flaky_reward.py").write_text(
+        "def score(samples):\n    raise RuntimeError('reward service unavailable (test)')\n"
+    )
+    run = Run(
+        tmp_path / "run", "--set", "rollout.reward=flaky_reward:score", env={"PYTHONPATH": str(tmp_path)}
+    )
+    expect_clean_failure(
+        run,
+        "phase generate: RewardError: reward function flaky_reward:score (rollout.reward) raised "
+        "RuntimeError: reward service unavailable (test)",
+    )
+    _error_line(run.text())
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 6 MB file system (tmpfs): room for two checkpoints of the drill's model, not three."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], check=False)
+    if done.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.timeout(1800)
+def test_a_full_disk_is_one_line_at_the_failing_save_and_at_start_up(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    root = small_disk / "checkpoints"
+    settings = ("--set", f"checkpoint.dir={root}")
+    run = Run(tmp_path / "run", *settings)
+    assert run.finish() == 1, run.text()
+    line = _error_line(run.text())
+    assert re.search(r"phase save: DiskFullError: no space left on device in " + re.escape(str(root)), line)
+    assert re.search(r"\([\d.]+ [kM]?B free, about [\d.]+ [kM]?B needed for a checkpoint\)", line), line
+    found = ck.latest_complete(root)
+    assert found is not None
+    assert found[0] < DRILL_STEPS
+    ck.verify(found[1])
+    assert f"resumes from {found[1]} (step {found[0]})" in line
+    assert not list(root.glob(".tmp-step_*"))  # the failed save's files are gone: the space is back
+    assert run.leftovers() == [], run.text()
+
+    # The re-run on the same disk stops at start-up, before Ray: the next checkpoint cannot fit.
+    again = Run(tmp_path / "run", *settings)
+    assert again.finish(timeout=120) == 1, again.text()
+    line = _error_line(again.text())
+    assert "phase setup: DiskFullError: no space left on device in" in line
+    assert "for the run's next checkpoint" in line
+    assert "Started a local Ray instance" not in again.text()
 
 
 @pytest.mark.timeout(600)

@@ -5,11 +5,14 @@ full disk named as such, non-finite metrics, and SIGINT/SIGTERM turned into a re
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -27,11 +30,47 @@ def _write(folder: Path) -> None:
     (folder / "driver.json").write_text(json.dumps({"step": 1}))
 
 
-def test_marker_lists_every_file_with_its_size(tmp_path: Path) -> None:
+def test_marker_lists_every_file_with_its_size_and_hash(tmp_path: Path) -> None:
     final = ck.write_checkpoint(tmp_path, 1, _write)
     marker = json.loads((final / ck.MARKER).read_text())
-    assert marker["files"] == {"actor/model.safetensors": 100, "driver.json": len(json.dumps({"step": 1}))}
+    driver = json.dumps({"step": 1}).encode()
+    assert marker["files"] == {
+        "actor/model.safetensors": {"size": 100, "sha256": hashlib.sha256(b"x" * 100).hexdigest()},
+        "driver.json": {"size": len(driver), "sha256": hashlib.sha256(driver).hexdigest()},
+    }
     ck.verify(final)  # whole: no error
+
+
+def test_verify_finds_a_file_changed_at_the_same_size(tmp_path: Path) -> None:
+    final = ck.write_checkpoint(tmp_path, 1, _write)
+    tensor = final / "actor" / "model.safetensors"
+    tensor.write_bytes(b"x" * 60 + b"\0" * 40)  # zeros over part of it: the size is unchanged
+    with pytest.raises(ck.CheckpointError, match=r"actor/model.safetensors is not the file that was written"):
+        ck.verify(final)
+
+
+def test_a_marker_of_sizes_alone_is_still_read(tmp_path: Path) -> None:
+    # Drivers before the hashes recorded each file's size only: such checkpoints still resume.
+    final = ck.write_checkpoint(tmp_path, 1, _write)
+    marker = json.loads((final / ck.MARKER).read_text())
+    marker["files"] = {name: entry["size"] for name, entry in marker["files"].items()}
+    (final / ck.MARKER).write_text(json.dumps(marker))
+    ck.verify(final)
+    (final / "actor" / "model.safetensors").write_bytes(b"x" * 40)
+    with pytest.raises(ck.CheckpointError, match="has 40 bytes, 100 were written"):
+        ck.verify(final)
+
+
+def test_background_verify_gives_each_folder_its_verdict(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        ck.write_checkpoint(tmp_path, step, _write)
+    (tmp_path / "step_000003" / "driver.json").write_text(json.dumps({"step": 9}))  # same size, other bytes
+    (tmp_path / "step_000002" / ck.MARKER).unlink()
+    assert ck.unmarked_checkpoints(tmp_path) == [(2, tmp_path / "step_000002")]
+    verified = ck.BackgroundVerify(tmp_path)
+    with pytest.raises(ck.CheckpointError, match=r"driver.json is not the file that was written"):
+        verified.check(tmp_path / "step_000003")
+    verified.check(tmp_path / "step_000001")  # whole
 
 
 def test_verify_finds_a_truncated_file_a_missing_file_and_bad_json(tmp_path: Path) -> None:
@@ -82,7 +121,11 @@ def test_full_disk_is_named_and_leaves_nothing(tmp_path: Path) -> None:
         (folder / "part").write_bytes(b"x")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(ck.DiskFullError, match=rf"no space left on the device of {tmp_path}") as info:
+    message = (
+        rf"no space left on device in {tmp_path} \([\d.]+ [kMG]?B free, about 1 B needed for a checkpoint\) "
+        "while saving the step-3 checkpoint; free space there"
+    )
+    with pytest.raises(ck.DiskFullError, match=message) as info:
         ck.write_checkpoint(tmp_path, 3, full)
     assert info.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
@@ -159,6 +202,34 @@ def test_failure_report_names_step_phase_and_resume_point(tmp_path: Path) -> Non
     assert str(stopped).startswith("stopped by SIGTERM after step 5; a re-run")
 
 
+def test_one_line_reports_the_workers_own_error_without_rays_wrapping() -> None:
+    from ray.exceptions import RayTaskError
+
+    from ppo_driver.faults import one_line
+    from ppo_weight_sync import EngineUnavailableError
+
+    cause = EngineUnavailableError(
+        "rollout-0", "update_weights_from_distributed", "the engine actor died (x)"
+    )
+    traceback_text = 'Traceback (most recent call last):\n  File "w.py", line 1\nEngineUnavailableError: ...'
+    wrapped = RayTaskError("\x1b[36mray::TrainWorker.update_weights()\x1b[39m", traceback_text, cause)
+    error = wrapped.as_instanceof_cause()
+    assert "\n" in str(error)  # what the report used to print: lines, and colour codes
+    assert "\x1b" in str(error)
+    line = one_line(error)
+    assert line == (
+        "EngineUnavailableError: engine 'rollout-0': update_weights_from_distributed failed: "
+        "the engine actor died (x)"
+    )
+    assert one_line(OSError(errno.ENOSPC, "No space left on device", "/data/x")) == (
+        "OSError: No space left on device: /data/x"
+    )
+    assert one_line(RuntimeError("first\n  second\n")) == "RuntimeError: first second"
+    report = str(RunFailed(3, "weight_update", error, resume_hint(None)))
+    assert "\n" not in report
+    assert report.startswith("the run stopped at step 3, phase weight_update: EngineUnavailableError: ")
+
+
 def test_stop_signals_turn_the_first_signal_into_a_request() -> None:
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as signals:
@@ -167,6 +238,36 @@ def test_stop_signals_turn_the_first_signal_into_a_request() -> None:
         with pytest.raises(KeyboardInterrupt):  # asked twice: stop now
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_second_signal_is_seen_while_the_main_thread_waits_in_c() -> None:
+    # Both signals arrive while the main thread hashes (a C call that runs no Python handler): Python
+    # would run its handler once, after; the wakeup-fd thread counts two and stops at once.
+    import hashlib
+
+    seconds: list[int] = []
+    second = threading.Event()
+
+    def on_second(signum: int) -> None:
+        seconds.append(signum)
+        second.set()
+
+    def send_two() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals(on_second=on_second) as signals:
+        sender = threading.Thread(target=send_two)
+        data = b"x" * (1 << 29)
+        sender.start()
+        hashlib.sha256(data).digest()  # a fraction of a second or more, in C
+        assert second.wait(30), "the second SIGINT was not seen"
+        sender.join()
+        assert signals.requested == signal.SIGINT
+    assert seconds == [signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_starting_over_moves_the_earlier_run_aside(tmp_path: Path) -> None:

@@ -57,11 +57,12 @@ def test_dataset(tmp_path: Path) -> None:
         _check(*base, f"rollout.dataset={data}")
     data.write_text('{"text": "a"}\n')
     with pytest.raises(
-        ConfigError, match=r"line 1: no 'prompt' field \(rollout.prompt_field\); its fields: \['text'\]"
+        ConfigError,
+        match=r"d.jsonl:1: field 'prompt' must be a string \(set rollout.prompt_field .*\['text'\]",
     ):
         _check(*base, f"rollout.dataset={data}")
     data.write_text('{"prompt": "a"}\n[1]\n')
-    with pytest.raises(ConfigError, match=r"line 2: a list, not a JSON object"):
+    with pytest.raises(ConfigError, match=r"d.jsonl:2: a list, not a JSON object"):
         _check(*base, f"rollout.dataset={data}")
     data.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     _check(*base, f"rollout.dataset={data}")

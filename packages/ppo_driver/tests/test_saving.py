@@ -171,8 +171,8 @@ def test_complete_is_written_only_after_every_file_of_every_role(tmp_path: Path)
     final = saver.wait()
     assert final == tmp_path / "step_000004"
     marker = json.loads((final / ck.MARKER).read_text())
-    assert marker["files"]["actor/model.bin"] == len(b"first half second half")
-    assert marker["files"]["critic/model.bin"] == len(b"first half second half")
+    assert marker["files"]["actor/model.bin"]["size"] == len(b"first half second half")
+    assert marker["files"]["critic/model.bin"]["size"] == len(b"first half second half")
     ck.verify(final)
     metrics = saver.pop_metrics()
     assert metrics["time/save_background"] == 0.5

@@ -124,6 +124,17 @@ def test_bad_reward_results_name_sample_and_function(result: object, message: st
     assert "bad_reward" in str(info.value)
 
 
+def test_a_reward_function_that_raises_is_named() -> None:
+    def flaky_reward(samples):  # type: ignore[no-untyped-def]
+        raise RuntimeError("reward service unavailable (test)")
+
+    with pytest.raises(RewardError) as info:
+        compute_rewards(flaky_reward, [_inp("1", "1")])
+    message = str(info.value)
+    assert "flaky_reward (rollout.reward) raised RuntimeError: reward service unavailable (test)" in message
+    assert isinstance(info.value.__cause__, RuntimeError)  # the original, for the traceback in the log
+
+
 def test_good_reward_results_are_floats() -> None:
     import numpy as np
 

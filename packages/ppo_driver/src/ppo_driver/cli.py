@@ -129,6 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # first imported, which loading the config does, so it is set here; exporting it overrides this.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     args = build_parser().parse_args(argv)
+    if args.command == "train" and not _joins_cluster(args):
+        # A one-machine run: Ray's single-node mode takes 127.0.0.1 as the node's address, and its GCS
+        # server, raylet and workers then listen on it alone (else on every interface). Read when Ray
+        # is first imported, so set here too; exporting RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 opts out.
+        os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
     console = Console(soft_wrap=True)
     err = Console(stderr=True, soft_wrap=True)
     try:
@@ -161,11 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             err.print(f"{exc}", highlight=False, markup=False)
             return 128 + exc.signum
         if isinstance(exc, RunFailed | RunFolderBusyError):
-            if isinstance(exc, RunFailed) and not _known_fault(exc.__cause__):
-                import traceback
-
-                err.print("".join(traceback.format_exception(exc.__cause__)), highlight=False, markup=False)
-            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            where = ""
+            if isinstance(exc, RunFailed) and exc.traceback_file is not None:
+                where = f" (traceback: {exc.traceback_file})"
+            err.print(f"[bold red]error:[/] {exc}{where}", highlight=False)
             return 1
         if isinstance(exc, FileNotFoundError | ValueError) and args.command != "train":
             err.print(f"[bold red]error:[/] {exc}", highlight=False)
@@ -174,18 +178,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
 
 
-def _known_fault(cause: BaseException | None) -> bool:
-    """Failures the report explains in full (a dead process, non-finite values, a full disk, a
-    checkpoint that does not load): no traceback. Anything else keeps its traceback for a bug report."""
-    from ppo_driver.checkpoint import CheckpointError, DiskFullError
-    from ppo_driver.faults import NonFiniteError
-    from ppo_driver.loop import is_process_death
-    from ppo_rollout import RewardError
+# Ray's switch for multi-node clusters (named for the platforms where it is off by default): off,
+# a local instance takes 127.0.0.1 as its node address and binds its servers there.
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
-    if cause is None:
+
+def _joins_cluster(args: argparse.Namespace) -> bool:
+    """Whether ``train`` joins a Ray cluster (``--ray-address`` or ``ray.address``), read without
+    importing Ray; a config that does not parse counts as local (``resolve`` reports it)."""
+    if args.ray_address:
+        return True
+    from ppo_driver.config import apply_overrides, read_yaml
+
+    try:
+        data = apply_overrides(read_yaml(args.config) if args.config is not None else {}, args.overrides)
+    except (ConfigError, OSError, ValueError):
         return False
-    known = (NonFiniteError, DiskFullError, CheckpointError, RewardError)
-    return is_process_death(cause) or isinstance(cause, known)
+    section = data.get("ray")
+    return isinstance(section, dict) and bool(section.get("address"))
 
 
 def resolve(args: argparse.Namespace) -> RunConfig:
@@ -209,7 +219,10 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
     config = resolve(args)
     run_dir = Path(config.logging.run_dir) if config.logging.run_dir else None
     preflight.check(config, run_dir=run_dir)
+    checked = preflight.check_dataset(config)
     console.print(dump_config(config), highlight=False, markup=False)
+    if checked is not None:
+        console.print(f"dataset: {checked}", highlight=False)
     console.print(describe_layout(config), highlight=False, markup=False)
     console.print("config OK", style="bold green")
     return 0
@@ -267,11 +280,31 @@ def _import_model(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+ERROR_LOG = "error.log"
+
+
+def _write_traceback(exc: BaseException, run_dir: Path) -> Path | None:
+    """The failure's whole traceback (the workers' included, as Ray passes them on) into the run
+    folder, for a bug report; the terminal gets the one-line report. None if it cannot be written."""
+    import traceback
+
+    path = run_dir.resolve() / ERROR_LOG
+    try:
+        with path.open("a") as f:
+            f.write(f"--- {datetime.now().isoformat(timespec='seconds')}\n")
+            f.write("".join(traceback.format_exception(exc)))
+    except OSError:  # a full disk, say: the report on the terminal is what matters
+        return None
+    return path
+
+
 def _train(args: argparse.Namespace, console: Console) -> int:
     config = resolve(args)
     logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
     run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
+    checked = preflight.check_dataset(config)  # every prompt, tokenized as the run will
+    from ppo_driver.faults import RunFailed
     from ppo_driver.loop import train
     from ppo_driver.metrics import budget_table, summary_table
 
@@ -286,6 +319,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 
     if config.rollout.eval_prompts:
         console.print(f"evaluation prompts: {describe_eval_source(config.rollout)}", highlight=False)
+    if checked is not None:
+        console.print(f"dataset: {checked}", highlight=False)
     err = Console(stderr=True, soft_wrap=True)
 
     def show_warning(message: Warning | str, *_: object, **__: object) -> None:
@@ -293,7 +328,13 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 
     with warnings.catch_warnings():
         warnings.showwarning = show_warning  # one line per warning, as the config's warnings
-        result = train(config, run_dir, console=console)
+        try:
+            result = train(config, run_dir, console=console)
+        except RunFailed as exc:
+            exc.traceback_file = _write_traceback(exc, run_dir)
+            raise
+    if result.finished_at is not None:  # already at train.steps: nothing ran, nothing to compare
+        return 0
     if result.history:
         console.print(summary_table(result.history, run_dir))
         console.print(budget_table(result.history))

@@ -5,18 +5,23 @@ failed and the checkpoint a re-run resumes from.
 - ``NonFiniteError``: a role reported a non-finite loss or gradient norm, or its worker refused to
   save or send non-finite weights; raised before the step's weights are saved or sent to the engines.
 - ``Interrupted``: SIGINT or SIGTERM arrived; the loop stopped after saving at the end of a step.
-- ``StopSignals``: turns the first SIGINT/SIGTERM into a request the loop checks between steps (a
-  second one interrupts at once, as Python's default does).
+- ``StopSignals``: turns the first SIGINT/SIGTERM into a request the loop checks between steps; a
+  second one stops the run at once (``on_second``: the loop ends every process it started and exits).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import signal
-from collections.abc import Mapping, Sequence
+import socket
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
+
+from ray.exceptions import RayTaskError
 
 
 class NonFiniteError(RuntimeError):
@@ -68,17 +73,44 @@ def resume_hint(checkpoint: tuple[int, Path] | None) -> str:
     return f"a re-run of the same command resumes from {folder} (step {step})"
 
 
+# Terminal colour codes: Ray colours the worker's name in the text of its task errors.
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def one_line(error: BaseException) -> str:
+    """``error`` as one line, ``Type: message``. An error a Ray worker raised is reported as the
+    worker's own exception (Ray's ``RayTaskError(X)`` wraps it with a header, the worker's traceback
+    and colour codes); a message of several lines is joined, a traceback in it reduced to its last
+    line (the exception)."""
+    seen = error
+    while isinstance(seen, RayTaskError) and seen.cause is not None and seen.cause is not seen:
+        seen = seen.cause
+    if isinstance(seen, OSError) and seen.strerror:  # not "[Errno 28] ...": the message alone
+        text = seen.strerror + (f": {seen.filename}" if seen.filename else "")
+    else:
+        text = str(seen)
+    text = _ESCAPES.sub("", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if any(line.startswith(_TRACEBACK) for line in lines):
+        lines = lines[-1:]
+    name = type(seen).__name__
+    if isinstance(seen, RayTaskError):  # no cause to unwrap: its class name holds Ray's decoration
+        name = "RayTaskError"
+    return f"{name}: {' '.join(lines)}" if not isinstance(seen, NonFiniteError) else " ".join(lines)
+
+
 class RunFailed(RuntimeError):
-    """A step failed; ``str()`` is the whole report, ``__cause__`` the original error."""
+    """A step failed; ``str()`` is the whole report, in one line; ``__cause__`` the original error."""
 
     def __init__(self, step: int, phase: str, error: BaseException, resume: str) -> None:
-        what = f"{type(error).__name__}: {error}" if not isinstance(error, NonFiniteError) else str(error)
         super().__init__(
-            f"the run stopped at step {step}, phase {phase}: {what}\n"
+            f"the run stopped at step {step}, phase {phase}: {one_line(error)}; "
             f"every process the run started was ended; {resume}"
         )
         self.step = step
         self.phase = phase
+        self.traceback_file: Path | None = None  # where the CLI wrote the traceback, once it has
 
 
 class Interrupted(Exception):
@@ -91,19 +123,50 @@ class Interrupted(Exception):
 
 
 class StopSignals:
-    """Within the block, the first SIGINT/SIGTERM sets ``requested``; a second one acts as usual."""
+    """Within the block, the first SIGINT/SIGTERM sets ``requested``; a second one calls ``on_second``
+    (which does not return: it ends the run's processes and exits), or without it raises
+    ``KeyboardInterrupt`` as Python's default does.
+
+    With ``on_second``, signals are counted by a thread reading the interpreter's wakeup fd, which
+    gets one byte per signal delivered: Python runs a handler only when the main thread next runs
+    bytecode, and two signals that arrive while it waits inside a C call (a long ``ray.get``) would
+    run it once, so a second Ctrl-C would read as the first.
+    """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, on_second: Callable[[int], None] | None = None) -> None:
         self.requested: int | None = None
+        self._on_second = on_second
         self._previous: dict[int, Any] = {}
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._previous_fd = -1
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._wakeup is not None:  # the counting thread decides
+            self.requested = self.requested or signum
+            return
         if self.requested is not None:  # asked twice: stop now
             self._restore()
             raise KeyboardInterrupt
         self.requested = signum
+
+    def _count(self, reader: socket.socket) -> None:
+        seen = 0
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:  # closed on exit from the block
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum not in self.SIGNALS:
+                    continue
+                seen += 1
+                self.requested = self.requested or signum
+                if seen >= 2 and self._on_second is not None:
+                    self._on_second(signum)
 
     def __enter__(self) -> StopSignals:
         try:
@@ -111,12 +174,24 @@ class StopSignals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         except ValueError:  # not the main thread: signals stay as they are
             self._previous.clear()
+            return self
+        if self._on_second is not None:
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)  # the interpreter's C handler must never block
+            self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            self._wakeup = (reader, writer)
+            threading.Thread(target=self._count, args=(reader,), name="stop-signals", daemon=True).start()
         return self
 
     def _restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            for end in reversed(self._wakeup):
+                end.close()  # the writer first: the counting thread's recv sees the end
+            self._wakeup = None
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -25,12 +25,14 @@ import hashlib
 import json
 import os
 import random
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import ray
@@ -38,7 +40,7 @@ import ray.exceptions
 import torch
 from rich.console import Console
 
-from ppo_driver import budget, build, checkpoint, children, processes
+from ppo_driver import budget, build, checkpoint, children, processes, reaper
 from ppo_driver.config import RunConfig, dump_config
 from ppo_driver.faults import (
     Interrupted,
@@ -68,6 +70,8 @@ class RunResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     actor_checksum: str = ""
     engine_checksums: list[str] = field(default_factory=list)
+    # Set when the run was already done: the checkpoint at or past ``train.steps`` (nothing was started)
+    finished_at: Path | None = None
 
     @property
     def weights_match(self) -> bool:
@@ -89,16 +93,34 @@ def train(
     ckpt_root = Path(config.checkpoint.dir).resolve() if config.checkpoint.dir else run_dir / "checkpoints"
     timeout_s = config.ray.timeout_s
     at = _Where()
+    spared = set(reaper.descendants(os.getpid()))  # not the run's: a second Ctrl-C leaves them be
     with ExitStack() as stack:
         stack.enter_context(RunLock(run_dir))  # creates run_dir; refuses a second run in it
+        # The content hashes of the checkpoints to resume from are checked while Ray and the roles start.
+        verified = checkpoint.BackgroundVerify(ckpt_root) if config.checkpoint.resume else None
+        done = _already_done(ckpt_root, verified, config.train.steps)
+        if done is not None:  # decided before anything starts: the finished run's files stay as they are
+            console.print(
+                f"nothing to do: {done[1]} is at step {done[0]} >= train.steps={config.train.steps}; "
+                f"the run's files are as it left them (raise train.steps to train on, or set "
+                "checkpoint.resume=false to start over)",
+                highlight=False,
+            )
+            return RunResult(run_dir, first_step=done[0] + 1, last_step=done[0], finished_at=done[1])
         if not config.checkpoint.resume:
             _start_over(run_dir, ckpt_root, console)
         (run_dir / "config.yaml").write_text(dump_config(config))
         checkpoint.remove_unfinished(ckpt_root)  # saves a failed or killed run never completed
-        stack.enter_context(_ray_session(config, console))
-        signals = stack.enter_context(StopSignals())
+        _check_space(config, ckpt_root)  # a save that cannot fit fails now, not minutes into the run
+        try:
+            stack.enter_context(_ray_session(config, console))
+        except Exception as exc:  # Ray did not start (twice, for a local instance): one line, as any stop
+            raise RunFailed(0, "setup", exc, resume_hint(checkpoint.latest_complete(ckpt_root))) from exc
+        signals = stack.enter_context(
+            StopSignals(on_second=lambda signum: _stop_at_once(signum, at, ckpt_root, spared))
+        )
         # Entered before the roles: their shutdown runs first, then a failure is reported.
-        stack.enter_context(_report_failures(at, ckpt_root))
+        stack.enter_context(_report_failures(at, ckpt_root, run_dir))
         seed_everything(config.train.seed)
         model_path = _model_path(config, run_dir)
         # The roles' start-up (processes importing torch, loading the model) is most of a short run's
@@ -126,9 +148,7 @@ def train(
         # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
         # loads (one that does not is reported and skipped for the previous one).
         at.phase = "resume"
-        start = _resume(ckpt_root, roles, phases.enter, config, console) if config.checkpoint.resume else 0
-        if start >= config.train.steps:
-            console.print(f"nothing to do: the checkpoint is at step {start} >= train.steps", highlight=False)
+        start = _resume(ckpt_root, verified, roles, phases.enter, config, console) if verified else 0
 
         # First weight update: the engines start from the actor's weights (the loaded ones on resume).
         at.step = start
@@ -328,17 +348,55 @@ class _Where:
 
 
 @contextmanager
-def _report_failures(at: _Where, ckpt_root: Path) -> Iterator[None]:
+def _report_failures(at: _Where, ckpt_root: Path, run_dir: Path) -> Iterator[None]:
     """Turn an error of the run into ``RunFailed``: the step, the phase, and where a re-run resumes."""
     try:
         yield
     except (Interrupted, RunFailed):
         raise
     except Exception as exc:
-        error = _non_finite_weights(exc, at.step) or exc
+        error = _non_finite_weights(exc, at.step) or _disk_full(exc, run_dir) or exc
         # A background sleep or wake is reported in the phase (and step) that started it.
         step, phase = (exc.step, exc.phase) if isinstance(exc, TransitionFailed) else (at.step, at.phase)
         raise RunFailed(step, phase, error, resume_hint(checkpoint.latest_complete(ckpt_root))) from error
+
+
+def _check_space(config: RunConfig, ckpt_root: Path) -> None:
+    """Stop with one line, before anything starts, when the checkpoint folder's disk cannot hold the
+    next checkpoint: as large as the latest one, or (a first run from a local model folder) about
+    its weights' size times the copies a checkpoint holds. Nothing to compare for the tiny model, or
+    for a run that saves nothing."""
+    if config.checkpoint.interval <= 0 and not config.checkpoint.save_final:
+        return
+    needed = checkpoint.checkpoint_bytes(ckpt_root) or _checkpoint_estimate(config)
+    try:
+        checkpoint.check_space(ckpt_root, needed)
+    except checkpoint.DiskFullError as exc:
+        raise RunFailed(0, "setup", exc, resume_hint(checkpoint.latest_complete(ckpt_root))) from exc
+
+
+# Copies of the weights' bytes one checkpoint holds: the actor's model, its two Adam moments and its
+# Hugging Face export; the critic's model and moments.
+_COPIES_WITH_CRITIC = 7
+_COPIES_WITHOUT = 4
+
+
+def _checkpoint_estimate(config: RunConfig) -> int | None:
+    if config.model.path is None or not Path(config.model.path).expanduser().is_dir():
+        return None
+    folder = Path(config.model.path).expanduser()
+    weights = sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+    return weights * (_COPIES_WITH_CRITIC if config.use_critic else _COPIES_WITHOUT) or None
+
+
+def _disk_full(exc: BaseException, folder: Path) -> checkpoint.DiskFullError | None:
+    """A full disk met outside a checkpoint's save (the run folder's files, the tiny model), named as
+    one; a save's own is already a ``DiskFullError``."""
+    if isinstance(exc, checkpoint.DiskFullError) or not checkpoint.is_disk_full(exc):
+        return None
+    error = checkpoint.disk_full(folder, None, "while writing the run's files")
+    error.__cause__ = exc
+    return error
 
 
 def _non_finite_weights(exc: BaseException, step: int) -> NonFiniteError | None:
@@ -355,19 +413,60 @@ def _non_finite_weights(exc: BaseException, step: int) -> NonFiniteError | None:
     return None
 
 
+def _stop_at_once(signum: int, at: _Where, ckpt_root: Path, spared: set[int]) -> NoReturn:
+    """A second SIGINT/SIGTERM: no safe point is awaited. Every process the run started (the local Ray
+    instance and its workers) is killed, which leaves a checkpoint being written as a ``.tmp-`` folder
+    that resume discards: its COMPLETE marker is written last, after every file. One line says where
+    a re-run resumes; the exit code is 128 + the signal's number."""
+    for _ in range(3):  # a process started while the first ones were killed is found the next time
+        if not reaper.kill_all({p: t for p, t in reaper.descendants(os.getpid()).items() if p not in spared}):
+            break
+    sys.stderr.write(
+        f"stopped at once by a second {signal.Signals(signum).name} in step {at.step}, phase {at.phase}; "
+        f"every process the run started was ended; {resume_hint(checkpoint.latest_complete(ckpt_root))}\n"
+    )
+    sys.stderr.flush()
+    os._exit(128 + signum)  # nothing else to wait for: the lock goes with the process
+
+
 def _stop_if_asked(signals: StopSignals, step: int, ckpt_root: Path) -> None:
     if signals.requested is not None:
         raise Interrupted(signals.requested, step, resume_hint(checkpoint.latest_complete(ckpt_root)))
 
 
+def _already_done(
+    ckpt_root: Path, verified: checkpoint.BackgroundVerify | None, steps: int
+) -> tuple[int, Path] | None:
+    """The latest complete checkpoint, when it is whole and at or past ``steps``: nothing to train."""
+    found = checkpoint.latest_complete(ckpt_root)
+    if verified is None or found is None or found[0] < steps:
+        return None
+    try:
+        verified.check(found[1])
+    except (checkpoint.CheckpointError, OSError):
+        return None  # the resume reports it and falls back to an earlier checkpoint
+    return found
+
+
 def _resume(
-    ckpt_root: Path, roles: Roles, enter: Callable[[Phase], None], config: RunConfig, console: Console
+    ckpt_root: Path,
+    verified: checkpoint.BackgroundVerify,
+    roles: Roles,
+    enter: Callable[[Phase], None],
+    config: RunConfig,
+    console: Console,
 ) -> int:
     """Load the latest complete checkpoint that loads; return its step (0 when there is none)."""
+    for _, folder in checkpoint.unmarked_checkpoints(ckpt_root):
+        console.print(
+            f"[yellow]warning:[/] checkpoint {folder} is skipped: it has no {checkpoint.MARKER} marker "
+            "(copied in part, or the marker was removed), so nothing says its files are whole",
+            highlight=False,
+        )
     found = checkpoint.complete_checkpoints(ckpt_root)
     for step, folder in reversed(found):
         try:
-            checkpoint.verify(folder)
+            verified.check(folder)
             state = checkpoint.load_driver_state(folder)  # also restores the driver's RNG
             # One role resident at a time: the phases that train each have it so.
             enter("actor_train")
@@ -614,20 +713,33 @@ def _ray_session(config: RunConfig, console: Console) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    watchdog: reaper.Reaper | None = None
     if config.ray.address:
         ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
     else:
-        start_local_ray(config, console)
+        # Ends the local instance's processes if this one dies without a word (reaper.py).
+        watchdog = reaper.start()
+        try:
+            start_local_ray(config, console)
+        except BaseException:
+            if watchdog is not None:
+                watchdog.stop()
+            raise
     try:
         yield
     finally:
         ray.shutdown()
+        if watchdog is not None:
+            watchdog.stop()  # whatever Ray's shutdown left running is ended now
 
 
 # Ray waits a fixed 30 s for its raylet to register; on a loaded machine (load average above 10 on
 # 2 cores) that is too short, and a worker importing torch can miss its registration window.
 LOCAL_RAY_ENV = {
     "RAY_worker_register_timeout_seconds": "300",
+    # The raylet waits 30 s for its dashboard agent's port file, then aborts (a Python process that
+    # took longer than that to import at a load average of 20 on 2 cores).
+    "RAY_agent_register_timeout_ms": "300000",
     "RAY_gcs_server_port_wait_time_s": "60",
     "RAY_gcs_server_request_timeout_seconds": "180",
 }

@@ -107,11 +107,13 @@ class CheckpointSaver:
             return None
         t0 = time.perf_counter()
         try:
-            for name in self._writing:
-                group = self._groups[name]
-                assert isinstance(group, BackgroundSaving)  # only such roles are in _writing
-                if name not in self._written and not self.phases.busy(name) and group.save_done():
-                    self._written.add(name)
+            # A writer's failure (a full disk) arrives here: reported as the save's, its folder removed.
+            with self._pending.writing():
+                for name in self._writing:
+                    group = self._groups[name]
+                    assert isinstance(group, BackgroundSaving)  # only such roles are in _writing
+                    if name not in self._written and not self.phases.busy(name) and group.save_done():
+                        self._written.add(name)
             if self._written != set(self._writing) or any(self.phases.busy(n) for n in self._writing):
                 return None  # completing calls every writing role: only when none would make it wait
             return self._finish()

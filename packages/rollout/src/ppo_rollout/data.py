@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -79,6 +79,7 @@ class JsonlPrompts:
         self.prompt_field = prompt_field
         self.seed = seed
         self.rows: list[dict[str, Any]] = []
+        self.lines: list[int] = []  # the file's line number of each row, for error messages
         with self.path.open(encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, start=1):
                 if not line.strip():
@@ -86,10 +87,13 @@ class JsonlPrompts:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{self.path}:{lineno}: not valid JSON ({exc.msg})") from None
+                    raise ValueError(
+                        f"{self.path}:{lineno}: not JSON ({exc.msg}); one JSON object per line"
+                    ) from None
                 if not isinstance(row, dict):
                     raise ValueError(
-                        f"{self.path}:{lineno}: each line must be a JSON object, got {type(row).__name__}"
+                        f"{self.path}:{lineno}: a {type(row).__name__}, not a JSON object; "
+                        "one JSON object per line"
                     )
                 prompt = row.get(prompt_field)
                 if isinstance(prompt, list) and messages_ok:
@@ -99,12 +103,13 @@ class JsonlPrompts:
                     hint = "" if messages_ok else " (a list of messages needs rollout.chat_template=true)"
                     raise ValueError(
                         f"{self.path}:{lineno}: field {prompt_field!r} must be a string{chat} "
-                        f"(set prompt_field to the field that holds the prompt{hint}); "
+                        f"(set rollout.prompt_field to the field that holds the prompt{hint}); "
                         f"row keys: {sorted(row)}"
                     )
                 self.rows.append(row)
+                self.lines.append(lineno)
         if not self.rows:
-            raise ValueError(f"{self.path}: the dataset has no rows")
+            raise ValueError(f"{self.path} is empty; give a JSONL file with one prompt object per line")
         self.epoch = 0
         self.offset = 0
         self._order = self._make_order(0)
@@ -266,5 +271,11 @@ class PromptRenderer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a ``render`` result."""
-        ids = self.tokenizer(text, add_special_tokens=not self.chat_template)["input_ids"]
-        return [int(i) for i in ids]
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of ``render`` results, in one batch call of the tokenizer."""
+        if not texts:
+            return []
+        ids = self.tokenizer(list(texts), add_special_tokens=not self.chat_template)["input_ids"]
+        return [[int(i) for i in row] for row in ids]

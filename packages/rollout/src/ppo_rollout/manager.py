@@ -19,6 +19,7 @@ from .data import PromptRenderer, PromptSource, open_prompts
 from .engine.builtin import MEMORY_TAGS
 from .engine.core import GenerationOutput
 from .engine.handles import BuiltinEngineHandle, EngineHandle, SGLangEngineHandle, Waiter
+from .prompts import encode_texts
 from .rewards import RewardInput, compute_rewards, resolve_reward
 from .slots import EngineSlots, actor_options
 from .tasks import get_task
@@ -181,17 +182,9 @@ class RolloutManager:
     # -- prompts -------------------------------------------------------------------------------------
     def _encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of rendered prompts: every engine kind gets ids (SGLang's ``/generate`` takes
-        ``input_ids``), so the chat template is applied once, here, for both."""
-        out = []
-        for text in texts:
-            ids = self.renderer.encode(text)
-            if len(ids) > self.config.max_prompt_length:
-                raise ValueError(
-                    f"prompt {text[:60]!r} is too long: {len(ids)} tokens > rollout.max_prompt_length "
-                    f"{self.config.max_prompt_length}; shorten it or raise max_prompt_length"
-                )
-            out.append(ids)
-        return out
+        ``input_ids``), so the chat template is applied once, here, for both. The dataset pre-flight
+        (``prompts.check_dataset``) encodes with the same function."""
+        return encode_texts(self.renderer, texts, self.config.max_prompt_length)
 
     def _run(
         self, prompts: list[list[int]], settings: SamplingSettings, step: int, stream: int

@@ -54,7 +54,7 @@ RewardFn = Callable[[Sequence[RewardInput]], Sequence[float]]
 
 
 class RewardError(ValueError):
-    """A reward function returned something other than one finite float per sample."""
+    """A reward function raised, or returned something other than one finite float per sample."""
 
 
 _REGISTRY: dict[str, RewardFn] = {}
@@ -156,8 +156,17 @@ def check_rewards(values: Any, samples: Sequence[RewardInput], fn_name: str) -> 
 
 
 def compute_rewards(fn: RewardFn, samples: Sequence[RewardInput]) -> list[float]:
-    """Call ``fn`` on the batch and check its result."""
-    return check_rewards(fn(samples), samples, _describe(fn))
+    """Call ``fn`` on the batch and check its result. An exception the function raises becomes a
+    ``RewardError`` that names it (``rollout.reward``), chained to the original for its traceback."""
+    name = _describe(fn)
+    try:
+        values = fn(samples)
+    except Exception as exc:
+        raise RewardError(
+            f"reward function {name} (rollout.reward) raised {type(exc).__name__}: {exc}; "
+            "fix the function or the service it calls, then re-run"
+        ) from exc
+    return check_rewards(values, samples, name)
 
 
 def _label(sample: RewardInput) -> str:

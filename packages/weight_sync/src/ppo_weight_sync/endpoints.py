@@ -187,8 +187,11 @@ class _RayPending(Generic[T]):
         except rex.GetTimeoutError:
             raise EngineTimeoutError(self._engine, self._op, timeout_s) from None
         except (rex.RayActorError, rex.ActorUnavailableError) as exc:
+            # Ray's text runs to a dozen lines (ids, pid, possible causes): its first line says enough.
+            what = "is unreachable" if isinstance(exc, rex.ActorUnavailableError) else "died"
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise EngineUnavailableError(
-                self._engine, self._op, f"actor is dead or unreachable ({exc})"
+                self._engine, self._op, f"the engine actor {what} ({first})"
             ) from exc
         except rex.RayTaskError as exc:
             raise EngineUnavailableError(self._engine, self._op, f"raised {exc.cause!r}") from exc

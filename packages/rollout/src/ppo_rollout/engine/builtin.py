@@ -28,6 +28,7 @@ import torch
 from ppo_lifecycle import TransferStats, default_backend
 from ppo_weight_sync import EngineOps, EngineReply, ReceivingEngine, TensorOps, WeightReceiver, checksum
 
+from .. import fault_injection
 from ..config import SamplingConfig
 from .core import GenerationCore, GenerationOutput
 
@@ -157,6 +158,7 @@ class BuiltinEngine(ReceivingEngine):
         return {n: (t.dtype, tuple(t.shape)) for n, t in self._core.named_tensors()}
 
     def _load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        fault_injection.before_weight_load(self.name)
         if "weights" in self._released:
             raise RuntimeError(f"engine {self.name}: weights are released; resume them before an update")
         with self._step_lock:

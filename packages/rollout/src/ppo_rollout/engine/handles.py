@@ -48,7 +48,9 @@ def _ray_get(ref: Any, timeout_s: float, engine: str, what: str) -> Any:
             raise ValueError(f"engine {engine}: {what}: {cause}") from exc
         raise RuntimeError(f"engine {engine}: {what} failed: {cause!r}") from exc
     except ray.exceptions.RayActorError as exc:
-        raise RuntimeError(f"engine {engine}: {what}: the engine actor died ({exc})") from exc
+        # Ray's text runs to a dozen lines (ids, pid, possible causes): its first line says enough.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RuntimeError(f"engine {engine}: {what}: the engine actor died ({first})") from exc
 
 
 class BuiltinEngineHandle:
