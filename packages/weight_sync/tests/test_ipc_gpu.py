@@ -99,6 +99,17 @@ def test_ipc_updates_are_bit_identical_and_memory_returns(peer: IpcPeer) -> None
     assert engine_after["allocated"] == engine_before["allocated"]
 
 
+def _largest_free_block() -> int:
+    """The largest free block in any segment the caching allocator holds (0 when none)."""
+    sizes = [
+        block["size"]
+        for segment in torch.cuda.memory_snapshot()
+        for block in segment["blocks"]
+        if block["state"] == "inactive"
+    ]
+    return max(sizes, default=0)
+
+
 def test_buffers_stay_in_ordinary_segments_under_expandable_segments(peer: IpcPeer) -> None:
     # A trainer's allocator may use expandable segments (ppo-lifecycle's sleep wants them); handles of
     # those need ptrace rights to open, so the packer keeps its buffers in ordinary segments.
@@ -107,12 +118,14 @@ def test_buffers_stay_in_ordinary_segments_under_expandable_segments(peer: IpcPe
     previous = allocator_settings()
     assert previous is not None, "this torch's allocator settings cannot be read"
     set_allocator_settings("max_split_size_mb:512,expandable_segments:True")
-    # Earlier tests in this process leave ordinary segments cached; without this the resident tensor
-    # below can be carved from one of them instead of a new expandable segment.
+    # Earlier tests in this process leave ordinary segments behind (empty_cache frees only the wholly
+    # free ones): a resident tensor that fits a free block of one would be carved from it. Larger
+    # than every free block, it needs a new segment, which the settings make an expandable one.
     torch.cuda.empty_cache()
     try:
         device = torch.device("cuda", 0)
-        resident = torch.ones(64 * MiB, dtype=torch.uint8, device=device)  # in an expandable segment
+        resident_bytes = max(64 * MiB, _largest_free_block() + 2 * MiB)
+        resident = torch.ones(resident_bytes, dtype=torch.uint8, device=device)  # in an expandable segment
         packer = BucketPacker(device, BUCKET, timeout_s=30)
         before = _sender_mem()
         sent = [(n, t.to(device)) for n, t in make_weights(SPEC, seed=7).items()]
