@@ -356,8 +356,9 @@ def round_trip_parity(tmp: Path) -> dict[str, Any]:
         "file_tensors": len(saved),
         "file_dtypes": sorted({str(t.dtype) for t in saved.values()}),
     }
-    # megatron holds bf16 weights made from the file: a bf16 checkpoint (SmolLM2's) round-trips
-    # exactly; a float32 one as its bf16 rounding.
+    # megatron holds bf16 weights made from the file: a bf16 checkpoint round-trips exactly; a float32
+    # one (the imported SmolLM2) as its bf16 rounding. The float32 main weights are the file's values.
+    file_float = {k: v.float() for k, v in saved.items()}
     saved = {k: v.to(torch.bfloat16) for k, v in saved.items()}
 
     mega = plain_trainer(model, "megatron", groups)
@@ -370,7 +371,7 @@ def round_trip_parity(tmp: Path) -> dict[str, Any]:
         if k in bf16 and not torch.equal(bf16[k].view(torch.int16), saved[k].view(torch.int16))
     ]
     main = mega.hf_state_dict()
-    out["main_unequal"] = [k for k in saved if k in main and not torch.equal(main[k], saved[k].float())]
+    out["main_unequal"] = [k for k in file_float if k in main and not torch.equal(main[k], file_float[k])]
     folder = tmp / "round_trip" / "actor"
     megatron_checkpoint.save_shard(mega, folder, step=0)
     written = load_file(str(folder / "hf" / "model.safetensors"))

@@ -306,7 +306,6 @@ class MegatronTrainer(TorchTrainer):
                 ref.eval()
                 ref.requires_grad_(False)
                 self.reference = ref
-        del hf_state
         self._require_on_device()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer_config = OptimizerConfig(
@@ -330,6 +329,16 @@ class MegatronTrainer(TorchTrainer):
             # makes them), the memory backend tracks them from setup and the pinned one allocates
             # their host buffers at track(), not in the first sleep. The step is unchanged.
             self._init_optimizer_state()
+        # The float32 main weights start as the checkpoint's own values, not as their bf16 rounding
+        # (what megatron copies from the bf16 weights). From a point of bf16's grid a step smaller
+        # than half a bf16 spacing changes no weight: at lr 1e-5 Adam's first steps moved almost no
+        # weight of SmolLM2-135M (log-probs 8x less than the torch backend's float32 weights under
+        # autocast; benchmarks/backend_parity.py) and the run learnt ~10 steps later.
+        with torch.no_grad():
+            self._scatter_optimizer_tensor(
+                "param", mc.hf_to_megatron(hf_state, self.shape, critic=self.critic)
+            )
+        del hf_state
 
     def _modules(self) -> dict[str, nn.Module]:
         """The models this rank computes with: the trained one and, with a KL term, the reference."""
