@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ppo_trainer import AlgorithmConfig, TrainerConfig
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 from ppo_trainer.worker import TrainWorker
 
 

@@ -11,12 +11,8 @@ verl's ``lr_scheduler_type: cosine`` with ``min_lr_ratio``; ``constant`` after w
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
 
-if TYPE_CHECKING:
-    from ppo_trainer.config import TrainerConfig
-
-LrSchedule = Literal["constant", "cosine"]
+from ppo_trainer.config import LrSchedule, TrainerConfig
 
 
 def lr_factor(
@@ -59,3 +55,8 @@ def scheduled_factor(config: TrainerConfig, step: int) -> float:
         total_steps=config.total_steps,
         min_lr_ratio=config.min_lr_ratio,
     )
+
+
+def scheduled_lr(config: TrainerConfig, step: int) -> float:
+    """The role's learning rate at training step ``step``: ``config.lr`` times :func:`scheduled_factor`."""
+    return config.lr * scheduled_factor(config, step)
