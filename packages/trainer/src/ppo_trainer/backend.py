@@ -31,7 +31,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from ppo_trainer import objective, sharding
-from ppo_trainer.backend_protocol import DataParallel, Forward, Region, no_region, policy_forward
+from ppo_trainer.backend_protocol import (
+    DataParallel,
+    Forward,
+    Region,
+    evaluating,
+    no_region,
+    policy_forward,
+)
 from ppo_trainer.batch import MicroBatch, Samples
 from ppo_trainer.checkpoint import torch_optimizer
 from ppo_trainer.config import TrainerConfig
@@ -257,28 +264,28 @@ class TorchTrainer:
 
     def forward(self, mb: MicroBatch, *, reference: bool = False, entropy: bool = False) -> Forward:
         """The actor's (or the reference's) log-probs and entropy, or the critic's values, over ``mb``."""
-        if reference and self.reference is None:
-            raise RuntimeError(f"{self.config.role}: no reference model is loaded")
         if self.config.role == "critic" and not reference:
             with self._autocast():
                 values = self.model(mb.input_ids, mb.attention_mask)  # [b, L]
             return Forward(values=values.float().gather(1, mb.logit_positions))
-        model = self.reference if reference and self.reference is not None else self.model
+        model = self._scored(reference)
         with self._autocast():
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
         return policy_forward(logits, mb, entropy)
 
     @contextlib.contextmanager
     def inference(self, reference: bool = False) -> Iterator[None]:
-        model = self.reference if reference and self.reference is not None else self.model
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                yield
-        finally:
-            model.train(was_training)
-        self.release_gathered()
+        with evaluating(self._scored(reference)):
+            yield
+        self.release_gathered()  # FSDP keeps what a forward without backward gathered
+
+    def _scored(self, reference: bool) -> nn.Module:
+        """The model a forward runs: the trained one, or the reference (``RuntimeError`` without one)."""
+        if not reference:
+            return self.model
+        if self.reference is None:
+            raise RuntimeError(f"{self.config.role}: no reference model is loaded")
+        return self.reference
 
     def train_mode(self) -> None:
         self.model.train()

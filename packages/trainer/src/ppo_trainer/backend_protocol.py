@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ppo_trainer import ppo_math as pm
 from ppo_trainer.batch import MicroBatch, Samples
@@ -63,6 +64,19 @@ class Forward:
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode and no gradients inside; its previous mode after (a backend's
+    ``inference``)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 def policy_forward(logits: torch.Tensor, mb: MicroBatch, entropy: bool) -> Forward:

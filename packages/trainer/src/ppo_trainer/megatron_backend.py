@@ -38,7 +38,14 @@ from torch import nn
 from ppo_lifecycle import ReloadableProcessGroups
 from ppo_trainer import megatron_convert as mc
 from ppo_trainer import objective
-from ppo_trainer.backend_protocol import DataParallel, Forward, Region, no_region, policy_forward
+from ppo_trainer.backend_protocol import (
+    DataParallel,
+    Forward,
+    Region,
+    evaluating,
+    no_region,
+    policy_forward,
+)
 from ppo_trainer.batch import MicroBatch, Samples
 from ppo_trainer.checkpoint import optimizer_format as of
 from ppo_trainer.checkpoint.torch_optimizer import init_adam_state
@@ -98,8 +105,10 @@ def _transformer_config(hf: Any, shape: mc.ModelShape, tp: int, dtype: torch.dty
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        # As the transformers model the torch backend trains: Llama and Qwen2 have no dropout outside
+        # attention, and apply the config's attention_dropout (0 in their released configs) in training.
         hidden_dropout=0.0,
-        attention_dropout=0.0,
+        attention_dropout=float(getattr(hf, "attention_dropout", 0.0) or 0.0),
         tensor_model_parallel_size=tp,
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
@@ -569,9 +578,7 @@ class MegatronTrainer:
 
     def forward(self, mb: MicroBatch, *, reference: bool = False, entropy: bool = False) -> Forward:
         """The actor's (or the reference's) log-probs and entropy, or the critic's values, over ``mb``."""
-        if reference and self.reference is None:
-            raise RuntimeError(f"{self.config.role}: no reference model is loaded")
-        model = self.reference if reference and self.reference is not None else self.model
+        model = self._scored(reference)
         length = mb.input_ids.shape[1]
         position_ids = torch.arange(length, device=self.device).unsqueeze(0).expand_as(mb.input_ids)
         # Right padding: the causal mask alone keeps padding out of every real position.
@@ -582,14 +589,16 @@ class MegatronTrainer:
 
     @contextlib.contextmanager
     def inference(self, reference: bool = False) -> Iterator[None]:
-        model = self.reference if reference and self.reference is not None else self.model
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                yield
-        finally:
-            model.train(was_training)
+        with evaluating(self._scored(reference)):
+            yield
+
+    def _scored(self, reference: bool) -> nn.Module:
+        """The model a forward runs: the trained one, or the reference (``RuntimeError`` without one)."""
+        if not reference:
+            return self.model
+        if self.reference is None:
+            raise RuntimeError(f"{self.config.role}: no reference model is loaded")
+        return self.reference
 
     def train_mode(self) -> None:
         self.model.train()

@@ -39,8 +39,19 @@ class Counts:
     tokens: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch of a mini-batch: its ``rows`` of the rank's samples, the model inputs ``mb``,
+    their loss mask ``[b, R_max]`` on the device, and the mini-batch's global ``counts``."""
+
+    rows: list[int]
+    mb: MicroBatch
+    mask: torch.Tensor
+    counts: Counts
+
+
 # A micro-batch's terms: {"loss": the term to differentiate, metric name: its share of the metric}.
-MicroLoss = Callable[[list[int], MicroBatch, Counts], dict[str, torch.Tensor]]
+MicroLoss = Callable[[Micro], dict[str, torch.Tensor]]
 
 
 # ---------------------------------------------------------------------------------- scoring
@@ -101,7 +112,7 @@ def train_critic(
     rewards, reward_metrics = token_rewards(backend, samples)
     old_values = score(backend, samples)
     _, returns = pm.compute_gae(rewards, old_values, samples.response_mask, alg.gamma, alg.lam)
-    loss = functools.partial(_critic_micro_loss, backend, samples, old_values, returns)
+    loss = functools.partial(_critic_micro_loss, backend, old_values, returns)
     metrics = run_epochs(backend, samples, loss)
     metrics["values_mean"] = masked_global_mean(backend.dp, old_values, samples.loss_mask)
     metrics["returns_mean"] = masked_global_mean(backend.dp, returns, samples.loss_mask)
@@ -109,27 +120,20 @@ def train_critic(
 
 
 def _critic_micro_loss(
-    backend: ModelBackend,
-    samples: Samples,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    rows: list[int],
-    mb: MicroBatch,
-    counts: Counts,
+    backend: ModelBackend, old_values: torch.Tensor, returns: torch.Tensor, micro: Micro
 ) -> dict[str, torch.Tensor]:
-    alg, device = backend.config.algorithm, backend.device
-    mask = samples.loss_mask[rows].to(device)
-    values = backend.forward(mb).values
+    alg, device, rows = backend.config.algorithm, backend.device, micro.rows
+    values = backend.forward(micro.mb).values
     if values is None:
         raise RuntimeError("the critic's forward returned no values")
     loss, clipped = pm.value_loss(
         values, old_values[rows].to(device), returns[rows].to(device), alg.value_clip
     )
-    value_loss = aggregate(alg, loss, mask, counts)
+    value_loss = aggregate(alg, loss, micro.mask, micro.counts)
     return {
         "loss": value_loss,
         "value_loss": value_loss,
-        "value_clip_fraction": token_mean(clipped, mask, counts),
+        "value_clip_fraction": token_mean(clipped, micro.mask, micro.counts),
     }
 
 
@@ -165,7 +169,7 @@ def train_actor(
     metrics |= _policy_drift(backend, samples, old_log_probs, ref_log_probs)
     tis_weight, tis_metrics = _tis_weight(backend, samples, old_log_probs)
     targets = ActorTargets(old_log_probs, ref_log_probs, advantages, tis_weight)
-    loss = functools.partial(_actor_micro_loss, backend, samples, targets)
+    loss = functools.partial(_actor_micro_loss, backend, targets)
     return run_epochs(backend, samples, loss) | metrics | tis_metrics
 
 
@@ -239,17 +243,10 @@ def _tis_weight(
     }
 
 
-def _actor_micro_loss(
-    backend: ModelBackend,
-    samples: Samples,
-    targets: ActorTargets,
-    rows: list[int],
-    mb: MicroBatch,
-    counts: Counts,
-) -> dict[str, torch.Tensor]:
-    alg, device = backend.config.algorithm, backend.device
-    mask = samples.loss_mask[rows].to(device)
-    out = backend.forward(mb, entropy=True)
+def _actor_micro_loss(backend: ModelBackend, targets: ActorTargets, micro: Micro) -> dict[str, torch.Tensor]:
+    alg, device, rows = backend.config.algorithm, backend.device, micro.rows
+    mask, counts = micro.mask, micro.counts
+    out = backend.forward(micro.mb, entropy=True)
     log_probs, entropy = out.log_probs, out.entropy
     if log_probs is None or entropy is None:
         raise RuntimeError("the actor's forward returned no log-probs or no entropy")
@@ -317,7 +314,8 @@ def _mini_batch_step(
     counts = global_counts(backend, samples.loss_mask[mini])
     sums: dict[str, torch.Tensor] = {}
     for rows in chunks(mini, backend.config.micro_batch_size):
-        terms = micro_loss(rows, collate(samples, rows, backend.device), counts)
+        mb = collate(samples, rows, backend.device)
+        terms = micro_loss(Micro(rows, mb, samples.loss_mask[rows].to(backend.device), counts))
         backend.backward(terms["loss"])
         for name, value in terms.items():
             sums[name] = sums.get(name, torch.zeros(())) + value.detach().float().cpu()
