@@ -38,11 +38,12 @@ from ppo_trainer.backend_protocol import (
     evaluating,
     no_region,
     policy_forward,
+    scored_model,
 )
 from ppo_trainer.batch import MicroBatch, Samples
 from ppo_trainer.checkpoint import torch_optimizer
 from ppo_trainer.config import TrainerConfig
-from ppo_trainer.lr_schedule import scheduled_lr
+from ppo_trainer.lr_schedule import set_scheduled_lr
 from ppo_trainer.models import (
     CriticModel,
     load_causal_lm,
@@ -280,12 +281,7 @@ class TorchTrainer:
         self.release_gathered()  # FSDP keeps what a forward without backward gathered
 
     def _scored(self, reference: bool) -> nn.Module:
-        """The model a forward runs: the trained one, or the reference (``RuntimeError`` without one)."""
-        if not reference:
-            return self.model
-        if self.reference is None:
-            raise RuntimeError(f"{self.config.role}: no reference model is loaded")
-        return self.reference
+        return scored_model(self.model, self.reference, reference, self.config.role)
 
     def train_mode(self) -> None:
         self.model.train()
@@ -295,10 +291,7 @@ class TorchTrainer:
 
     def set_step(self, step: int) -> float:
         """The learning rate of training step ``step`` (``lr_schedule``) into every param group."""
-        lr = scheduled_lr(self.config, step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+        return set_scheduled_lr(self.config, step, self.optimizer.param_groups)
 
     def optimizer_step(self) -> float:
         """Sum gradients over ranks, clip, step, clear; returns the global gradient norm before clipping."""

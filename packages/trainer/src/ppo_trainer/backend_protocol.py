@@ -79,6 +79,16 @@ def evaluating(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+def scored_model(model: nn.Module, reference: nn.Module | None, want_reference: bool, role: str) -> nn.Module:
+    """The model a forward runs: the trained ``model``, or the ``reference`` (``RuntimeError`` naming
+    ``role`` when it holds none)."""
+    if not want_reference:
+        return model
+    if reference is None:
+        raise RuntimeError(f"{role}: no reference model is loaded")
+    return reference
+
+
 def policy_forward(logits: torch.Tensor, mb: MicroBatch, entropy: bool) -> Forward:
     """``Forward`` from a causal LM's logits ``[b, L, V]``: the logits that predict each response token,
     their log-prob of it and (``entropy``) their entropy."""

@@ -11,6 +11,8 @@ verl's ``lr_scheduler_type: cosine`` with ``min_lr_ratio``; ``constant`` after w
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 from ppo_trainer.config import LrSchedule, TrainerConfig
 
@@ -57,6 +59,11 @@ def scheduled_factor(config: TrainerConfig, step: int) -> float:
     )
 
 
-def scheduled_lr(config: TrainerConfig, step: int) -> float:
-    """The role's learning rate at training step ``step``: ``config.lr`` times :func:`scheduled_factor`."""
-    return config.lr * scheduled_factor(config, step)
+def set_scheduled_lr(config: TrainerConfig, step: int, param_groups: Iterable[dict[str, Any]]) -> float:
+    """The role's rate at training step ``step`` (``config.lr`` times :func:`scheduled_factor`) into
+    every optimizer param group of ``param_groups``; returns it. Both backends set it so, once per
+    step: megatron's own ``OptimizerParamScheduler`` is not used (nor its ``lr_mult`` / ``wd_mult``)."""
+    lr = config.lr * scheduled_factor(config, step)
+    for group in param_groups:
+        group["lr"] = lr
+    return lr

@@ -45,12 +45,13 @@ from ppo_trainer.backend_protocol import (
     evaluating,
     no_region,
     policy_forward,
+    scored_model,
 )
 from ppo_trainer.batch import MicroBatch, Samples
 from ppo_trainer.checkpoint import optimizer_format as of
 from ppo_trainer.checkpoint.torch_optimizer import init_adam_state
 from ppo_trainer.config import TrainerConfig
-from ppo_trainer.lr_schedule import scheduled_lr
+from ppo_trainer.lr_schedule import set_scheduled_lr
 from ppo_trainer.megatron_groups import MegatronGroups
 from ppo_trainer.models import load_causal_lm, load_critic
 
@@ -593,12 +594,7 @@ class MegatronTrainer:
             yield
 
     def _scored(self, reference: bool) -> nn.Module:
-        """The model a forward runs: the trained one, or the reference (``RuntimeError`` without one)."""
-        if not reference:
-            return self.model
-        if self.reference is None:
-            raise RuntimeError(f"{self.config.role}: no reference model is loaded")
-        return self.reference
+        return scored_model(self.model, self.reference, reference, self.config.role)
 
     def train_mode(self) -> None:
         self.model.train()
@@ -610,11 +606,8 @@ class MegatronTrainer:
     def set_step(self, step: int) -> float:
         """The learning rate of training step ``step`` (``lr_schedule``) into every param group of
         megatron's optimizers (no ``OptimizerParamScheduler``: the step's rate is set here, once)."""
-        lr = scheduled_lr(self.config, step)
-        for opt in self._optimizers():
-            for group in opt.optimizer.param_groups:
-                group["lr"] = lr
-        return lr
+        groups = [group for opt in self._optimizers() for group in opt.optimizer.param_groups]
+        return set_scheduled_lr(self.config, step, groups)
 
     def optimizer_step(self) -> float:
         """Reduce gradients over data parallelism, clip, step (main weights -> bf16 weights), clear."""
