@@ -128,7 +128,7 @@ def save_from_a_private_copy(worker: Any, folder: str) -> bool:
     calls: list[int] = []
     host_copies = memory.host_copies
     memory.host_copies = lambda tensors: calls.append(len(tensors)) or host_copies(tensors)
-    state = sharded.capture_shards(worker.trainer, worker._last_step, memory, worker._save_group)
+    state = sharded.capture_shards(worker.trainer, worker._last_step, memory, worker._checkpoints.save_group)
     del memory.host_copies  # the backend's own method again
     # One call for every shard: each call indexes every host copy the backend holds.
     if len(calls) != 1:

@@ -56,6 +56,11 @@ class RankCheckpoints:
         )
 
     @property
+    def save_group(self) -> sharded.SaveGroup | None:
+        """The gloo group an asleep sharded role's writers gather on (None: not opened)."""
+        return self._group
+
+    @property
     def pending(self) -> bool:
         """Whether a background save is still writing."""
         return self._pending is not None and not self._pending.done
