@@ -61,6 +61,11 @@ class RankCheckpoints:
         return self._group
 
     @property
+    def background(self) -> BackgroundSave | None:
+        """The background save not yet waited for (its timings), if any."""
+        return self._pending
+
+    @property
     def pending(self) -> bool:
         """Whether a background save is still writing."""
         return self._pending is not None and not self._pending.done
