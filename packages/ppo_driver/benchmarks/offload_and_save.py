@@ -8,8 +8,8 @@ backend the worker uses (``PinnedHostBackend`` on CUDA, host memory on CPU), tra
 
 * setup: pinning host buffers for every tracked tensor, optimizer state included;
 * the first sleep of each role (nothing is allocated in it) and steady sleeps and wakes, in GB/s;
-* a checkpoint of all roles while asleep, written by ``ppo_trainer.background_save.BackgroundSave``
-  from the host copies (the worker's path: ``checkpoint.capture(..., host=...)``, ``write_shard``,
+* a checkpoint of all roles while asleep, written by ``ppo_trainer.checkpoint.background.BackgroundSave``
+  from the host copies (the worker's path: ``torch_io.capture(..., host=...)``, ``write_shard``,
   fsync): the loop's blocking seconds (capturing, then the wait at each role's next sleep after
   one simulated training step) and the writers' seconds.
 
@@ -33,17 +33,10 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ppo_lifecycle import HostCopies, HostMemoryBackend, MemoryBackend, PinnedHostBackend
-from ppo_trainer.backend import init_adam_state
-from ppo_trainer.background_save import BackgroundSave
-from ppo_trainer.checkpoint import (
-    FORMAT_VERSION,
-    PolicyExport,
-    ShardState,
-    _drop_tied_aliases,
-    _from_host,
-    _rng_state,
-    optimizer_state_by_name,
-)
+from ppo_trainer.checkpoint.background import BackgroundSave
+from ppo_trainer.checkpoint.format import FORMAT_VERSION, rng_state
+from ppo_trainer.checkpoint.torch_io import PolicyExport, ShardState, drop_tied_aliases, from_host
+from ppo_trainer.checkpoint.torch_optimizer import init_adam_state, state_by_name
 
 
 class Role:
@@ -98,19 +91,19 @@ class Role:
             torch.cuda.synchronize(self.device)
 
     def capture(self, step: int) -> ShardState:
-        """``ppo_trainer.checkpoint.capture(trainer, step, host=...)`` for this role (no TorchTrainer)."""
+        """``torch_io.capture(trainer, step, host=...)`` for this role (no TorchTrainer)."""
         memory = self.memory
         assert isinstance(memory, HostCopies)
-        model_state, optimizer_state = _from_host(
-            self.model.state_dict(), optimizer_state_by_name(self.model, self.optimizer.state_dict()), memory
+        model_state, optimizer_state = from_host(
+            self.model.state_dict(), state_by_name(self.model, self.optimizer.state_dict()), memory
         )
         policy = None
         if self.name == "actor":  # the actor also writes hf/ (save_pretrained)
             policy = PolicyExport(self.model, dict(model_state), None, Path("/nonexistent-tokenizer"))
         return ShardState(
             rank=0,
-            rng=_rng_state(),
-            model=_drop_tied_aliases(self.model, model_state),
+            rng=rng_state(),
+            model=drop_tied_aliases(self.model, model_state),
             optimizer=optimizer_state,
             trainer_state={"format_version": FORMAT_VERSION, "role": self.name, "step": step},
             policy=policy,

@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ppo_trainer import AlgorithmConfig, TrainerConfig
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 from ppo_trainer.worker import TrainWorker
 
 
@@ -93,7 +93,7 @@ def _rank(rank: int, world: int, port: int, model: str, out: str) -> None:
     figures["bytes_this_rank"] = started["bytes"]
     worker.wake_up()
     _train_step(worker, 2)
-    save = worker._save
+    save = worker._checkpoints.background
     assert save is not None
     t0 = time.perf_counter()
     worker.sleep()  # waits for the writer only where the next release reuses its buffers (pinned)

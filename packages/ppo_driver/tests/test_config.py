@@ -154,7 +154,7 @@ def test_unknown_field_in_a_package_section(key: str, expected: str) -> None:
 def test_sections_are_the_packages_settings() -> None:
     """Each setting has one default: the package's."""
     from ppo_rollout import RolloutSettings, SamplingSettings
-    from ppo_trainer import AlgorithmConfig, TrainSettings
+    from ppo_trainer.config import AlgorithmConfig, TrainSettings
 
     config = load_config()
     assert config.algorithm == AlgorithmConfig()

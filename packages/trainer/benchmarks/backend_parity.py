@@ -30,7 +30,7 @@ DEVICE = "cuda"
 def arithmetic_batch(model: Path, n: int, seed: int) -> Any:
     from transformers import AutoTokenizer
 
-    from ppo_trainer import Samples
+    from ppo_trainer.batch import Samples
 
     tok = AutoTokenizer.from_pretrained(str(model))
     rng = random.Random(seed)
@@ -61,8 +61,8 @@ def arithmetic_batch(model: Path, n: int, seed: int) -> Any:
 
 def trainer(model: Path, backend: str, role: str, groups: Any, lr: float) -> Any:
     from ppo_trainer import AlgorithmConfig, TrainerConfig
-    from ppo_trainer.backend import DataParallel
-    from ppo_trainer.backend_protocol import make_trainer
+    from ppo_trainer.backend_protocol import DataParallel
+    from ppo_trainer.backends import make_trainer
 
     config = TrainerConfig(
         role=role,  # type: ignore[arg-type]

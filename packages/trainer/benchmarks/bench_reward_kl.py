@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from bench_train_step import SIZES, cpu_name, make_model, make_samples
 
-from ppo_trainer import AlgorithmConfig, TorchTrainer, TrainerConfig
+from ppo_trainer.backend import TorchTrainer
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 
 
 def seconds(fn: object, repeats: int = 5) -> float:

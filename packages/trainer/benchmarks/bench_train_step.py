@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig
+from ppo_trainer.backend import TorchTrainer
+from ppo_trainer.batch import Samples
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 
 SIZES = {
     # name: (hidden, layers, heads, vocab, samples, prompt, response, micro_batch)

@@ -112,7 +112,7 @@ def init_groups() -> Any:
 
 
 def config(model: Path, role: Any, backend: Any, **extra: Any) -> Any:
-    from ppo_trainer import AlgorithmConfig, TrainerConfig
+    from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 
     fields: dict[str, Any] = {
         "algorithm": AlgorithmConfig(lam=1.0, num_mini_batches=1),
@@ -131,15 +131,15 @@ def config(model: Path, role: Any, backend: Any, **extra: Any) -> Any:
 
 
 def trainer(model: Path, role: str, backend: str, groups: Any, region: Any = None, **extra: Any) -> Any:
-    from ppo_trainer.backend import DataParallel
-    from ppo_trainer.backend_protocol import make_trainer
+    from ppo_trainer.backend_protocol import DataParallel
+    from ppo_trainer.backends import make_trainer
 
     noop = region or (lambda tag: __import__("contextlib").nullcontext())
     return make_trainer(config(model, role, backend, **extra), DataParallel(), noop, groups)
 
 
 def samples(n: int, prompt: int, response: int, vocab: int, seed: int) -> Any:
-    from ppo_trainer import Samples
+    from ppo_trainer.batch import Samples
 
     return Samples.from_fields(_gpu_workers().make_batch(n, prompt, response, vocab, seed))
 
@@ -364,7 +364,7 @@ def optimizer_state(folder: Path, groups: Any, steps: int) -> None:
     from megatron.core.optimizer import ChainedOptimizer
 
     from ppo_lifecycle import Lifecycle, PinnedHostBackend
-    from ppo_trainer import checkpoint, megatron_checkpoint
+    from ppo_trainer.checkpoint import megatron_io, torch_io
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     # Deterministic mode would also fill torch.empty with NaN; megatron's buffers are not all written.
@@ -407,7 +407,7 @@ def optimizer_state(folder: Path, groups: Any, steps: int) -> None:
     stage("optimizer: megatron -> megatron resume")
     for i in range(1, steps):
         eager.train_actor(batches[i], zeros(batches[i]))
-    megatron_checkpoint.save_shard(eager, folder / "ck_mm" / "actor", step=steps)
+    megatron_io.save_shard(eager, folder / "ck_mm" / "actor", step=steps)
     saved_opt, saved_w = eager.hf_optimizer_state(), eager.hf_state_dict()
     saved_bf16 = {n: t.clone() for n, t in eager.named_weights()}
     file_opt = torch.load(folder / "ck_mm" / "actor" / "optimizer.pt", weights_only=True)
@@ -421,7 +421,7 @@ def optimizer_state(folder: Path, groups: Any, steps: int) -> None:
     del eager
     torch.cuda.empty_cache()
     fresh = trainer(model, "actor", "megatron", groups)
-    check(megatron_checkpoint.load_shard(fresh, folder / "ck_mm" / "actor") == steps, "load returns the step")
+    check(megatron_io.load_shard(fresh, folder / "ck_mm" / "actor") == steps, "load returns the step")
     same, why = _same_state(fresh.hf_optimizer_state(), saved_opt)
     check(same, f"resumed Adam state equals the saved one bit for bit ({why})")
     same, why = _same_weights(fresh.hf_state_dict(), saved_w)
@@ -448,12 +448,12 @@ def optimizer_state(folder: Path, groups: Any, steps: int) -> None:
     critic = trainer(model, "critic", "megatron", groups)
     for i in range(steps):
         critic.train_critic(batches[i])
-    megatron_checkpoint.save_shard(critic, folder / "ck_mm" / "critic", step=steps)
+    megatron_io.save_shard(critic, folder / "ck_mm" / "critic", step=steps)
     saved_opt = critic.hf_optimizer_state()
     c_a, v_a, _ = critic.train_critic(batches[steps])
     del critic
     critic = trainer(model, "critic", "megatron", groups)
-    megatron_checkpoint.load_shard(critic, folder / "ck_mm" / "critic")
+    megatron_io.load_shard(critic, folder / "ck_mm" / "critic")
     same, why = _same_state(critic.hf_optimizer_state(), saved_opt)
     check(
         same and "value_head.weight" in saved_opt["state"],
@@ -472,11 +472,11 @@ def optimizer_state(folder: Path, groups: Any, steps: int) -> None:
     source = trainer(model, "actor", "torch", groups)
     for i in range(steps):
         source.train_actor(batches[i], zeros(batches[i]))
-    checkpoint.save_shard(source, folder / "ck_t" / "actor", step=steps)
+    torch_io.save_shard(source, folder / "ck_t" / "actor", step=steps)
     t_opt, t_w = source.hf_optimizer_state(), source.hf_state_dict()
     mega = trainer(model, "actor", "megatron", groups)
     check(
-        megatron_checkpoint.load_shard(mega, folder / "ck_t" / "actor") == steps,
+        megatron_io.load_shard(mega, folder / "ck_t" / "actor") == steps,
         "torch checkpoint loads into megatron",
     )
     same, why = _same_state(mega.hf_optimizer_state(), t_opt)
@@ -497,11 +497,11 @@ def optimizer_state(folder: Path, groups: Any, steps: int) -> None:
         f"torch -> megatron: the next step tracks the torch run (log-prob max diff {lp_diff:.4f})",
     )
     del source
-    megatron_checkpoint.save_shard(mega, folder / "ck_m" / "actor", step=steps + 1)
+    megatron_io.save_shard(mega, folder / "ck_m" / "actor", step=steps + 1)
     m_opt, m_w = mega.hf_optimizer_state(), mega.hf_state_dict()
     back = trainer(model, "actor", "torch", groups)
     check(
-        checkpoint.load_shard(back, folder / "ck_m" / "actor") == steps + 1,
+        torch_io.load_shard(back, folder / "ck_m" / "actor") == steps + 1,
         "megatron checkpoint loads into torch",
     )
     same, why = _same_state(back.hf_optimizer_state(), m_opt)

@@ -109,7 +109,8 @@ def run(
     on_gpu = device == "cuda"
     from transformers import AutoConfig
 
-    from ppo_trainer import AlgorithmConfig, TrainerConfig, TrainGroup
+    from ppo_trainer.config import AlgorithmConfig, TrainerConfig
+    from ppo_trainer.group import TrainGroup
     from ppo_value_transport import pack_fields, pair_values
     from ppo_weight_sync import RayEngineEndpoint
     from ppo_weight_sync.testing.engine import TensorEngine

@@ -88,7 +88,7 @@ def vocab_of(model: Path) -> int:
 
 def batch(n: int, prompt: int, response: int, vocab: int, seed: int) -> Any:
     """Random tokens; rewards by a token's parity; rollout log-probs near the model's."""
-    from ppo_trainer import Samples
+    from ppo_trainer.batch import Samples
 
     g = torch.Generator().manual_seed(seed)
     fields: dict[str, list[torch.Tensor]] = {
@@ -121,7 +121,7 @@ def init_groups() -> Any:
 
 
 def config(model: Path, backend: Any, memory_backend: Any = "auto", role: Any = "actor") -> Any:
-    from ppo_trainer import AlgorithmConfig, TrainerConfig
+    from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 
     return TrainerConfig(
         role=role,
@@ -140,8 +140,8 @@ def config(model: Path, backend: Any, memory_backend: Any = "auto", role: Any = 
 
 
 def plain_trainer(model: Path, backend: str, groups: Any) -> Any:
-    from ppo_trainer.backend import DataParallel
-    from ppo_trainer.backend_protocol import make_trainer
+    from ppo_trainer.backend_protocol import DataParallel
+    from ppo_trainer.backends import make_trainer
 
     return make_trainer(config(model, backend), DataParallel(), lambda tag: contextlib.nullcontext(), groups)
 
@@ -206,8 +206,9 @@ def unique_bytes(tensors: list[torch.Tensor]) -> int:
 # ---------------------------------------------------------------------------------------- cases
 def kl_sleep_wake(tmp: Path, memory_backend: str) -> dict[str, Any]:
     from ppo_lifecycle import Lifecycle
-    from ppo_trainer.backend import DataParallel
-    from ppo_trainer.backend_protocol import make_trainer
+    from ppo_trainer import objective
+    from ppo_trainer.backend_protocol import DataParallel
+    from ppo_trainer.backends import make_trainer
     from ppo_trainer.megatron_backend import held_tensors, misplaced_tensors
     from ppo_trainer.worker import make_memory_backend
 
@@ -239,7 +240,7 @@ def kl_sleep_wake(tmp: Path, memory_backend: str) -> dict[str, Any]:
     for cycle in range(2):
         held = snapshot(trainer.weight_tensors() + trainer.optimizer_tensors())
         lp = trainer.compute_log_probs(probe)
-        ref_lp = trainer._rank_log_probs(trainer.reference, probe)
+        ref_lp = objective.score(trainer, probe, reference=True)
         tracked = unique_bytes(trainer.weight_tensors() + trainer.optimizer_tensors())
         awake = device_free()
         life.sleep()
@@ -257,7 +258,7 @@ def kl_sleep_wake(tmp: Path, memory_backend: str) -> dict[str, Any]:
                 "misplaced_after_wake": misplaced_tensors(trainer._modules(), device),
                 "log_probs_equal": bool(torch.equal(lp, trainer.compute_log_probs(probe))),
                 "reference_log_probs_equal": bool(
-                    torch.equal(ref_lp, trainer._rank_log_probs(trainer.reference, probe))
+                    torch.equal(ref_lp, objective.score(trainer, probe, reference=True))
                 ),
             }
         )
@@ -278,7 +279,7 @@ def _deterministic() -> None:
 
 def resume(tmp: Path) -> dict[str, Any]:
     from ppo_lifecycle import PinnedHostBackend
-    from ppo_trainer import megatron_checkpoint
+    from ppo_trainer.checkpoint import megatron_io
 
     _deterministic()
     model = model_folder(tmp)
@@ -300,7 +301,7 @@ def resume(tmp: Path) -> dict[str, Any]:
     out["tracked_after_steps"] = unique_bytes(first.weight_tensors() + first.optimizer_tensors())
     memory.close()
     folder = tmp / "checkpoint" / "actor"
-    megatron_checkpoint.save_shard(first, folder, step=n)
+    megatron_io.save_shard(first, folder, step=n)
     metrics += [first.train_actor(b, zeros(b)) for b in batches[n:]]
     whole = {
         "main": first.hf_state_dict(),
@@ -312,7 +313,7 @@ def resume(tmp: Path) -> dict[str, Any]:
     torch.cuda.empty_cache()
 
     resumed = plain_trainer(model, "megatron", groups)
-    out["loaded_step"] = megatron_checkpoint.load_shard(resumed, folder)
+    out["loaded_step"] = megatron_io.load_shard(resumed, folder)
     resumed_metrics = [resumed.train_actor(b, zeros(b)) for b in batches[n:]]
     again = {
         "main": resumed.hf_state_dict(),
@@ -346,7 +347,8 @@ def resume(tmp: Path) -> dict[str, Any]:
 def round_trip_parity(tmp: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    from ppo_trainer import megatron_checkpoint
+    from ppo_trainer import objective
+    from ppo_trainer.checkpoint import megatron_io
 
     model = model_folder(tmp)
     vocab = vocab_of(model)
@@ -373,7 +375,7 @@ def round_trip_parity(tmp: Path) -> dict[str, Any]:
     main = mega.hf_state_dict()
     out["main_unequal"] = [k for k in file_float if k in main and not torch.equal(main[k], file_float[k])]
     folder = tmp / "round_trip" / "actor"
-    megatron_checkpoint.save_shard(mega, folder, step=0)
+    megatron_io.save_shard(mega, folder, step=0)
     written = load_file(str(folder / "hf" / "model.safetensors"))
     out["written_names_equal"] = sorted(written) == sorted(saved)
     out["written_unequal"] = [
@@ -384,7 +386,7 @@ def round_trip_parity(tmp: Path) -> dict[str, Any]:
     samples = batch(32, 48, 48, vocab, seed=7)
     mask = samples.response_mask
     lp_m = mega.compute_log_probs(samples).float().cpu()
-    ref_m = mega._rank_log_probs(mega.reference, samples).float().cpu()
+    ref_m = objective.score(mega, samples, reference=True).float().cpu()
     first = mega.train_actor(samples, zeros(samples))
     del mega
     torch.cuda.empty_cache()

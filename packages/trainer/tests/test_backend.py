@@ -15,9 +15,12 @@ from safetensors.torch import load_file, save_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig, sharding
 from ppo_trainer import ppo_math as pm
-from ppo_trainer.backend import DataParallel
+from ppo_trainer import sharding
+from ppo_trainer.backend import TorchTrainer
+from ppo_trainer.backend_protocol import DataParallel
+from ppo_trainer.batch import Samples
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 from ppo_trainer.models import count_parameters, load_critic, load_policy_state_into_critic
 
 
@@ -346,7 +349,7 @@ def test_fsdp2_with_a_sharded_reference_trains_like_replication(
 def test_fsdp2_critic_trains_saves_and_loads_a_policy_checkpoint(
     tiny_model: Path, fields_factory: Callable, one_rank_group: dist.ProcessGroup, tmp_path: Path
 ) -> None:
-    from ppo_trainer import checkpoint
+    from ppo_trainer.checkpoint import torch_io
 
     samples = Samples.from_fields(fields_factory(8, seed=13))
     config = TrainerConfig(role="critic", model_path=str(tiny_model), critic_lr=1e-3)
@@ -358,9 +361,9 @@ def test_fsdp2_critic_trains_saves_and_loads_a_policy_checkpoint(
         assert m_sharded["value_loss"] == pytest.approx(m_plain["value_loss"], rel=1e-5)
         torch.testing.assert_close(v_sharded, v_plain, atol=1e-6, rtol=1e-5)
 
-    checkpoint.save_shard(sharded, tmp_path / "critic", step=2)
+    torch_io.save_shard(sharded, tmp_path / "critic", step=2)
     fresh = TorchTrainer(config, shard)
-    assert checkpoint.load_shard(fresh, tmp_path / "critic") == 2
+    assert torch_io.load_shard(fresh, tmp_path / "critic") == 2
     for (name, a), (_, b) in zip(fresh.named_weights(), sharded.named_weights(), strict=True):
         assert torch.equal(a, b), name
     restored, saved = fresh.optimizer.state_dict()["state"], sharded.optimizer.state_dict()["state"]
@@ -374,9 +377,9 @@ def test_fsdp2_critic_trains_saves_and_loads_a_policy_checkpoint(
     # A policy checkpoint loads into the sharded critic's backbone; the value head stays as it was.
     policy = TorchTrainer(TrainerConfig(role="actor", model_path=str(tiny_model), actor_lr=1e-3))
     policy.train_actor(samples, torch.zeros(len(samples), samples.max_response))
-    checkpoint.save_shard(policy, tmp_path / "actor", step=1)
+    torch_io.save_shard(policy, tmp_path / "actor", step=1)
     head = dict(fresh.named_weights())["value_head.weight"].clone()
-    assert checkpoint.load_shard(fresh, tmp_path / "actor") is None
+    assert torch_io.load_shard(fresh, tmp_path / "actor") is None
     loaded = dict(fresh.named_weights())
     policy_weights = dict(policy.named_weights())
     torch.testing.assert_close(
@@ -390,7 +393,7 @@ def test_tied_weights_checkpoints_load_across_kinds(
 ) -> None:
     from conftest import save_tiny_llama
 
-    from ppo_trainer import checkpoint
+    from ppo_trainer.checkpoint import torch_io
 
     model = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
     samples = Samples.from_fields(fields_factory(8, seed=14))
@@ -400,8 +403,8 @@ def test_tied_weights_checkpoints_load_across_kinds(
     plain, sharded = TorchTrainer(config), TorchTrainer(config, shard)
     plain.train_actor(samples, values)
     sharded.train_actor(samples, values)
-    checkpoint.save_shard(plain, tmp_path / "plain", step=1)
-    checkpoint.save_shard(sharded, tmp_path / "sharded", step=1)
+    torch_io.save_shard(plain, tmp_path / "plain", step=1)
+    torch_io.save_shard(sharded, tmp_path / "sharded", step=1)
     # One tensor for the tied pair, under the same name whichever kind wrote it.
     assert (
         load_file(str(tmp_path / "plain" / "model.safetensors")).keys()
@@ -409,8 +412,8 @@ def test_tied_weights_checkpoints_load_across_kinds(
     )
 
     into_plain, into_sharded = TorchTrainer(config), TorchTrainer(config, shard)
-    checkpoint.load_shard(into_plain, tmp_path / "sharded")
-    checkpoint.load_shard(into_sharded, tmp_path / "plain")
+    torch_io.load_shard(into_plain, tmp_path / "sharded")
+    torch_io.load_shard(into_sharded, tmp_path / "plain")
     for a, b, c in zip(
         sharded.named_weights(), into_plain.named_weights(), into_sharded.named_weights(), strict=True
     ):
@@ -425,7 +428,7 @@ def test_tied_weights_checkpoints_load_across_kinds(
         (TorchTrainer(critic_config), "sharded"),
         (TorchTrainer(critic_config, shard), "plain"),
     ):
-        assert checkpoint.load_shard(critic, tmp_path / folder) is None  # a policy checkpoint: step unknown
+        assert torch_io.load_shard(critic, tmp_path / folder) is None  # a policy checkpoint: step unknown
         embedding = dict(critic.named_weights())["backbone.embed_tokens.weight"]
         torch.testing.assert_close(embedding, head["model.embed_tokens.weight"], atol=0, rtol=0)
 

@@ -12,8 +12,11 @@ from conftest import save_tiny_llama
 from safetensors import safe_open
 
 from ppo_lifecycle import HostMemoryBackend
-from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig, checkpoint
-from ppo_trainer.background_save import BackgroundSave
+from ppo_trainer.backend import TorchTrainer
+from ppo_trainer.batch import Samples
+from ppo_trainer.checkpoint import torch_io
+from ppo_trainer.checkpoint.background import BackgroundSave
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 
 
 def _files(folder: Path) -> dict[str, object]:
@@ -52,11 +55,11 @@ def test_background_shard_has_the_bytes_of_a_foreground_one(
     memory = HostMemoryBackend()
     trainer = _trained_actor(tmp_path, fields_factory, memory, tied=tied)
 
-    checkpoint.save_shard(trainer, tmp_path / "fg", step=7)
+    torch_io.save_shard(trainer, tmp_path / "fg", step=7)
     memory.release()
-    direct = BackgroundSave(checkpoint.capture(trainer, 7, host=memory), tmp_path / "direct")
+    direct = BackgroundSave(torch_io.capture(trainer, 7, host=memory), tmp_path / "direct")
     assert direct.result(60) > 0
-    state = checkpoint.capture(trainer, 7, host=memory)
+    state = torch_io.capture(trainer, 7, host=memory)
     copied = BackgroundSave(state, tmp_path / "copied", copy_first=True)
     copied.wait_reading(60)
     # A pinned backend's next sleep writes new bytes into the same buffers: the writer holds its copy.
@@ -89,9 +92,9 @@ class CountingHost(HostMemoryBackend):
 def test_capture_reads_every_host_copy_in_one_call(tmp_path: Path, fields_factory: Callable) -> None:
     memory = CountingHost()
     trainer = _trained_actor(tmp_path, fields_factory, memory)
-    expected = checkpoint.private_copy(checkpoint.capture(trainer, 3))  # the release frees the originals
+    expected = torch_io.private_copy(torch_io.capture(trainer, 3))  # the release frees the originals
     memory.release()
-    state = checkpoint.capture(trainer, 3, host=memory)
+    state = torch_io.capture(trainer, 3, host=memory)
     assert memory.calls == 1  # not one per parameter: the cost grew with the square of their count
     assert state.model is not None
     assert expected.model is not None
@@ -111,13 +114,13 @@ def test_capture_reads_every_host_copy_in_one_call(tmp_path: Path, fields_factor
 def test_private_copy_keeps_tied_tensors_tied_and_owns_its_memory() -> None:
     buffer = torch.arange(32, dtype=torch.float32)
     weight = buffer[:16].view(4, 4)
-    state = checkpoint.ShardState(
+    state = torch_io.ShardState(
         rank=0,
         rng=({}, {}),
         model={"embed": weight, "head": weight, "other": buffer[16:]},
         optimizer={"state": {"embed": {"exp_avg": buffer[16:]}}, "param_groups": []},
     )
-    copied = checkpoint.private_copy(state)
+    copied = torch_io.private_copy(state)
     assert copied.model is not None
     assert copied.optimizer is not None
     assert copied.model["embed"] is copied.model["head"]  # one copy for the tied pair

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ppo_trainer import AlgorithmConfig, TrainerConfig
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 
 
 @pytest.mark.parametrize(
@@ -183,7 +183,7 @@ def test_the_ranks_weight_sync_metrics_merge_bytes_add_times_take_the_slowest() 
 
 
 def test_backend_settings() -> None:
-    from ppo_trainer import TrainSettings
+    from ppo_trainer.config import TrainSettings
 
     assert TrainSettings().backend == "torch"
     assert TrainSettings().tensor_parallel == 1
@@ -216,3 +216,17 @@ def test_backend_settings() -> None:
     heads = settings.megatron_heads_problems({"model_type": "gpt2", "num_attention_heads": 12})
     assert heads[0].startswith("train.backend='megatron' converts Llama and Qwen2 models; model_type='gpt2'")
     assert TrainSettings().backend_problems("cpu", {"placement.actor_gpus": 3}) == []
+
+
+def test_settings_import_without_torch() -> None:
+    """``ppo-driver validate`` reads the settings without paying for torch, transformers and Ray."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ppo_trainer, ppo_trainer.config, ppo_trainer.lr_schedule; "
+        "heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]; "
+        "assert not heavy, f'imported {heavy}'; "
+        "assert ppo_trainer.TrainerConfig is ppo_trainer.config.TrainerConfig"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

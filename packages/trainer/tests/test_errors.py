@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 
-from ppo_trainer import NonFiniteWeightsError
+from ppo_trainer.errors import NonFiniteWeightsError
 
 
 def test_non_finite_weights_error_pickles_with_its_fields() -> None:

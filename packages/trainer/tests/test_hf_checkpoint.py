@@ -12,7 +12,10 @@ import pytest
 import torch
 from conftest import make_fields, save_tiny_llama
 
-from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig, checkpoint, megatron_checkpoint
+from ppo_trainer.backend import TorchTrainer
+from ppo_trainer.batch import Samples
+from ppo_trainer.checkpoint import megatron_io, torch_io
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 
 
 def _trainer(model: Path, role: str = "actor") -> TorchTrainer:
@@ -45,9 +48,9 @@ def test_hf_named_checkpoint_loads_into_the_torch_backend_and_back(tmp_path: Pat
     assert not torch.equal(expected["model.norm.weight"], _weights(_trainer(model))["model.norm.weight"])
 
     # Written through the backend interface, read by the torch backend's checkpoint code.
-    megatron_checkpoint.save_shard(source, tmp_path / "a" / "actor", step=7)
+    megatron_io.save_shard(source, tmp_path / "a" / "actor", step=7)
     resumed = _trainer(model)
-    assert checkpoint.load_shard(resumed, tmp_path / "a" / "actor") == 7
+    assert torch_io.load_shard(resumed, tmp_path / "a" / "actor") == 7
     for name, tensor in _weights(resumed).items():
         assert torch.equal(tensor, expected[name]), name
     from transformers import AutoModelForCausalLM
@@ -57,9 +60,9 @@ def test_hf_named_checkpoint_loads_into_the_torch_backend_and_back(tmp_path: Pat
         assert torch.equal(tensor, expected[name]), name
 
     # Written by the torch backend's checkpoint code, read through the backend interface.
-    checkpoint.save_shard(source, tmp_path / "b" / "actor", step=9)
+    torch_io.save_shard(source, tmp_path / "b" / "actor", step=9)
     again = _trainer(model)
-    assert megatron_checkpoint.load_shard(again, tmp_path / "b" / "actor") == 9
+    assert megatron_io.load_shard(again, tmp_path / "b" / "actor") == 9
     for name, tensor in _weights(again).items():
         assert torch.equal(tensor, expected[name]), name
 
@@ -67,13 +70,13 @@ def test_hf_named_checkpoint_loads_into_the_torch_backend_and_back(tmp_path: Pat
 def test_policy_checkpoint_into_a_critic(tmp_path: Path) -> None:
     model = save_tiny_llama(tmp_path / "model")
     source = _trained(model)
-    megatron_checkpoint.save_shard(source, tmp_path / "actor", step=4)
+    megatron_io.save_shard(source, tmp_path / "actor", step=4)
     critic = _trainer(model, "critic")
     head = critic.model.state_dict()["value_head.weight"].clone()
-    assert megatron_checkpoint.load_shard(critic, tmp_path / "actor") is None  # a fresh start
+    assert megatron_io.load_shard(critic, tmp_path / "actor") is None  # a fresh start
     state = critic.model.state_dict()
     assert torch.equal(state["backbone.norm.weight"], source.model.state_dict()["model.norm.weight"])
     assert torch.equal(state["value_head.weight"], head)
-    megatron_checkpoint.save_shard(critic, tmp_path / "critic", step=4)
+    megatron_io.save_shard(critic, tmp_path / "critic", step=4)
     with pytest.raises(ValueError, match="holds a critic checkpoint; it cannot be loaded into the actor"):
-        megatron_checkpoint.load_shard(_trainer(model), tmp_path / "critic")
+        megatron_io.load_shard(_trainer(model), tmp_path / "critic")

@@ -274,7 +274,7 @@ def test_round_trip_property(
 
 def test_conversion_does_not_import_megatron() -> None:
     code = (
-        "import sys, ppo_trainer.megatron_convert, ppo_trainer.backend_protocol, ppo_trainer.config; "
+        "import sys, ppo_trainer.megatron_convert, ppo_trainer.backends, ppo_trainer.config; "
         "assert not [m for m in sys.modules if m.startswith('megatron')], 'megatron imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -283,7 +283,7 @@ def test_conversion_does_not_import_megatron() -> None:
 def test_tensor_parallel_ranks_pool_their_samples() -> None:
     """The ranks of a TP group train on the union of their shares (re-padded to the widest response)
     and each takes back its own rows (megatron_backend's pooling; no megatron needed)."""
-    from ppo_trainer import Samples
+    from ppo_trainer.batch import Samples
     from ppo_trainer.megatron_backend import concat_samples
 
     def share(lengths: list[int], offset: int) -> Samples:

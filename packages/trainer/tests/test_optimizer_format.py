@@ -17,9 +17,12 @@ from conftest import make_fields, save_tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig, checkpoint, megatron_checkpoint
-from ppo_trainer import optimizer_format as of
-from ppo_trainer.checkpoint import optimizer_state_by_name
+from ppo_trainer.backend import TorchTrainer
+from ppo_trainer.batch import Samples
+from ppo_trainer.checkpoint import megatron_io, torch_io
+from ppo_trainer.checkpoint import optimizer_format as of
+from ppo_trainer.checkpoint.torch_optimizer import state_by_name
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 from ppo_trainer.megatron_convert import (
     ModelShape,
     _entries,
@@ -144,7 +147,7 @@ def _train(trainer: TorchTrainer, seed: int) -> dict[str, float]:
 
 
 def _adam(trainer: TorchTrainer) -> dict[str, dict[str, torch.Tensor]]:
-    state = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())["state"]
+    state = state_by_name(trainer.model, trainer.optimizer.state_dict())["state"]
     return {n: {k: v.clone() for k, v in s.items()} for n, s in state.items()}
 
 
@@ -195,16 +198,16 @@ def test_either_checkpoint_module_resumes_the_other_with_its_optimizer(tmp_path:
     _train(source, seed=3)
     expected = _adam(source)
 
-    megatron_checkpoint.save_shard(source, tmp_path / "a" / "actor", step=1)
+    megatron_io.save_shard(source, tmp_path / "a" / "actor", step=1)
     saved = torch.load(tmp_path / "a" / "actor" / "optimizer.pt", weights_only=True)
     assert set(saved["state"]) == set(expected)
     resumed = _trainer(model)
-    assert checkpoint.load_shard(resumed, tmp_path / "a" / "actor") == 1
+    assert torch_io.load_shard(resumed, tmp_path / "a" / "actor") == 1
     _same_adam(_adam(resumed), expected)
 
-    checkpoint.save_shard(source, tmp_path / "b" / "actor", step=1)
+    torch_io.save_shard(source, tmp_path / "b" / "actor", step=1)
     again = _trainer(model)
-    assert megatron_checkpoint.load_shard(again, tmp_path / "b" / "actor") == 1
+    assert megatron_io.load_shard(again, tmp_path / "b" / "actor") == 1
     _same_adam(_adam(again), expected)
     assert _train(again, seed=4) == _train(source, seed=4)
 

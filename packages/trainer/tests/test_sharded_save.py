@@ -23,7 +23,8 @@ from conftest import critic_pieces, make_fields, save_tiny_llama
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ppo_trainer import AlgorithmConfig, LocalSlots, TrainerConfig, TrainGroup
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
+from ppo_trainer.group import LocalSlots, TrainGroup
 from ppo_value_transport import pack_fields, unpack_fields
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
@@ -120,14 +121,14 @@ def _rng(path: Path) -> tuple[dict[str, str], dict[str, list[int]]]:
 def save_from_a_private_copy(worker: Any, folder: str) -> bool:
     """On one rank of an asleep role: a background save that copies the host copies first
     (``copy_first``, as with the pinned backends), which are zeroed once it no longer reads them."""
-    from ppo_trainer import sharded_save
-    from ppo_trainer.background_save import BackgroundSave
+    from ppo_trainer.checkpoint import sharded
+    from ppo_trainer.checkpoint.background import BackgroundSave
 
     memory = worker._memory
     calls: list[int] = []
     host_copies = memory.host_copies
     memory.host_copies = lambda tensors: calls.append(len(tensors)) or host_copies(tensors)
-    state = sharded_save.capture_shards(worker.trainer, worker._last_step, memory, worker._save_group)
+    state = sharded.capture_shards(worker.trainer, worker._last_step, memory, worker._checkpoints.save_group)
     del memory.host_copies  # the backend's own method again
     # One call for every shard: each call indexes every host copy the backend holds.
     if len(calls) != 1:

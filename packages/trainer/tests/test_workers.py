@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from ppo_testsupport import listening_addresses
-from ppo_trainer import AlgorithmConfig, LocalSlots, TrainerConfig, TrainGroup
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig
+from ppo_trainer.group import LocalSlots, TrainGroup
 from ppo_value_transport import (
     Box,
     MissingValuesError,

@@ -18,7 +18,7 @@ from ppo_driver.config import RunConfig
 from ppo_lifecycle import OffloadPlan
 from ppo_placement import PlacementSpec, plan_layout
 from ppo_rollout import RolloutConfig, RolloutSettings
-from ppo_trainer import AlgorithmConfig, TrainerConfig, TrainSettings
+from ppo_trainer.config import AlgorithmConfig, TrainerConfig, TrainSettings
 
 if TYPE_CHECKING:  # ppo_weight_sync imports torch: `ppo-driver validate` must not (preflight.py)
     from ppo_weight_sync import SenderPlan

@@ -27,7 +27,7 @@ def _pid(_instance: Any) -> int:
 def _handles(roles: Roles) -> dict[str, list[Any]]:
     from ppo_rollout import RolloutManager
     from ppo_rollout.engine.handles import BuiltinEngineHandle
-    from ppo_trainer import TrainGroup
+    from ppo_trainer.group import TrainGroup
 
     found: dict[str, list[Any]] = {}
     for name, group in (("actor", roles.actor), ("critic", roles.critic)):

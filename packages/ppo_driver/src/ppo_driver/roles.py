@@ -86,7 +86,7 @@ def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles
     after the other: the engines size their memory before the trainers take theirs."""
     from ppo_placement import create_placement_groups, remove_placement_groups
     from ppo_rollout import RolloutManager
-    from ppo_trainer import TrainGroup
+    from ppo_trainer.group import TrainGroup
 
     placements = create_placement_groups(build.placement_spec(config), timeout_s=min(timeout_s, 120.0))
     actor_config = build.actor_trainer_config(config, model_path)

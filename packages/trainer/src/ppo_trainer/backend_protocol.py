@@ -1,29 +1,139 @@
-"""What the worker needs of a training backend, and how it picks one (``train.backend``).
+"""The two seams of a training backend: what the PPO objective drives, and what the worker drives.
 
-``TorchTrainer`` (``backend.py``, transformers models, replicated or FSDP2) and ``MegatronTrainer``
-(``megatron_backend.py``, megatron-core GPTModel with tensor and data parallelism) both satisfy
-``TrainerBackend``; ``make_trainer`` builds the one the config names. Everything the worker, the
-checkpoint code and the weight update see is in Hugging Face names and whole tensors, whatever the
-backend holds inside.
+``ModelBackend`` is what ``ppo_trainer.objective`` needs of a model to run the critic's and the
+actor's steps: one ``forward`` over a micro-batch (log-probs and entropy, or values), training and
+inference modes, ``backward``, ``optimizer_step``, and a data-parallel sum for its counts and metrics.
+``TrainerBackend`` is what the worker, the checkpoint code and the weight update see: the PPO steps
+(each backend runs them through the objective), weights and optimizer state in Hugging Face names and
+whole tensors, the tensors the memory backend moves, and the lifecycle hooks.
+
+``TorchTrainer`` (``backend.py``: transformers models, replicated or FSDP2) and ``MegatronTrainer``
+(``megatron_backend.py``: megatron-core GPTModel with tensor and data parallelism) implement both;
+``ppo_trainer.backends.make_trainer`` builds the one the config names.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from ppo_trainer.batch import Samples
+from ppo_trainer import ppo_math as pm
+from ppo_trainer.batch import MicroBatch, Samples
 from ppo_trainer.config import TrainerConfig
 
-if TYPE_CHECKING:
-    from ppo_lifecycle import ReloadableProcessGroups
-    from ppo_trainer.backend import DataParallel
-
+# The memory backend's region factory: allocations made under ``region(tag)`` carry that tag.
 Region = Callable[[str], AbstractContextManager[None]]
+
+
+def no_region(tag: str) -> AbstractContextManager[None]:
+    """A ``Region`` that tags nothing (no memory backend)."""
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Where this rank sits and how to sum a tensor over all ranks (returns the sum, same device).
+
+    ``shard_group`` (torch backend): shard the models with FSDP2 over the group it returns (called at
+    construction and after every rebuild of the groups, so it must return the live one); None:
+    replicate them.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    sum_fn: pm.AllReduce | None = None
+    shard_group: Callable[[], dist.ProcessGroup] | None = None
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.sum_fn is None else self.sum_fn(tensor)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A forward pass over a micro-batch, in response space ``[b, R_max]`` (padding columns hold
+    whatever the model computed there; callers mask them): the policy's (or the reference's)
+    ``log_probs`` of the response tokens and, when asked, its ``entropy``; or the critic's ``values``."""
+
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode and no gradients inside; its previous mode after (a backend's
+    ``inference``)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def scored_model(model: nn.Module, reference: nn.Module | None, want_reference: bool, role: str) -> nn.Module:
+    """The model a forward runs: the trained ``model``, or the ``reference`` (``RuntimeError`` naming
+    ``role`` when it holds none)."""
+    if not want_reference:
+        return model
+    if reference is None:
+        raise RuntimeError(f"{role}: no reference model is loaded")
+    return reference
+
+
+def policy_forward(logits: torch.Tensor, mb: MicroBatch, entropy: bool) -> Forward:
+    """``Forward`` from a causal LM's logits ``[b, L, V]``: the logits that predict each response token,
+    their log-prob of it and (``entropy``) their entropy."""
+    index = mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    picked = logits.gather(1, index)  # [b, R, V]
+    return Forward(
+        log_probs=pm.log_probs_from_logits(picked, mb.targets),
+        entropy=pm.entropy_from_logits(picked) if entropy else None,
+    )
+
+
+class ModelBackend(Protocol):
+    """One rank's model and optimizer, as the PPO objective drives them."""
+
+    config: TrainerConfig
+    dp: DataParallel  # the ranks the objective's counts, metrics and whitening are summed over
+    device: torch.device  # where micro-batches go
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the frozen reference policy is loaded (``forward(..., reference=True)`` works)."""
+        ...
+
+    def forward(self, mb: MicroBatch, *, reference: bool = False, entropy: bool = False) -> Forward:
+        """The trained model's outputs over ``mb`` (the actor's log-probs, with ``entropy`` its entropy
+        too; the critic's values), or the reference policy's log-probs. Differentiable in training."""
+        ...
+
+    def inference(self, reference: bool = False) -> AbstractContextManager[None]:
+        """Forward passes without gradients: the model scored (the trained one or the reference) in
+        eval mode inside; its previous mode, and nothing left gathered, after."""
+        ...
+
+    def train_mode(self) -> None:
+        """The trained model in training mode, before a step's first micro-batch."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of a micro-batch's loss (already divided by the global count)."""
+        ...
+
+    def optimizer_step(self) -> float:
+        """Reduce the gradients over data parallelism, clip, step, clear; the global gradient norm
+        before clipping."""
+        ...
 
 
 class TrainerBackend(Protocol):
@@ -32,6 +142,7 @@ class TrainerBackend(Protocol):
     WEIGHTS_TAG: str  # the memory backend's tags of the weights and of the optimizer state
     OPTIMIZER_TAG: str
     config: TrainerConfig
+    dp: DataParallel
     # True when every rank must take part in ``named_weights`` and ``hf_state_dict`` (each tensor is
     # gathered by a collective: FSDP2 shards, tensor-parallel slices).
     sharded: bool
@@ -45,7 +156,7 @@ class TrainerBackend(Protocol):
         """Set the optimizer's learning rate for training step ``step`` (``lr_schedule``); returns it."""
         ...
 
-    # The PPO steps (ppo_math, as in the torch backend).
+    # The PPO steps (``ppo_trainer.objective``).
     def compute_log_probs(self, samples: Samples) -> torch.Tensor: ...
 
     def compute_values(self, samples: Samples) -> torch.Tensor: ...
@@ -84,41 +195,9 @@ class TrainerBackend(Protocol):
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
 
-    # The optimizer in ``optimizer.pt``'s format (``optimizer_format``): AdamW's state dict keyed by
-    # Hugging Face name, whole tensors. Every rank calls both (collectives on sharded layouts); rank 0
-    # gets the whole dict from ``hf_optimizer_state``, every rank passes it to the load.
+    # The optimizer in ``optimizer.pt``'s format (``checkpoint.optimizer_format``): AdamW's state dict
+    # keyed by Hugging Face name, whole tensors. Every rank calls both (collectives on sharded layouts);
+    # rank 0 gets the whole dict from ``hf_optimizer_state``, every rank passes it to the load.
     def hf_optimizer_state(self) -> dict[str, Any]: ...
 
     def load_hf_optimizer_state(self, state: Mapping[str, Any]) -> None: ...
-
-
-class CheckpointIO(Protocol):
-    """How the worker saves and loads a role's checkpoint folder: ``ppo_trainer.checkpoint`` (the torch
-    backend) and ``ppo_trainer.megatron_checkpoint`` (the megatron backend; same files)."""
-
-    def save_shard(self, trainer: TrainerBackend, folder: Path, step: int | None) -> None:
-        """Write this rank's part into ``folder`` (the staging ``<role>.tmp``); every rank calls it."""
-        ...
-
-    def load_shard(self, trainer: TrainerBackend, folder: Path) -> int | None:
-        """Restore the model, the optimizer and this rank's RNG from a ``<role>/`` folder; the step."""
-        ...
-
-
-def make_trainer(
-    config: TrainerConfig,
-    dp: DataParallel,
-    region: Region,
-    groups: ReloadableProcessGroups | None = None,
-) -> TrainerBackend:
-    """The backend ``config.backend`` names. ``groups``: the worker's reloadable process groups
-    (megatron creates its model-parallel groups through them; required for ``megatron``)."""
-    if config.backend == "megatron":
-        if groups is None:
-            raise ValueError("train.backend='megatron' needs the worker's ReloadableProcessGroups")
-        from ppo_trainer.megatron_backend import MegatronTrainer  # imports megatron-core
-
-        return MegatronTrainer(config, groups, region=region)
-    from ppo_trainer.backend import TorchTrainer
-
-    return TorchTrainer(config, dp, region=region)

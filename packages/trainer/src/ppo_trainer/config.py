@@ -21,8 +21,6 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
-from ppo_trainer.lr_schedule import LrSchedule
-
 Estimator = Literal["ppo", "grpo"]
 KLEstimator = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
 LossAggregation = Literal[
@@ -36,6 +34,7 @@ DataParallelKind = Literal["auto", "replicate", "fsdp2"]
 WeightSyncBackend = Literal["gloo", "nccl"]
 WeightSyncDType = Literal["float32", "bfloat16", "float16"]
 Backend = Literal["torch", "megatron"]
+LrSchedule = Literal["constant", "cosine"]
 
 # Shared by every config of this package (and the ones that extend them): unknown keys are errors,
 # and defaults are validated like any input.

@@ -11,12 +11,10 @@ verl's ``lr_scheduler_type: cosine`` with ``min_lr_ratio``; ``constant`` after w
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Iterable
+from typing import Any
 
-if TYPE_CHECKING:
-    from ppo_trainer.config import TrainerConfig
-
-LrSchedule = Literal["constant", "cosine"]
+from ppo_trainer.config import LrSchedule, TrainerConfig
 
 
 def lr_factor(
@@ -59,3 +57,13 @@ def scheduled_factor(config: TrainerConfig, step: int) -> float:
         total_steps=config.total_steps,
         min_lr_ratio=config.min_lr_ratio,
     )
+
+
+def set_scheduled_lr(config: TrainerConfig, step: int, param_groups: Iterable[dict[str, Any]]) -> float:
+    """The role's rate at training step ``step`` (``config.lr`` times :func:`scheduled_factor`) into
+    every optimizer param group of ``param_groups``; returns it. Both backends set it so, once per
+    step: megatron's own ``OptimizerParamScheduler`` is not used (nor its ``lr_mult`` / ``wd_mult``)."""
+    lr = config.lr * scheduled_factor(config, step)
+    for group in param_groups:
+        group["lr"] = lr
+    return lr

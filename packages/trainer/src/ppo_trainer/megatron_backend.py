@@ -1,8 +1,9 @@
 """The megatron-core backend: GPTModel (local layer spec) with tensor and data parallelism, bf16.
 
-``MegatronTrainer`` runs the same PPO steps as ``TorchTrainer`` (it inherits them: every loss, the
-advantages, the whitening and the metrics come from ``ppo_math`` through the same code) and swaps
-what touches the model: the forward passes, the optimizer step, the weights in Hugging Face names.
+``MegatronTrainer`` runs the same PPO steps as ``TorchTrainer``: both are ``ModelBackend``s of
+``ppo_trainer.objective``, which holds every loss, the advantages, the whitening and the metrics. This
+module holds what touches the model: the forward passes, the optimizer step, the weights in Hugging
+Face names.
 
 - Models: ``GPTModel`` built from the Hugging Face config (Llama, Qwen2), weights converted from the
   transformers model the torch backend would load (``models.load_causal_lm`` / ``load_critic``: same
@@ -24,6 +25,7 @@ what touches the model: the forward passes, the optimizer step, the weights in H
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -35,11 +37,21 @@ from torch import nn
 
 from ppo_lifecycle import ReloadableProcessGroups
 from ppo_trainer import megatron_convert as mc
-from ppo_trainer import optimizer_format as of
-from ppo_trainer.backend import DataParallel, Region, TorchTrainer, _no_region, init_adam_state
+from ppo_trainer import objective
+from ppo_trainer.backend_protocol import (
+    DataParallel,
+    Forward,
+    Region,
+    evaluating,
+    no_region,
+    policy_forward,
+    scored_model,
+)
 from ppo_trainer.batch import MicroBatch, Samples
+from ppo_trainer.checkpoint import optimizer_format as of
+from ppo_trainer.checkpoint.torch_optimizer import init_adam_state
 from ppo_trainer.config import TrainerConfig
-from ppo_trainer.lr_schedule import scheduled_factor
+from ppo_trainer.lr_schedule import set_scheduled_lr
 from ppo_trainer.megatron_groups import MegatronGroups
 from ppo_trainer.models import load_causal_lm, load_critic
 
@@ -94,8 +106,10 @@ def _transformer_config(hf: Any, shape: mc.ModelShape, tp: int, dtype: torch.dty
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        # As the transformers model the torch backend trains: Llama and Qwen2 have no dropout outside
+        # attention, and apply the config's attention_dropout (0 in their released configs) in training.
         hidden_dropout=0.0,
-        attention_dropout=0.0,
+        attention_dropout=float(getattr(hf, "attention_dropout", 0.0) or 0.0),
         tensor_model_parallel_size=tp,
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
@@ -224,17 +238,17 @@ def load_hf_into(
                 param.copy_(shard.to(device=param.device, dtype=param.dtype))
 
 
-class MegatronTrainer(TorchTrainer):
+class MegatronTrainer:
     """One rank of the actor or the critic on megatron-core (see the module docstring)."""
+
+    WEIGHTS_TAG = "weights"
+    OPTIMIZER_TAG = "optimizer"
 
     def __init__(
         self, config: TrainerConfig, groups: ReloadableProcessGroups, region: Region | None = None
     ) -> None:
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.transformer.module import Float16Module
 
         if config.device != "cuda":
             raise ValueError("train.backend='megatron' needs placement.device='cuda'")
@@ -243,22 +257,13 @@ class MegatronTrainer(TorchTrainer):
                 "MegatronTrainer needs torch.distributed initialised by ReloadableProcessGroups"
             )
         self.config = config
-        self.alg = config.algorithm
-        self.region = region or _no_region
+        self.region = region or no_region
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.autocast_dtype = None  # megatron's Float16Module casts; no autocast
         self.tp = config.tensor_parallel
         world = dist.get_world_size()
         if world % self.tp:
             raise ValueError(f"train.tensor_parallel={self.tp} must divide the role's {world} GPUs")
-        self._groups = _PROCESS_GROUPS.get(id(groups))
-        if self._groups is None:
-            self._groups = MegatronGroups(groups)
-            with self._groups.recording():
-                mpu.initialize_model_parallel(
-                    tensor_model_parallel_size=self.tp, create_gloo_process_groups=False
-                )
-            _PROCESS_GROUPS[id(groups)] = self._groups
+        self._groups = _model_parallel_groups(groups, self.tp)
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.dp = DataParallel(
@@ -272,63 +277,18 @@ class MegatronTrainer(TorchTrainer):
         self.critic = config.role == "critic"
         # True with TP > 1: named_weights gathers each tensor over the TP group (every rank calls it).
         self.sharded = self.tp > 1
-        self._loss_scale = 1.0
         self.architecture = (self.hf_config.architectures or ["LlamaForCausalLM"])[0]
-
-        # The transformers model the torch backend would load: same files, same seeded init.
-        source = (
-            load_critic(config.model_path, config.seed)
-            if self.critic
-            else load_causal_lm(config.model_path, config.seed)
-        )
-        hf_state = {k: v.detach() for k, v in source.state_dict().items()}
-        del source
+        hf_state = self._source_state()
         with self.region(self.WEIGHTS_TAG):
-            gpt = build_gpt(self.hf_config, self.shape, self.tp, self.critic)
-            module = Float16Module(gpt.config, gpt)
-            self._load_into(module, hf_state, strict_value_head=True)
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,
-                use_distributed_optimizer=True,
-            )
             # megatron's DDP (typed Any: megatron-core ships no type information).
-            self.ddp: Any = DistributedDataParallel(gpt.config, ddp_config, module)
+            self.ddp: Any = self._build_model(hf_state)
             self.model = self.ddp
-            self.reference: nn.Module | None = None
-            if self.alg.reference_for(config.role):
-                ref_state = {
-                    k: v.detach()
-                    for k, v in load_causal_lm(config.model_path, config.seed).state_dict().items()
-                }
-                ref = Float16Module(gpt.config, build_gpt(self.hf_config, self.shape, self.tp, critic=False))
-                self._load_into(ref, ref_state, strict_value_head=False, critic=False)
-                ref.eval()
-                ref.requires_grad_(False)
-                self.reference = ref
+            self.reference = self._build_reference()
         self._require_on_device()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer_config = OptimizerConfig(
-            optimizer="adam",
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            adam_beta1=config.betas[0],
-            adam_beta2=config.betas[1],
-            bf16=True,
-            params_dtype=torch.bfloat16,
-            use_distributed_optimizer=True,
-            # Clip at grad_clip; "no clipping" still measures the norm (reported as grad_norm).
-            clip_grad=config.grad_clip if config.grad_clip > 0 else math.inf,
-        )
-        self.optimizer_config = optimizer_config
+        self.optimizer_config = _optimizer_config(config)
         with self.region(self.OPTIMIZER_TAG):
-            self.optimizer = get_megatron_optimizer(
-                optimizer_config, [self.model], use_gloo_process_groups=False
-            )
-            # Adam's moments would appear in the first step; made here (zeros, step 0, as the step
-            # makes them), the memory backend tracks them from setup and the pinned one allocates
-            # their host buffers at track(), not in the first sleep. The step is unchanged.
-            self._init_optimizer_state()
+            self.optimizer = self._build_optimizer()
         # The float32 main weights start as the checkpoint's own values, not as their bf16 rounding
         # (what megatron copies from the bf16 weights). From a point of bf16's grid a step smaller
         # than half a bf16 spacing changes no weight: at lr 1e-5 Adam's first steps moved almost no
@@ -338,7 +298,61 @@ class MegatronTrainer(TorchTrainer):
             self._scatter_optimizer_tensor(
                 "param", mc.hf_to_megatron(hf_state, self.shape, critic=self.critic)
             )
-        del hf_state
+
+    def _source_state(self) -> dict[str, torch.Tensor]:
+        """The float32 weights of the transformers model the torch backend would load (same files,
+        same seeded init), in Hugging Face names."""
+        config = self.config
+        source = (
+            load_critic(config.model_path, config.seed)
+            if self.critic
+            else load_causal_lm(config.model_path, config.seed)
+        )
+        return {k: v.detach() for k, v in source.state_dict().items()}
+
+    def _build_model(self, hf_state: Mapping[str, torch.Tensor]) -> Any:
+        """The trained GPTModel in bf16 (``Float16Module``) under megatron's DDP, holding ``hf_state``
+        (rounded)."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer.module import Float16Module
+
+        gpt = build_gpt(self.hf_config, self.shape, self.tp, self.critic)
+        module = Float16Module(gpt.config, gpt)
+        self._load_into(module, hf_state, strict_value_head=True)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=True,
+        )
+        return DistributedDataParallel(gpt.config, ddp_config, module)
+
+    def _build_reference(self) -> nn.Module | None:
+        """The frozen bf16 reference policy, when this role needs it (as the torch backend's)."""
+        from megatron.core.transformer.module import Float16Module
+
+        config = self.config
+        if not config.algorithm.reference_for(config.role):
+            return None
+        ref_state = {
+            k: v.detach() for k, v in load_causal_lm(config.model_path, config.seed).state_dict().items()
+        }
+        gpt = build_gpt(self.hf_config, self.shape, self.tp, critic=False)
+        ref = Float16Module(gpt.config, gpt)
+        self._load_into(ref, ref_state, strict_value_head=False, critic=False)
+        ref.eval()
+        ref.requires_grad_(False)
+        return ref
+
+    def _build_optimizer(self) -> Any:
+        """megatron's ``DistributedOptimizer`` over the model, its Adam state made now."""
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        optimizer = get_megatron_optimizer(self.optimizer_config, [self.model], use_gloo_process_groups=False)
+        # Adam's moments would appear in the first step; made here (zeros, step 0, as the step
+        # makes them), the memory backend tracks them from setup and the pinned one allocates
+        # their host buffers at track(), not in the first sleep. The step is unchanged.
+        _init_optimizer_state(_chained(optimizer))
+        return optimizer
 
     def _modules(self) -> dict[str, nn.Module]:
         """The models this rank computes with: the trained one and, with a KL term, the reference."""
@@ -416,16 +430,6 @@ class MegatronTrainer(TorchTrainer):
             self._scatter_optimizer_tensor("param", mega)
 
     # ------------------------------------------------------------------ optimizer state in HF names
-    def _init_optimizer_state(self) -> None:
-        """Adam's state for every main-weight shard now (``init_adam_state``: what torch's Adam makes
-        in its first step); megatron's own init for the fused optimizers (Transformer Engine, apex)."""
-        for opt in self._optimizers():
-            inner = opt.optimizer
-            if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-                init_adam_state(inner)
-            else:
-                opt.init_state_fn(inner, opt.config)
-
     def _shard_of(self, param: nn.Parameter) -> tuple[dict[str, torch.Tensor], int, int] | None:
         """This data-parallel rank's main weight and Adam moments for model ``param`` (flat float32
         shards) and the element range of the parameter they cover; None when it owns none of it."""
@@ -510,7 +514,7 @@ class MegatronTrainer(TorchTrainer):
         names = of.optimizer_names(self.shape, self.critic)
         adam = of.read_adam_state(state, names, source=f"{self.config.role} optimizer state")
         with self.region(self.OPTIMIZER_TAG), torch.no_grad():
-            self._init_optimizer_state()  # present since setup; a no-op then
+            _init_optimizer_state(self._optimizers())  # present since setup; a no-op then
             for key in of.ADAM_MOMENTS:
                 self._scatter_optimizer_tensor(
                     key, of.moments_to_megatron(adam.moments[key], self.shape, self.critic)
@@ -527,11 +531,10 @@ class MegatronTrainer(TorchTrainer):
 
     # ------------------------------------------------------------------ tensors the lifecycle moves
     def _optimizers(self) -> list[Any]:
-        from megatron.core.optimizer import ChainedOptimizer
+        return _chained(self.optimizer)
 
-        if isinstance(self.optimizer, ChainedOptimizer):
-            return list(self.optimizer.chained_optimizers)
-        return [self.optimizer]
+    def optimizer_state_entries(self) -> int:
+        return len(self.optimizer.state)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the trained model and the reference (``held_tensors``: the bf16 weights,
@@ -582,43 +585,44 @@ class MegatronTrainer(TorchTrainer):
         dist.all_reduce(on_device, group=mpu.get_data_parallel_group())
         return on_device.to(tensor.device)
 
-    def _require_even_split(self, samples: Samples) -> None:
-        """Megatron's forward passes are collectives only within a TP group, which pools its samples."""
+    # ------------------------------------------------------------------ the objective's ModelBackend
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
 
-    # ------------------------------------------------------------------ forward passes
-    def _forward(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    def forward(self, mb: MicroBatch, *, reference: bool = False, entropy: bool = False) -> Forward:
+        """The actor's (or the reference's) log-probs and entropy, or the critic's values, over ``mb``."""
+        model = self._scored(reference)
         length = mb.input_ids.shape[1]
         position_ids = torch.arange(length, device=self.device).unsqueeze(0).expand_as(mb.input_ids)
         # Right padding: the causal mask alone keeps padding out of every real position.
-        return model(mb.input_ids, position_ids, None)
+        out = model(mb.input_ids, position_ids, None)
+        if self.critic and not reference:
+            return Forward(values=out.squeeze(-1).float().gather(1, mb.logit_positions))
+        return policy_forward(out[..., : self.shape.vocab_size], mb, entropy)  # drop the TP vocab padding
 
-    def _policy(
-        self, model: nn.Module, mb: MicroBatch, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from ppo_trainer import ppo_math as pm
+    @contextlib.contextmanager
+    def inference(self, reference: bool = False) -> Iterator[None]:
+        with evaluating(self._scored(reference)):
+            yield
 
-        logits = self._forward(model, mb)[..., : self.shape.vocab_size]  # drop the TP vocab padding
-        index = mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        picked = logits.gather(1, index)
-        log_probs = pm.log_probs_from_logits(picked, mb.targets)
-        entropy = pm.entropy_from_logits(picked) if with_entropy else None
-        return log_probs, entropy
+    def _scored(self, reference: bool) -> nn.Module:
+        return scored_model(self.model, self.reference, reference, self.config.role)
 
-    def _values(self, mb: MicroBatch) -> torch.Tensor:
-        values = self._forward(self.model, mb).squeeze(-1)  # [b, L]
-        return values.float().gather(1, mb.logit_positions)
+    def train_mode(self) -> None:
+        self.model.train()
 
-    # ------------------------------------------------------------------ optimisation
+    def backward(self, loss: torch.Tensor) -> None:
+        # DDP sums the gradients over data parallelism (calculate_per_token_loss): no scale here.
+        loss.backward()
+
     def set_step(self, step: int) -> float:
         """The learning rate of training step ``step`` (``lr_schedule``) into every param group of
         megatron's optimizers (no ``OptimizerParamScheduler``: the step's rate is set here, once)."""
-        lr = self.config.lr * scheduled_factor(self.config, step)
-        for opt in self._optimizers():
-            for group in opt.optimizer.param_groups:
-                group["lr"] = lr
-        return lr
+        groups = [group for opt in self._optimizers() for group in opt.optimizer.param_groups]
+        return set_scheduled_lr(self.config, step, groups)
 
-    def _optimizer_step(self) -> float:
+    def optimizer_step(self) -> float:
         """Reduce gradients over data parallelism, clip, step (main weights -> bf16 weights), clear."""
         self.ddp.finish_grad_sync()
         with self.region(self.OPTIMIZER_TAG):
@@ -654,24 +658,85 @@ class MegatronTrainer(TorchTrainer):
             )
         return pooled, extras, slice(start, start + len(samples)), samples.max_response
 
+    # ------------------------------------------------------------------ the PPO steps (objective)
+    # Over the TP group's pooled samples (megatron's forward passes are collectives within a TP group
+    # only, so ranks of different replicas may hold different counts); each rank keeps its own rows.
     def compute_log_probs(self, samples: Samples) -> torch.Tensor:
         pooled, _, rows, width = self._pool(samples)
-        return super().compute_log_probs(pooled)[rows, :width]
+        return objective.score(self, pooled)[rows, :width]
 
     def compute_values(self, samples: Samples) -> torch.Tensor:
         pooled, _, rows, width = self._pool(samples)
-        return super().compute_values(pooled)[rows, :width]
+        return objective.score(self, pooled)[rows, :width]
+
+    def token_rewards(self, samples: Samples) -> tuple[torch.Tensor, dict[str, float]]:
+        pooled, _, rows, width = self._pool(samples)
+        rewards, metrics = objective.token_rewards(self, pooled)
+        return rewards[rows, :width], metrics
 
     def train_critic(self, samples: Samples) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         pooled, _, rows, width = self._pool(samples)
-        metrics, values, rewards = super().train_critic(pooled)
+        metrics, values, rewards = objective.train_critic(self, pooled)
         return metrics, values[rows, :width], rewards[rows, :width]
 
     def train_actor(
         self, samples: Samples, values: torch.Tensor | None, rewards: torch.Tensor | None = None
     ) -> dict[str, float]:
         pooled, (pv, pr), _, _ = self._pool(samples, values, rewards)
-        return super().train_actor(pooled, pv, pr)
+        return objective.train_actor(self, pooled, pv, pr)
+
+
+def _model_parallel_groups(groups: ReloadableProcessGroups, tp: int) -> MegatronGroups:
+    """The process's ``MegatronGroups``: megatron's model-parallel groups made through the worker's
+    ``groups`` on first use (``parallel_state`` is process-global), the same object after that."""
+    from megatron.core import parallel_state as mpu
+
+    made = _PROCESS_GROUPS.get(id(groups))
+    if made is None:
+        made = MegatronGroups(groups)
+        with made.recording():
+            mpu.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+        _PROCESS_GROUPS[id(groups)] = made
+    return made
+
+
+def _optimizer_config(config: TrainerConfig) -> Any:
+    """megatron's ``OptimizerConfig`` for the role: Adam with decoupled weight decay (AdamW, as the
+    torch backend), float32 main weights and moments over bf16 model weights, global-norm clipping."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        adam_beta1=config.betas[0],
+        adam_beta2=config.betas[1],
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+        # Clip at grad_clip; "no clipping" still measures the norm (reported as grad_norm).
+        clip_grad=config.grad_clip if config.grad_clip > 0 else math.inf,
+    )
+
+
+def _chained(optimizer: Any) -> list[Any]:
+    """The optimizers a megatron optimizer holds (one, or a ``ChainedOptimizer``'s several)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    if isinstance(optimizer, ChainedOptimizer):
+        return list(optimizer.chained_optimizers)
+    return [optimizer]
+
+
+def _init_optimizer_state(optimizers: list[Any]) -> None:
+    """Adam's state for every main-weight shard now (``init_adam_state``: what torch's Adam makes in
+    its first step); megatron's own init for the fused optimizers (Transformer Engine, apex)."""
+    for opt in optimizers:
+        inner = opt.optimizer
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            init_adam_state(inner)
+        else:
+            opt.init_state_fn(inner, opt.config)
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:

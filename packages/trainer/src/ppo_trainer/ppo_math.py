@@ -43,11 +43,6 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked(x, mask).sum()
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum_i x_i m_i / max(sum_i m_i, 1)``: 0 when nothing is masked in."""
-    return masked_sum(x, mask) / mask.sum().clamp(min=1.0)
-
-
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,12 +42,12 @@ from ppo_lifecycle import (
     default_backend,
     enable_expandable_segments,
 )
-from ppo_trainer import checkpoint, fault_injection, sharded_save
+from ppo_trainer import fault_injection
 from ppo_trainer.addresses import peer_address
-from ppo_trainer.backend import DataParallel, TorchTrainer
-from ppo_trainer.backend_protocol import CheckpointIO, TrainerBackend, make_trainer
-from ppo_trainer.background_save import BackgroundSave
+from ppo_trainer.backend_protocol import DataParallel, TrainerBackend
+from ppo_trainer.backends import make_trainer
 from ppo_trainer.batch import Samples
+from ppo_trainer.checkpoint.saves import RankCheckpoints
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_trainer.models import count_parameters
@@ -107,8 +107,7 @@ class TrainWorker:
         self._trainer: TrainerBackend | None = None
         self._lifecycle: Lifecycle | None = None
         self._memory: MemoryBackend | None = None
-        self._save: BackgroundSave | None = None  # a checkpoint shard being written from host copies
-        self._save_group: sharded_save.SaveGroup | None = None  # a sharded role's writers' own group
+        self._checkpoints = RankCheckpoints(config, f"{self.role}-{rank}", timeout_s)
         self._groups: ReloadableProcessGroups | None = None
         self._dp: GroupHandle | None = None
         self._sender: WeightSender | None = None
@@ -171,9 +170,7 @@ class TrainWorker:
         if shard and isinstance(memory, HostCopies) and memory.keeps_host_copies:
             # Built now, while every rank is here: the writers of an asleep sharded role gather on it.
             host = urlparse(init_method).hostname or peer_address()
-            self._save_group = sharded_save.SaveGroup(
-                groups.store, self.rank, self.world_size, host, self.timeout_s
-            )
+            self._checkpoints.open_save_group(groups.store, self.rank, self.world_size, host)
         memory.track(trainer.WEIGHTS_TAG, trainer.weight_tensors)
         memory.track(trainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
         # Before the groups go: nothing gathered (FSDP) may stay outside the tracked tensors. After
@@ -201,13 +198,7 @@ class TrainWorker:
         """Whether ``save_async`` can write this rank's checkpoint from the host copies of a sleep:
         a role of the torch backend on a memory backend that keeps them (a sharded one gathers its
         shards over its save group; the megatron backend converts to Hugging Face names while resident)."""
-        memory = self._memory
-        return (
-            self.config.backend == "torch"
-            and (not self.trainer.sharded or self._save_group is not None)
-            and isinstance(memory, HostCopies)
-            and memory.keeps_host_copies
-        )
+        return self._checkpoints.saves_asleep(self.trainer, self._memory)
 
     def memory_state(self) -> dict[str, Any]:
         """What the memory backend holds: tracked bytes per tag now, and host memory pinned so far."""
@@ -356,11 +347,7 @@ class TrainWorker:
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
         fault_injection.before_transition(self.role, "sleep")
-        if self._save is not None and not isinstance(self._memory, HostMemoryBackend):
-            # The next release writes the host buffers a background save may still be reading. The
-            # host backend gives every release fresh buffers: its writer reads the previous ones on
-            # (host memory holds both until the files are written) and the loop does not wait.
-            self._save.wait_reading(self.timeout_s)
+        self._checkpoints.before_sleep(self._memory)
         self.lifecycle.sleep()
         if self.device.type == "cuda":
             start = time.perf_counter()
@@ -556,8 +543,7 @@ class TrainWorker:
     # ------------------------------------------------------------------ checkpoints
     def save(self, staging: str) -> None:
         self._require_awake("save()")
-        self._finish_save()
-        self._checkpoint_module().save_shard(self.trainer, Path(staging), self._last_step)
+        self._checkpoints.save(self.trainer, Path(staging), self._last_step)
 
     def save_async(self, staging: str) -> dict[str, float]:
         """Start writing this rank's checkpoint into ``staging`` from the host copies of the last
@@ -576,61 +562,29 @@ class TrainWorker:
                 f"{self.role} rank {self.rank}: save_async() needs the torch backend on a memory backend "
                 "that keeps host copies (host or pinned); use save() while resident"
             )
-        self._finish_save()
-        start = time.perf_counter()
         memory = self._memory
         assert isinstance(memory, HostCopies)  # saves_asleep() checked it
-        state: checkpoint.ShardState | sharded_save.ShardedCapture
-        if self._save_group is not None:  # sharded: the writers gather the shards on their own group
-            assert isinstance(self.trainer, TorchTrainer)  # saves_asleep(): the torch backend
-            state = sharded_save.capture_shards(self.trainer, self._last_step, memory, self._save_group)
-        else:
-            state = checkpoint.capture(self.trainer, self._last_step, host=memory)
-        # The pinned backends reuse their buffers at the next sleep: the writer copies them first.
-        reused = not isinstance(memory, HostMemoryBackend)
-        self._save = BackgroundSave(state, Path(staging), name=f"{self.role}-{self.rank}", copy_first=reused)
-        return {"capture_seconds": time.perf_counter() - start, "bytes": float(state.nbytes)}
+        return self._checkpoints.save_async(self.trainer, memory, Path(staging), self._last_step)
 
     def save_status(self) -> bool:
         """Whether the background save is finished (True when there is none); raises its error."""
-        if self._save is None:
-            return True
-        if not self._save.done:
-            return False
-        self._save.result(0.0)  # raises the writer's error
-        return True
+        return self._checkpoints.done()
 
     def save_wait(self) -> float:
         """Wait (at most ``timeout_s``) until the background save is on disk; its writer's seconds."""
-        if self._save is None:
-            return 0.0
-        save, self._save = self._save, None
-        return save.result(self.timeout_s)
-
-    def _finish_save(self) -> None:
-        if self._save is not None:
-            self.save_wait()
+        return self._checkpoints.wait()
 
     def commit(self, staging: str, final: str) -> None:
-        checkpoint.commit(Path(staging), Path(final))
+        self._checkpoints.commit(Path(staging), Path(final))
 
     def load(self, folder: str) -> int | None:
         self._require_awake("load()")
-        self._finish_save()
-        step = self._checkpoint_module().load_shard(self.trainer, Path(folder))
+        step = self._checkpoints.load(self.trainer, Path(folder))
         self._last_step = step
         return step
 
-    def _checkpoint_module(self) -> CheckpointIO:
-        """The torch backend's checkpoint code, or the megatron backend's (same files, HF names)."""
-        if self.config.backend == "megatron":
-            from ppo_trainer import megatron_checkpoint
-
-            return megatron_checkpoint
-        return checkpoint
-
     def shutdown(self) -> None:
-        if self._save is not None and not self._save.done:
+        if self._checkpoints.pending:
             # The driver waits for a save it will mark complete; one left here belongs to a run that
             # failed, and its folder is never marked complete: the daemon thread ends with the process.
             log.warning("%s rank %d: shutting down during a background save", self.role, self.rank)

@@ -7,7 +7,7 @@ and fsyncs at disk speed from its copy: the next sleep waits for the memcpy at m
 disk. Without it (the host backend, which hands each sleep fresh buffers) the writer reads the host
 copies until every file is written. Host cost of the private copy: the shard's bytes, until written.
 
-A sharded role's capture (``sharded_save.ShardedCapture``) holds each rank's shards: after the private
+A sharded role's capture (``sharded.ShardedCapture``) holds each rank's shards: after the private
 copy the writer assembles them (a collective over the role's save group; rank 0 gets whole tensors)
 and writes the same files as a replicated role's.
 """
@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from ppo_trainer.checkpoint import ShardState, private_copy, write_shard
-from ppo_trainer.sharded_save import ShardedCapture
+from ppo_trainer.checkpoint.sharded import ShardedCapture
+from ppo_trainer.checkpoint.torch_io import ShardState, private_copy, write_shard
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Written through the ``TrainerBackend`` interface alone (``hf_state_dict`` / ``load_hf_state_dict`` and
 ``hf_optimizer_state`` / ``load_hf_optimizer_state``; every rank calls them), so any backend can use
 it; the megatron backend does (``TrainWorker.save``/``load`` with ``backend='megatron'``), and the
-tests run it on the torch backend to check the files against ``checkpoint.py``'s.
+tests run it on the torch backend to check the files against ``torch_io``'s.
 
 ``<folder>/`` gets ``model.safetensors`` (whole float32 tensors in Hugging Face names, tied aliases
 dropped, as the torch backend writes them), ``rng_rank<r>.safetensors`` and ``trainer_state.json``;
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ppo_trainer.backend_protocol import TrainerBackend
-from ppo_trainer.checkpoint import _TOKENIZER_FILES, FORMAT_VERSION, _rng_state, _set_rng_state
+from ppo_trainer.checkpoint import format as fmt
 from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_weight_sync import non_finite_names
 
@@ -56,8 +56,7 @@ def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
     """Every rank calls it (the TP gather is collective); global rank 0 writes the model."""
     folder.mkdir(parents=True, exist_ok=True)
     rank = _rank()
-    tensors, meta = _rng_state()
-    save_file(tensors, str(folder / f"rng_rank{rank}.safetensors"), metadata=meta)
+    fmt.write_rng(folder, rank, fmt.rng_state())
     # Every rank: megatron gathers its main weights and Adam moments over tensor- and data-parallel
     # shards (collectives); FSDP2 gathers too; replicated torch ranks read their own copy.
     state = trainer.hf_state_dict()
@@ -73,7 +72,7 @@ def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
     save_file(state, str(folder / "model.safetensors"))
     torch.save(optimizer, folder / "optimizer.pt")
     info: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
+        "format_version": fmt.FORMAT_VERSION,
         "role": trainer.config.role,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "data_parallel": trainer.layout,
@@ -87,20 +86,12 @@ def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
         source = Path(trainer.config.model_path)
         shutil.copy2(source / "config.json", hf / "config.json")
         save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
-        for name in _TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, hf / name)
+        fmt.copy_tokenizer(source, hf)
 
 
 def load_shard(trainer: TrainerBackend, folder: Path) -> int | None:
     """Load a ``<role>/`` folder written by either backend; returns the saved step."""
-    model_file = folder / "model.safetensors"
-    if not model_file.is_file():
-        raise FileNotFoundError(
-            f"{model_file} not found; is {folder} a {trainer.config.role} checkpoint folder?"
-        )
-    state_file = folder / "trainer_state.json"
-    saved = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    model_file, saved = fmt.read_saved(folder, trainer.config.role)
     saved_role = saved.get("role", trainer.config.role)
     if saved_role != trainer.config.role and trainer.config.role == "actor":
         raise ValueError(f"{folder} holds a {saved_role} checkpoint; it cannot be loaded into the actor")
@@ -114,8 +105,5 @@ def load_shard(trainer: TrainerBackend, folder: Path) -> int | None:
         trainer.load_hf_optimizer_state(optimizer)
     else:
         log.warning("%s: %s has no optimizer.pt; Adam starts afresh", trainer.config.role, folder)
-    rng_file = folder / f"rng_rank{_rank()}.safetensors"
-    if rng_file.is_file():
-        _set_rng_state(rng_file)
-    step = saved.get("step")
-    return int(step) if step is not None else None
+    fmt.restore_rng(folder, _rank())
+    return fmt.saved_step(saved)

@@ -4,7 +4,7 @@ While the role sleeps every rank holds host copies of its own shards: the local 
 ``DTensor`` parameters and AdamW state (dim-0 chunks, ``torch.chunk`` sizes: uneven, possibly empty on
 the last ranks) and whole copies of what is not sharded (Adam's ``step``). ``capture_shards`` notes
 them in the main thread (no collective, no copy); the worker's writer thread then ``assemble``s rank 0's
-whole tensors over the save group and writes the usual files (``checkpoint.write_shard``).
+whole tensors over the save group and writes the usual files (``torch_io.write_shard``).
 
 Why rank 0 assembles, rather than every rank writing its shard files for the COMPLETE step to join:
 the files stay those of every other save (``model.safetensors`` and ``optimizer.pt`` of whole tensors
@@ -41,7 +41,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ppo_lifecycle import HostCopies
 from ppo_trainer.backend import TorchTrainer
-from ppo_trainer.checkpoint import ShardState, _rng_state, optimizer_state_by_name, whole_state
+from ppo_trainer.checkpoint import format as fmt
+from ppo_trainer.checkpoint.torch_io import ShardState, whole_state
+from ppo_trainer.checkpoint.torch_optimizer import state_by_name
 from ppo_weight_sync.net import local_address_toward
 
 STORE_PREFIX = "ppo_trainer/sharded_save/"
@@ -129,7 +131,7 @@ class ShardedCapture:
     group: SaveGroup
     rng: tuple[dict[str, torch.Tensor], dict[str, str]]
     model: dict[str, _Piece]  # state_dict order; a tied alias shares its source's piece
-    optimizer: dict[str, Any]  # optimizer_state_by_name layout, with _Piece for each tensor
+    optimizer: dict[str, Any]  # torch_optimizer.state_by_name layout, with _Piece for each tensor
     pieces: list[_Piece] = field(default_factory=list)  # each piece once, in the same order on every rank
 
     @property
@@ -231,7 +233,7 @@ def capture_shards(
     Valid until the role's next sleep writes the host buffers again (the writer copies or sends them
     first; the worker's sleep waits for that)."""
     if not trainer.sharded:
-        raise ValueError("capture_shards: the trainer is replicated; use checkpoint.capture(host=...)")
+        raise ValueError("capture_shards: the trainer is replicated; use torch_io.capture(host=...)")
     memo: dict[int, _Piece] = {}
     pieces: list[_Piece] = []
 
@@ -257,7 +259,7 @@ def capture_shards(
 
     # keep_vars: the Parameters themselves, so tied names resolve to one piece.
     model = {name: piece_of(t) for name, t in trainer.model.state_dict(keep_vars=True).items()}
-    by_name = optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
+    by_name = state_by_name(trainer.model, trainer.optimizer.state_dict())
     state: Mapping[str, Mapping[str, Any]] = by_name["state"]
     optimizer = {
         **by_name,
@@ -275,4 +277,4 @@ def capture_shards(
     for piece in pieces:
         if piece.local.numel() == 0:
             piece.local = torch.empty(piece.local.shape, dtype=piece.local.dtype)
-    return ShardedCapture(trainer, step, group, _rng_state(), model, optimizer, pieces)
+    return ShardedCapture(trainer, step, group, fmt.rng_state(), model, optimizer, pieces)

@@ -4,7 +4,7 @@ The file holds a ``torch.optim.AdamW`` state dict keyed by Hugging Face paramete
 ``torch.distributed.checkpoint`` uses for full state dicts): ``{"state": {name: {"step", "exp_avg",
 "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]}``, whole float32 tensors, tensors and
 numbers only (``torch.load(..., weights_only=True)`` reads it). The torch backend writes its own
-``AdamW`` state dict (``checkpoint.py``); the megatron backend converts its ``DistributedOptimizer``'s
+``AdamW`` state dict (``torch_optimizer``); the megatron backend converts its ``DistributedOptimizer``'s
 state to this layout (``MegatronTrainer.hf_optimizer_state``) and back.
 
 - :func:`adam_state_dict` builds such a dict from per-name moments and the step count, with param
@@ -15,21 +15,18 @@ state to this layout (``MegatronTrainer.hf_optimizer_state``) and back.
 - :func:`moments_to_megatron` / :func:`moments_to_hf`: Adam's moments have their parameter's shape
   and are elementwise, so they take the weights' conversion (``megatron_convert``: names, fused QKV
   and gate-up layouts) unchanged; a tied output layer has no state of its own.
-- :func:`torch_optimizer_state` / :func:`load_torch_optimizer_state`: the torch backend's side.
+- the torch backend's side: ``checkpoint.torch_optimizer``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ppo_trainer import megatron_convert as mc
-
-if TYPE_CHECKING:
-    from ppo_trainer.backend import TorchTrainer
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -134,37 +131,13 @@ def moments_to_hf(
     return {name: hf[name] for name in optimizer_names(shape, critic)}
 
 
-# ---------------------------------------------------------------------------------------- torch backend
-def torch_optimizer_state(trainer: TorchTrainer) -> dict[str, Any]:
-    """The torch backend's AdamW state keyed by name, whole tensors (sharded: gathered to the CPU by
-    a collective; ranks other than 0 get an empty dict)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    from ppo_trainer.checkpoint import optimizer_state_by_name
-
-    if trainer.sharded:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return dict(get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options))
-    return optimizer_state_by_name(trainer.model, trainer.optimizer.state_dict())
-
-
-def load_torch_optimizer_state(trainer: TorchTrainer, state: Mapping[str, Any]) -> None:
-    """An ``optimizer.pt`` dict (either backend's) into the torch backend's AdamW, in the tensors it
-    holds (the memory backend tracks them). Every rank passes the whole dict."""
-    from ppo_trainer.checkpoint import load_optimizer_state
-
-    load_optimizer_state(trainer, state)
-
-
 __all__ = [
     "ADAM_MOMENTS",
     "AdamState",
     "adam_param_group",
     "adam_state_dict",
-    "load_torch_optimizer_state",
     "moments_to_hf",
     "moments_to_megatron",
     "optimizer_names",
     "read_adam_state",
-    "torch_optimizer_state",
 ]

@@ -1,0 +1,24 @@
+"""The training backend a role's config names (``train.backend``)."""
+
+from __future__ import annotations
+
+from ppo_lifecycle import ReloadableProcessGroups
+from ppo_trainer.backend import TorchTrainer
+from ppo_trainer.backend_protocol import DataParallel, Region, TrainerBackend
+from ppo_trainer.config import TrainerConfig
+from ppo_trainer.megatron_backend import MegatronTrainer  # megatron-core itself loads on first use
+
+
+def make_trainer(
+    config: TrainerConfig,
+    dp: DataParallel,
+    region: Region,
+    groups: ReloadableProcessGroups | None = None,
+) -> TrainerBackend:
+    """The backend ``config.backend`` names. ``groups``: the worker's reloadable process groups
+    (megatron creates its model-parallel groups through them; required for ``megatron``)."""
+    if config.backend == "megatron":
+        if groups is None:
+            raise ValueError("train.backend='megatron' needs the worker's ReloadableProcessGroups")
+        return MegatronTrainer(config, groups, region=region)
+    return TorchTrainer(config, dp, region=region)

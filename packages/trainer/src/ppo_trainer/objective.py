@@ -1,0 +1,365 @@
+"""The PPO objective: the critic's and the actor's training steps over any ``ModelBackend``.
+
+Everything that decides what is learnt lives here, once, for every backend: token rewards (with the
+reference KL), GAE or GRPO advantages, whitening, truncated importance sampling, the policy, entropy,
+KL and value losses, their aggregation over the mini-batch, and the metrics. A backend supplies the
+model (``backend_protocol.ModelBackend``: a forward over a micro-batch, backward, optimizer step, a
+data-parallel sum) and nothing of the algorithm.
+
+Losses are divided by the token (or sequence) count of the whole global mini-batch (``Counts``), so the
+sum of the gradients over data-parallel ranks is the gradient of the global mean: the backend sums them
+(the torch backend all-reduces or lets FSDP reduce-scatter; megatron's DDP sums with
+``calculate_per_token_loss``), and a 2-rank run matches a 1-rank run on the same global batch up to
+float summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ppo_trainer import ppo_math as pm
+from ppo_trainer.backend_protocol import DataParallel, Forward, ModelBackend
+from ppo_trainer.batch import MicroBatch, Samples, chunks, collate, split_even
+from ppo_trainer.config import AlgorithmConfig
+
+
+@dataclass(frozen=True)
+class Counts:
+    """A mini-batch's global counts (all micro-batches, all ranks), the divisors of its micro-batch terms.
+
+    ``loss``: the loss aggregation's ``D`` (tokens or samples); ``tokens``: the loss tokens, for the
+    metrics that are token means whatever the aggregation (clip fractions, ``ppo_kl``), as in verl.
+    """
+
+    loss: torch.Tensor
+    tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch of a mini-batch: its ``rows`` of the rank's samples, the model inputs ``mb``,
+    their loss mask ``[b, R_max]`` on the device, and the mini-batch's global ``counts``."""
+
+    rows: list[int]
+    mb: MicroBatch
+    mask: torch.Tensor
+    counts: Counts
+
+
+# A micro-batch's terms: {"loss": the term to differentiate, metric name: its share of the metric}.
+MicroLoss = Callable[[Micro], dict[str, torch.Tensor]]
+
+
+# ---------------------------------------------------------------------------------- scoring
+def score(backend: ModelBackend, samples: Samples, *, reference: bool = False) -> torch.Tensor:
+    """Without gradients, ``[N, R_max]`` (0 on padding): the actor's log-probs of the response tokens,
+    the critic's values before each of them, or (``reference``) the reference policy's log-probs."""
+    out = torch.zeros(len(samples), samples.max_response)
+    with backend.inference(reference):
+        for rows in chunks(range(len(samples)), backend.config.micro_batch_size):
+            scored = backend.forward(collate(samples, rows, backend.device), reference=reference)
+            out[rows] = _scores(scored).float().cpu()
+    return out * samples.response_mask
+
+
+def _scores(forward: Forward) -> torch.Tensor:
+    scores = forward.values if forward.values is not None else forward.log_probs
+    if scores is None:
+        raise RuntimeError("the backend's forward returned neither log-probs nor values")
+    return scores
+
+
+def token_rewards(backend: ModelBackend, samples: Samples) -> tuple[torch.Tensor, dict[str, float]]:
+    """The step's per-token rewards, ``[N, R_max]``: the outcome reward on the last token minus
+    ``kl_coef`` times the KL of the rollout policy to the reference on every token.
+
+    The KL is estimated from the rollout's log-probs (the policy that drew the tokens) and the
+    reference's, so it is known before any role trains; the critic computes it once and the
+    actor trains on the same tensor.
+    """
+    alg = backend.config.algorithm
+    kl = None
+    metrics: dict[str, float] = {}
+    if alg.kl_coef > 0.0:
+        if not backend.has_reference:
+            raise RuntimeError(
+                f"{backend.config.role}: kl_coef={alg.kl_coef} but no reference model is loaded; "
+                "the critic computes the KL-shaped rewards"
+            )
+        ref_log_probs = score(backend, samples, reference=True)
+        kl = pm.kl_estimate(samples.rollout_log_probs, ref_log_probs, alg.kl_estimator)
+        metrics["reward_kl"] = masked_global_mean(backend.dp, kl, samples.response_mask)
+    rewards = pm.token_rewards(samples.reward, samples.response_mask, kl, alg.kl_coef)
+    metrics["token_reward_sum_mean"] = sample_mean(backend.dp, rewards.sum(dim=1))
+    return rewards, metrics
+
+
+# ---------------------------------------------------------------------------------- the critic
+def train_critic(
+    backend: ModelBackend, samples: Samples
+) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+    """Token rewards, values (before the update), GAE returns, value-loss steps.
+
+    Returns ``(metrics, old_values, token_rewards)``: the actor trains on the same rewards.
+    """
+    if backend.config.role != "critic":
+        raise RuntimeError("train_critic called on an actor")
+    alg = backend.config.algorithm
+    rewards, reward_metrics = token_rewards(backend, samples)
+    old_values = score(backend, samples)
+    _, returns = pm.compute_gae(rewards, old_values, samples.response_mask, alg.gamma, alg.lam)
+    loss = functools.partial(_critic_micro_loss, backend, old_values, returns)
+    metrics = run_epochs(backend, samples, loss)
+    metrics["values_mean"] = masked_global_mean(backend.dp, old_values, samples.loss_mask)
+    metrics["returns_mean"] = masked_global_mean(backend.dp, returns, samples.loss_mask)
+    return metrics | reward_metrics, old_values, rewards
+
+
+def _critic_micro_loss(
+    backend: ModelBackend, old_values: torch.Tensor, returns: torch.Tensor, micro: Micro
+) -> dict[str, torch.Tensor]:
+    alg, device, rows = backend.config.algorithm, backend.device, micro.rows
+    values = backend.forward(micro.mb).values
+    if values is None:
+        raise RuntimeError("the critic's forward returned no values")
+    loss, clipped = pm.value_loss(
+        values, old_values[rows].to(device), returns[rows].to(device), alg.value_clip
+    )
+    value_loss = aggregate(alg, loss, micro.mask, micro.counts)
+    return {
+        "loss": value_loss,
+        "value_loss": value_loss,
+        "value_clip_fraction": token_mean(clipped, micro.mask, micro.counts),
+    }
+
+
+# ---------------------------------------------------------------------------------- the actor
+@dataclass(frozen=True)
+class ActorTargets:
+    """What the actor's micro-batch losses compare the policy with, ``[N, R_max]`` each: the log-probs
+    before the update, the reference's (KL loss), the advantages and the truncated IS weights."""
+
+    old_log_probs: torch.Tensor
+    ref_log_probs: torch.Tensor | None
+    advantages: torch.Tensor
+    tis_weight: torch.Tensor | None
+
+
+def train_actor(
+    backend: ModelBackend,
+    samples: Samples,
+    values: torch.Tensor | None,
+    rewards: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Old (and reference) log-probs, advantages (GAE with ``values``, or GRPO), policy-loss steps.
+
+    ``rewards``: the critic's per-token rewards (:func:`token_rewards`); required with ``kl_coef > 0``
+    (only the critic holds the reference for them), else the outcome rewards are used.
+    """
+    if backend.config.role != "actor":
+        raise RuntimeError("train_actor called on a critic")
+    dp = backend.dp
+    old_log_probs = score(backend, samples)
+    ref_log_probs = score(backend, samples, reference=True) if backend.has_reference else None
+    advantages, metrics = advantages_of(backend.config.algorithm, dp, samples, values, rewards)
+    metrics |= _policy_drift(backend, samples, old_log_probs, ref_log_probs)
+    tis_weight, tis_metrics = _tis_weight(backend, samples, old_log_probs)
+    targets = ActorTargets(old_log_probs, ref_log_probs, advantages, tis_weight)
+    loss = functools.partial(_actor_micro_loss, backend, targets)
+    return run_epochs(backend, samples, loss) | metrics | tis_metrics
+
+
+def advantages_of(
+    alg: AlgorithmConfig,
+    dp: DataParallel,
+    samples: Samples,
+    values: torch.Tensor | None,
+    rewards: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The actor's advantages ``[N, R_max]`` (GAE over the critic's values and rewards, or GRPO's
+    group-normalised outcomes), whitened when ``alg.whiten_advantages``; their metrics."""
+    metrics: dict[str, float] = {}
+    if alg.estimator == "ppo":
+        if values is None:
+            raise ValueError("estimator='ppo' needs the critic's values")
+        if rewards is None:
+            if alg.kl_coef > 0.0:
+                raise ValueError(
+                    f"kl_coef={alg.kl_coef}: the actor trains on the critic's KL-shaped token rewards; "
+                    "pass the rewards train_critic returned"
+                )
+            rewards = pm.token_rewards(samples.reward, samples.response_mask)
+        metrics["token_reward_sum_mean"] = sample_mean(dp, (rewards * samples.response_mask).sum(1))
+        advantages, _ = pm.compute_gae(rewards, values, samples.response_mask, alg.gamma, alg.lam)
+    else:
+        per_sample = pm.grpo_advantages(
+            samples.reward, samples.prompt_index, norm_by_std=alg.norm_adv_by_std_in_grpo
+        )
+        advantages = per_sample[:, None] * samples.response_mask
+    metrics["advantages_mean"] = masked_global_mean(dp, advantages, samples.loss_mask)
+    # GRPO's advantages are normalised per group already (AlgorithmConfig.whiten_advantages).
+    if alg.whiten_advantages:
+        advantages = pm.whiten(advantages, samples.loss_mask, dp.all_reduce)
+    return advantages, metrics
+
+
+def _policy_drift(
+    backend: ModelBackend,
+    samples: Samples,
+    old_log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor | None,
+) -> dict[str, float]:
+    """How far the policy is from the reference and from the rollout's, and the batch's reward."""
+    dp, alg = backend.dp, backend.config.algorithm
+    metrics: dict[str, float] = {}
+    if ref_log_probs is not None:
+        ref_kl = pm.kl_estimate(old_log_probs, ref_log_probs, alg.kl_estimator)
+        metrics["ref_kl"] = masked_global_mean(dp, ref_kl, samples.loss_mask)
+    metrics["train_rollout_logp_abs_diff"] = masked_global_mean(
+        dp, (old_log_probs - samples.rollout_log_probs).abs(), samples.loss_mask
+    )
+    n = dp.all_reduce(torch.tensor([float(len(samples)), float(samples.reward.sum())]))
+    metrics["reward_mean"] = float(n[1] / n[0])
+    return metrics
+
+
+def _tis_weight(
+    backend: ModelBackend, samples: Samples, old_log_probs: torch.Tensor
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Truncated importance sampling: the tokens were drawn by the rollout's policy, which may be a
+    version behind the one PPO's ratio starts from (one-step-off training). None without ``tis_cap``."""
+    cap = backend.config.algorithm.tis_cap
+    if cap is None:
+        return None, {}
+    raw = torch.exp(old_log_probs - samples.rollout_log_probs) * samples.response_mask
+    weight = raw.clamp(max=cap)
+    return weight, {
+        "tis_weight_mean": masked_global_mean(backend.dp, weight, samples.loss_mask),
+        "tis_capped_fraction": masked_global_mean(backend.dp, (raw > cap).float(), samples.loss_mask),
+    }
+
+
+def _actor_micro_loss(backend: ModelBackend, targets: ActorTargets, micro: Micro) -> dict[str, torch.Tensor]:
+    alg, device, rows = backend.config.algorithm, backend.device, micro.rows
+    mask, counts = micro.mask, micro.counts
+    out = backend.forward(micro.mb, entropy=True)
+    log_probs, entropy = out.log_probs, out.entropy
+    if log_probs is None or entropy is None:
+        raise RuntimeError("the actor's forward returned no log-probs or no entropy")
+    terms = pm.policy_loss(
+        log_probs,
+        targets.old_log_probs[rows].to(device),
+        targets.advantages[rows].to(device),
+        alg.eps_clip,
+        alg.eps_clip_high,
+        alg.eps_clip_c,
+    )
+    tis = targets.tis_weight
+    token_loss = terms.loss if tis is None else terms.loss * tis[rows].to(device)
+    pg_loss = aggregate(alg, token_loss, mask, counts)
+    # Aggregated like the loss it enters (verl's entropy metric is the same term).
+    entropy_mean = aggregate(alg, entropy, mask, counts)
+    loss = pg_loss - alg.entropy_coef * entropy_mean if alg.entropy_coef > 0 else pg_loss
+    terms_out = {
+        "pg_loss": pg_loss,
+        "entropy": entropy_mean,
+        "pg_clip_fraction": token_mean(terms.clip_fraction, mask, counts),
+        "dual_clip_fraction": token_mean(terms.dual_clip_fraction, mask, counts),
+        "ppo_kl": token_mean(terms.ppo_kl, mask, counts),
+    }
+    if alg.use_kl_loss:
+        assert targets.ref_log_probs is not None  # needs_reference holds when use_kl_loss
+        kl_term = pm.kl_estimate(log_probs, targets.ref_log_probs[rows].to(device), alg.kl_estimator)
+        kl_loss = aggregate(alg, kl_term, mask, counts)
+        loss = loss + alg.kl_loss_coef * kl_loss
+        terms_out["kl_loss"] = kl_loss
+    terms_out["loss"] = loss
+    return terms_out
+
+
+# ---------------------------------------------------------------------------------- the steps
+def run_epochs(backend: ModelBackend, samples: Samples, micro_loss: MicroLoss) -> dict[str, float]:
+    """PPO epochs x mini-batches of optimizer steps; ``micro_loss`` returns ``{"loss": .., metrics}``.
+    The metrics come back averaged over the steps, with ``grad_norm`` and ``optimizer_steps``."""
+    alg, dp = backend.config.algorithm, backend.dp
+    parts = alg.num_mini_batches
+    short = dp.all_reduce(torch.tensor([float(len(samples) < parts)]))
+    if short.item() > 0:
+        # Every rank must take the same number of optimizer steps (each one is a collective).
+        raise ValueError(
+            f"{int(short.item())} rank(s) hold fewer samples than num_mini_batches={parts} "
+            f"(rank {dp.rank} holds {len(samples)}); lower num_mini_batches or send more samples"
+        )
+    totals: dict[str, float] = {}
+    steps = 0
+    backend.train_mode()
+    for _ in range(alg.ppo_epochs):
+        for mini in split_even(len(samples), parts):
+            reduced = _mini_batch_step(backend, samples, mini, micro_loss)
+            for name, number in reduced.items():
+                totals[name] = totals.get(name, 0.0) + number
+            steps += 1
+    return {name: value / steps for name, value in totals.items()} | {"optimizer_steps": float(steps)}
+
+
+def _mini_batch_step(
+    backend: ModelBackend, samples: Samples, mini: list[int], micro_loss: MicroLoss
+) -> dict[str, float]:
+    """One optimizer step over the mini-batch ``mini``, gradients accumulated over its micro-batches;
+    its metrics summed over the ranks, and ``grad_norm``."""
+    counts = global_counts(backend, samples.loss_mask[mini])
+    sums: dict[str, torch.Tensor] = {}
+    for rows in chunks(mini, backend.config.micro_batch_size):
+        mb = collate(samples, rows, backend.device)
+        terms = micro_loss(Micro(rows, mb, samples.loss_mask[rows].to(backend.device), counts))
+        backend.backward(terms["loss"])
+        for name, value in terms.items():
+            sums[name] = sums.get(name, torch.zeros(())) + value.detach().float().cpu()
+    reduced = reduce_metrics(backend.dp, sums)
+    reduced["grad_norm"] = backend.optimizer_step()
+    return reduced
+
+
+# ---------------------------------------------------------------------------------- global means
+def global_counts(backend: ModelBackend, mask: torch.Tensor) -> Counts:
+    """The mini-batch's ``Counts`` (its loss mask ``mask`` on this rank, summed over the ranks)."""
+    aggregation = backend.config.algorithm.loss_aggregation
+    local = torch.stack(
+        [pm.aggregation_denominator(mask, aggregation), pm.aggregation_denominator(mask, "token_mean")]
+    )
+    total = backend.dp.all_reduce(local).clamp(min=1.0)
+    return Counts(loss=total[0], tokens=total[1])
+
+
+def aggregate(alg: AlgorithmConfig, loss: torch.Tensor, mask: torch.Tensor, counts: Counts) -> torch.Tensor:
+    """A loss term's share of the mini-batch's loss, by ``loss_aggregation``."""
+    scale = None if alg.loss_scale_factor is None else float(alg.loss_scale_factor)
+    return pm.aggregate(loss, mask, alg.loss_aggregation, counts.loss, scale)
+
+
+def token_mean(x: torch.Tensor, mask: torch.Tensor, counts: Counts) -> torch.Tensor:
+    """A metric's share of its mean over the mini-batch's loss tokens."""
+    return pm.aggregate(x, mask, "token_mean", counts.tokens)
+
+
+def reduce_metrics(dp: DataParallel, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each metric's sum over the ranks."""
+    names = sorted(sums)
+    total = dp.all_reduce(torch.stack([sums[n].detach().float().cpu() for n in names]))
+    return {n: float(v) for n, v in zip(names, total.tolist(), strict=True)}
+
+
+def masked_global_mean(dp: DataParallel, x: torch.Tensor, mask: torch.Tensor) -> float:
+    """The mean of ``x`` over the elements ``mask`` keeps, on every rank."""
+    stats = dp.all_reduce(torch.stack([pm.masked_sum(x.float(), mask), mask.sum()]))
+    return float(stats[0] / stats[1].clamp(min=1.0))
+
+
+def sample_mean(dp: DataParallel, per_sample: torch.Tensor) -> float:
+    """The mean of a per-sample value over every rank's samples."""
+    stats = dp.all_reduce(torch.tensor([float(per_sample.double().sum()), float(len(per_sample))]))
+    return float(stats[0] / stats[1].clamp(min=1.0))
