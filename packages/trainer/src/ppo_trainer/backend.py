@@ -22,7 +22,7 @@ collective, so all ranks must hold the same number of samples (checked, ``ValueE
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ppo_trainer import micro_batches, packing, sharding, token_logprobs
 from ppo_trainer import ppo_math as pm
-from ppo_trainer import sharding
 from ppo_trainer.batch import MicroBatch, Samples, chunks, collate, split_even
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.lr_schedule import scheduled_factor
@@ -45,6 +45,7 @@ from ppo_trainer.models import (
 )
 
 Region = Callable[[str], ContextManager[None]]
+Batch = MicroBatch | packing.PackedMicroBatch
 
 
 def _no_region(tag: str) -> ContextManager[None]:
@@ -121,6 +122,9 @@ class TorchTrainer:
                 for module in self._models():
                     for t in [*module.parameters(), *module.buffers()]:
                         t.data = t.data.clone()
+        if config.pack_sequences:
+            for module in self._models():
+                packing.use_attention(module, config.packed_attention)
         # The class transformers writes into config.json; FSDP renames the class it wraps.
         self.architecture = type(self.model).__name__
         # FSDP averages gradients over its group; the losses are already divided by the global count.
@@ -244,18 +248,45 @@ class TorchTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    def _collate(self, samples: Samples, rows: Sequence[int]) -> Batch:
+        """The model inputs of ``rows``: packed (``train.pack_sequences``) or right-padded."""
+        if self.config.pack_sequences:
+            return packing.pack(samples, rows, self.device)
+        return collate(samples, rows, self.device)
+
+    def _micro_batches(self, samples: Samples, rows: Sequence[int]) -> list[list[int]]:
+        """``rows`` in micro-batches: ``micro_batch_size`` samples each, or within
+        ``max_tokens_per_micro_batch`` tokens (``micro_batches``; as many on every rank)."""
+        budget = self.config.max_tokens_per_micro_batch
+        if budget is None:
+            return chunks(rows, self.config.micro_batch_size)
+        dp = self.dp
+        return micro_batches.split_by_tokens(
+            list(rows),
+            [samples.tokens[i].numel() for i in rows],
+            budget,
+            padded=not self.config.pack_sequences,
+            count_over_ranks=lambda n: micro_batches.global_max(n, dp.rank, dp.world_size, dp.all_reduce),
+        )
+
     def _policy(
-        self, model: nn.Module, mb: MicroBatch, with_entropy: bool
+        self, model: nn.Module, mb: Batch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(mb, packing.PackedMicroBatch):
+            with self._autocast():
+                return packing.policy_forward(model, mb, with_entropy, self.config.logprob_chunk_tokens)
         with self._autocast():
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
         index = mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         picked = logits.gather(1, index)  # [b, R, V]: the logits that predict each response token
-        log_probs = pm.log_probs_from_logits(picked, mb.targets)
-        entropy = pm.entropy_from_logits(picked) if with_entropy else None
-        return log_probs, entropy
+        return token_logprobs.chunked_logit_stats(
+            picked, mb.targets, with_entropy, self.config.logprob_chunk_tokens
+        )
 
-    def _values(self, mb: MicroBatch) -> torch.Tensor:
+    def _values(self, mb: Batch) -> torch.Tensor:
+        if isinstance(mb, packing.PackedMicroBatch):
+            with self._autocast():
+                return packing.value_forward(self.model, mb)
         with self._autocast():
             values = self.model(mb.input_ids, mb.attention_mask)  # [b, L]
         return values.float().gather(1, mb.logit_positions)
@@ -264,13 +295,13 @@ class TorchTrainer:
     def _rank_log_probs(self, model: nn.Module, samples: Samples) -> torch.Tensor:
         was_training = model.training
         model.eval()
-        out = torch.zeros(len(samples), samples.max_response)
-        for rows in chunks(range(len(samples)), self.config.micro_batch_size):
-            log_probs, _ = self._policy(model, collate(samples, rows, self.device), with_entropy=False)
-            out[rows] = log_probs.float().cpu()
+        parts = []
+        for rows in self._micro_batches(samples, range(len(samples))):
+            log_probs, _ = self._policy(model, self._collate(samples, rows), with_entropy=False)
+            parts.append((rows, log_probs.float()))
         model.train(was_training)
         self.release_gathered()
-        return out * samples.response_mask
+        return _in_row_order(parts, samples) * samples.response_mask
 
     def compute_log_probs(self, samples: Samples) -> torch.Tensor:
         """Log-probs of the response tokens under the current policy, ``[N, R_max]`` (0 on padding)."""
@@ -296,12 +327,12 @@ class TorchTrainer:
         """Critic values before each response token, ``[N, R_max]`` (0 on padding)."""
         self._require_even_split(samples)
         self.model.eval()
-        out = torch.zeros(len(samples), samples.max_response)
-        for rows in chunks(range(len(samples)), self.config.micro_batch_size):
-            out[rows] = self._values(collate(samples, rows, self.device)).cpu()
+        parts = []
+        for rows in self._micro_batches(samples, range(len(samples))):
+            parts.append((rows, self._values(self._collate(samples, rows))))
         self.model.train()
         self.release_gathered()
-        return out * samples.response_mask
+        return _in_row_order(parts, samples) * samples.response_mask
 
     # ------------------------------------------------------------------ optimisation
     def set_step(self, step: int) -> float:
@@ -371,7 +402,7 @@ class TorchTrainer:
     def _run_epochs(
         self,
         samples: Samples,
-        micro_loss: Callable[[list[int], MicroBatch, Counts], dict[str, torch.Tensor]],
+        micro_loss: Callable[[list[int], Batch, Counts], dict[str, torch.Tensor]],
     ) -> dict[str, float]:
         """PPO epochs x mini-batches of optimizer steps; ``micro_loss`` returns ``{"loss": .., metrics}``."""
         totals: dict[str, float] = {}
@@ -389,11 +420,13 @@ class TorchTrainer:
             for mini in split_even(len(samples), self.alg.num_mini_batches):
                 counts = self._global_counts(samples.loss_mask[mini])
                 sums: dict[str, torch.Tensor] = {}
-                for rows in chunks(mini, self.config.micro_batch_size):
-                    terms = micro_loss(rows, collate(samples, rows, self.device), counts)
+                for rows in self._micro_batches(samples, mini):
+                    terms = micro_loss(rows, self._collate(samples, rows), counts)
                     (terms["loss"] * self._loss_scale).backward()
+                    # Summed where they are: one copy to the host per mini-batch, not one sync per
+                    # micro-batch and metric.
                     for name, value in terms.items():
-                        sums[name] = sums.get(name, torch.zeros(())) + value.detach().float().cpu()
+                        sums[name] = sums.get(name, 0.0) + value.detach().float()
                 reduced = self._reduce_metrics(sums)
                 reduced["grad_norm"] = self._optimizer_step()
                 for name, number in reduced.items():
@@ -441,7 +474,7 @@ class TorchTrainer:
         old_values = self.compute_values(samples)
         _, returns = pm.compute_gae(rewards, old_values, samples.response_mask, alg.gamma, alg.lam)
 
-        def micro_loss(rows: list[int], mb: MicroBatch, counts: Counts) -> dict[str, torch.Tensor]:
+        def micro_loss(rows: list[int], mb: Batch, counts: Counts) -> dict[str, torch.Tensor]:
             mask = samples.loss_mask[rows].to(self.device)
             values = self._values(mb)
             loss, clipped = pm.value_loss(
@@ -515,7 +548,7 @@ class TorchTrainer:
                 (raw > alg.tis_cap).float(), samples.loss_mask
             )
 
-        def micro_loss(rows: list[int], mb: MicroBatch, counts: Counts) -> dict[str, torch.Tensor]:
+        def micro_loss(rows: list[int], mb: Batch, counts: Counts) -> dict[str, torch.Tensor]:
             mask = samples.loss_mask[rows].to(self.device)
             log_probs, entropy = self._policy(self.model, mb, with_entropy=True)
             assert entropy is not None
@@ -549,6 +582,17 @@ class TorchTrainer:
             return out
 
         return self._run_epochs(samples, micro_loss) | metrics_extra
+
+
+def _in_row_order(parts: list[tuple[list[int], torch.Tensor]], samples: Samples) -> torch.Tensor:
+    """Micro-batch results (``[b, R_max]`` each, for their rows) as one ``[N, R_max]`` CPU tensor.
+
+    One copy to the host for all of them: a copy per micro-batch would wait for the GPU each time.
+    """
+    out = torch.zeros(len(samples), samples.max_response)
+    if parts:
+        out[[r for rows, _ in parts for r in rows]] = torch.cat([x for _, x in parts]).cpu()
+    return out
 
 
 def init_adam_state(optimizer: torch.optim.Optimizer) -> None:

@@ -36,7 +36,8 @@ from torch import nn
 from ppo_lifecycle import ReloadableProcessGroups
 from ppo_trainer import megatron_convert as mc
 from ppo_trainer import optimizer_format as of
-from ppo_trainer.backend import DataParallel, Region, TorchTrainer, _no_region, init_adam_state
+from ppo_trainer import token_logprobs
+from ppo_trainer.backend import Batch, DataParallel, Region, TorchTrainer, _no_region, init_adam_state
 from ppo_trainer.batch import MicroBatch, Samples
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.lr_schedule import scheduled_factor
@@ -577,26 +578,31 @@ class MegatronTrainer(TorchTrainer):
         """Megatron's forward passes are collectives only within a TP group, which pools its samples."""
 
     # ------------------------------------------------------------------ forward passes
-    def _forward(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    def _forward(self, model: nn.Module, mb: Batch) -> torch.Tensor:
+        if not isinstance(mb, MicroBatch):
+            # TrainSettings refuses pack_sequences with this backend: the local layer spec's
+            # DotProductAttention takes no PackedSeqParams (THD needs Transformer Engine's).
+            raise ValueError("the megatron backend runs padded micro-batches; set train.pack_sequences=false")
         length = mb.input_ids.shape[1]
         position_ids = torch.arange(length, device=self.device).unsqueeze(0).expand_as(mb.input_ids)
         # Right padding: the causal mask alone keeps padding out of every real position.
         return model(mb.input_ids, position_ids, None)
 
     def _policy(
-        self, model: nn.Module, mb: MicroBatch, with_entropy: bool
+        self, model: nn.Module, mb: Batch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from ppo_trainer import ppo_math as pm
-
         logits = self._forward(model, mb)[..., : self.shape.vocab_size]  # drop the TP vocab padding
+        assert isinstance(mb, MicroBatch)  # _forward refuses the others
         index = mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         picked = logits.gather(1, index)
-        log_probs = pm.log_probs_from_logits(picked, mb.targets)
-        entropy = pm.entropy_from_logits(picked) if with_entropy else None
-        return log_probs, entropy
+        # The float32 softmax a chunk of positions at a time (the bf16 logits are megatron's whole).
+        return token_logprobs.chunked_logit_stats(
+            picked, mb.targets, with_entropy, self.config.logprob_chunk_tokens
+        )
 
-    def _values(self, mb: MicroBatch) -> torch.Tensor:
+    def _values(self, mb: Batch) -> torch.Tensor:
         values = self._forward(self.model, mb).squeeze(-1)  # [b, L]
+        assert isinstance(mb, MicroBatch)  # _forward refuses the others
         return values.float().gather(1, mb.logit_positions)
 
     # ------------------------------------------------------------------ optimisation
