@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from ppo_driver.budget import StepBytes, StepClock, budget_rows, markdown_table, step_metrics, summary
+from ppo_driver.budget import (
+    StepBytes,
+    StepClock,
+    budget_rows,
+    markdown_table,
+    phase_tflops,
+    step_metrics,
+    summary,
+)
 from ppo_driver.metrics import MetricsLog, budget_table
 from ppo_driver.plot import plot_run
 
@@ -192,3 +200,36 @@ def test_check_weights_names_the_engine_that_missed_the_update() -> None:
     check_weights_match(3, roles("a" * 64, ["a" * 64, "a" * 64]))
     with pytest.raises(RuntimeError, match=r"step 3: .*engine\(s\) \[1\] hold other weights"):
         check_weights_match(3, roles("a" * 64, ["a" * 64, "b" * 64]))
+
+
+def test_the_table_shows_each_training_phase_tflops() -> None:
+    history = [
+        {
+            "step": 1,
+            "time/step_s": 2.0,
+            "time/critic_train_s": 1.0,
+            "time/actor_train_s": 1.0,
+            "critic/tflops": 5.0,
+        },
+        {
+            "step": 2,
+            "time/step_s": 2.0,
+            "time/critic_train_s": 1.0,
+            "time/actor_train_s": 1.0,
+            "critic/tflops": 40.0,
+        },
+        {
+            "step": 3,
+            "time/step_s": 2.0,
+            "time/critic_train_s": 1.0,
+            "time/actor_train_s": 1.0,
+            "critic/tflops": 60.0,
+        },
+    ]
+    # The first step (optimizer state, warm-up) is left out; the actor logged none.
+    assert phase_tflops(history) == {"critic_train": 50.0}
+    assert phase_tflops(history[:1]) == {"critic_train": 5.0}
+    table = budget_table(history)
+    cells = dict(zip(table.columns[0].cells, table.columns[-1].cells, strict=True))
+    assert cells["critic_train"] == "50"
+    assert cells["actor_train"] == ""

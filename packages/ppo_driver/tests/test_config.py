@@ -232,6 +232,17 @@ def test_a_critic_of_another_size_is_checked_before_the_run() -> None:
     assert config.placement.critic_gpus == 2
 
 
+def test_a_token_budget_replaces_the_micro_batch_size_check() -> None:
+    # 256 samples / 4 mini-batches = 64 per mini-batch: 3 samples per micro-batch does not divide it,
+    # but a token budget sizes the micro-batches itself.
+    config = load_config(
+        None,
+        ["train.micro_batch_size=3", "train.max_tokens_per_micro_batch=512", "train.pack_sequences=true"],
+    )
+    assert config.train.max_tokens_per_micro_batch == 512
+    assert config.train.pack_sequences
+
+
 def test_grpo_without_critic() -> None:
     config = load_config(None, ["algorithm.estimator=grpo", "placement.critic=none"])
     assert not config.use_critic

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ppo_testsupport import skip_gpu_tests_without_cuda
 
@@ -70,25 +71,35 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
-def make_fields(n: int, seed: int, samples_per_prompt: int = 2) -> Fields:
-    """``n`` samples with prompts of 3-5 tokens and responses of 1-6; reward 1 when the first response
-    token is even, so that the reward depends on what the policy generated."""
+def make_fields(
+    n: int,
+    seed: int,
+    samples_per_prompt: int = 2,
+    *,
+    vocab: int = VOCAB,
+    prompt_tokens: tuple[int, int] = (3, 5),
+    response_tokens: tuple[int, int] = (1, 6),
+) -> Fields:
+    """``n`` samples with prompts of 3-5 tokens and responses of 1-6 (or the ranges given, inclusive);
+    reward 1 when the first response token is even, so that the reward depends on what the policy
+    generated (0 without one)."""
     g = torch.Generator().manual_seed(seed)
     fields: Fields = {
         k: []
         for k in ("tokens", "response_length", "loss_mask", "reward", "rollout_log_probs", "prompt_index")
     }
     for i in range(n):
-        prompt = int(torch.randint(3, 6, (1,), generator=g))
-        response = int(torch.randint(1, 7, (1,), generator=g))
-        tokens = torch.randint(0, VOCAB, (prompt + response,), generator=g)
+        prompt = int(torch.randint(prompt_tokens[0], prompt_tokens[1] + 1, (1,), generator=g))
+        response = int(torch.randint(response_tokens[0], response_tokens[1] + 1, (1,), generator=g))
+        tokens = torch.randint(0, vocab, (prompt + response,), generator=g)
         mask = torch.ones(response)
         if response > 3:
             mask[1] = 0.0  # a masked-out token in the middle (e.g. a tool output)
         fields["tokens"].append(tokens)
         fields["response_length"].append(torch.tensor([response]))
         fields["loss_mask"].append(mask)
-        fields["reward"].append(torch.tensor([float(int(tokens[prompt]) % 2 == 0)]))
+        first = int(tokens[prompt]) if response else 1
+        fields["reward"].append(torch.tensor([float(first % 2 == 0)]))
         fields["rollout_log_probs"].append(-torch.rand(response, generator=g) - 2.0)
         fields["prompt_index"].append(torch.tensor([i // samples_per_prompt]))
     return fields
@@ -97,6 +108,18 @@ def make_fields(n: int, seed: int, samples_per_prompt: int = 2) -> Fields:
 @pytest.fixture
 def fields_factory() -> Callable[..., Fields]:
     return make_fields
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[dist.ProcessGroup]:
+    """A 1-rank gloo default group in this process (FSDP2 needs one even without peers)."""
+    from ppo_weight_sync.group import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
+    try:
+        yield dist.group.WORLD  # type: ignore[misc]
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -304,18 +304,6 @@ def test_count_parameters_reads_only_the_config(tiny_model: Path, tmp_path: Path
     assert count_parameters(tiny_model) == sum(p.numel() for p in loaded.parameters())
     (tmp_path / "config.json").write_text((tiny_model / "config.json").read_text())  # no weights
     assert count_parameters(tmp_path) == count_parameters(tiny_model)
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[dist.ProcessGroup]:
-    """A 1-rank gloo default group in this process (FSDP2 needs one even without peers)."""
-    from ppo_weight_sync.group import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
-    try:
-        yield dist.group.WORLD  # type: ignore[misc]
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_with_a_sharded_reference_trains_like_replication(

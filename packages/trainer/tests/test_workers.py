@@ -134,6 +134,9 @@ def test_actor_and_critic_learn_and_values_reach_the_actor(groups: tuple[TrainGr
         assert metrics["optimizer_steps"] == 1.0
         assert metrics["handoff_get_s"] > 0
         assert metrics["lr"] == result.metrics["lr"] == 1e-3  # no run length given: constant
+        for role_metrics in (metrics, result.metrics):  # the phase's throughput (throughput.py)
+            assert role_metrics["tflops"] > 0
+            assert role_metrics["tokens_per_s"] > 0
     assert value_losses[-1] < value_losses[0], value_losses
     after = unpack(actor.compute_log_probs([box])[0])
     gains = torch.stack(

@@ -259,6 +259,18 @@ def summary(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def phase_tflops(history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Each training phase's achieved TFLOP/s (its role's ``tflops`` metric: rank 0's, from the
+    tokens and the model's size, ``ppo_trainer.throughput``), the mean over the steps after the first
+    (the first's for a one-step run); phases that did not run are left out."""
+    out: dict[str, float] = {}
+    for phase, key in (("critic_train", "critic/tflops"), ("actor_train", "actor/tflops")):
+        values = [float(r[key]) for r in history if isinstance(r.get(key), int | float)]
+        if values:
+            out[phase] = statistics.fmean(values[1:] or values)
+    return out
+
+
 def markdown_table(history: Sequence[Mapping[str, Any]]) -> str:
     """The budget table in Markdown (the root README's performance section takes it as it is)."""
     rows = budget_rows(history)

@@ -376,7 +376,8 @@ class RunConfig(_Section):
                     f"data-parallel rank ({samples} / {name} {dp} = {per_rank})"
                 )
             per_mini = per_rank // a.num_mini_batches
-            if per_mini % t.micro_batch_size:
+            # A token budget sizes the micro-batches itself; micro_batch_size is then unused.
+            if t.max_tokens_per_micro_batch is None and per_mini % t.micro_batch_size:
                 raise ValueError(
                     f"train.micro_batch_size ({t.micro_batch_size}) must divide the samples per "
                     f"data-parallel rank and mini-batch ({samples} / {name} {dp} / "

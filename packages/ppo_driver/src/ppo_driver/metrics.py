@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ppo_driver.budget import budget_rows, overhead_means
+from ppo_driver.budget import budget_rows, overhead_means, phase_tflops
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -217,6 +217,8 @@ def budget_table(history: list[dict[str, Any]]) -> Table:
     table.add_column("MB", justify="right")
     table.add_column("GB/s", justify="right")
     table.add_column("hidden s", justify="right")
+    table.add_column("TFLOP/s", justify="right")
+    tflops = phase_tflops(history)
     for row in budget_rows(history):
         nbytes = row.mean_bytes if row.mean_s is not None else row.first_bytes
         hidden = row.mean_hidden_s if row.mean_s is not None else row.first_hidden_s
@@ -229,6 +231,7 @@ def budget_table(history: list[dict[str, Any]]) -> Table:
             "" if nbytes is None else f"{nbytes / 1e6:.1f}",
             "" if row.gb_per_s is None else f"{row.gb_per_s:.2f}",
             "" if hidden is None else f"{hidden:.3f}",
+            f"{tflops[row.part]:.3g}" if row.part in tflops else "",
             end_section=row.part == "other",
         )
     first, mean = overhead_means(history)
@@ -238,7 +241,8 @@ def budget_table(history: list[dict[str, Any]]) -> Table:
         f"{'-' if mean is None else f'{mean:.1%}'} of the steps after it (a transition's seconds: "
         "the loop's wait for it; hidden s: its seconds under other work, not in the step's sum); MB "
         "and GB/s (over part + hidden seconds): the steps after the first (actor and critic: rank 0's "
-        "bytes)"
+        "bytes); TFLOP/s: a training phase's model FLOPs (6 x parameters x tokens a pass) over its own "
+        "compute seconds, per GPU"
     )
     return table
 

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ppo_trainer import objective, sharding
+from ppo_trainer import objective, packing, sharding
 from ppo_trainer.backend_protocol import (
+    Batch,
     DataParallel,
     Forward,
     Region,
@@ -40,7 +41,7 @@ from ppo_trainer.backend_protocol import (
     policy_forward,
     scored_model,
 )
-from ppo_trainer.batch import MicroBatch, Samples
+from ppo_trainer.batch import Samples
 from ppo_trainer.checkpoint import torch_optimizer
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.lr_schedule import set_scheduled_lr
@@ -71,6 +72,9 @@ class TorchTrainer:
         self.autocast_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else None
         self.sharded = self.dp.shard_group is not None
         self.model, self.reference = self._load_models()
+        if config.pack_sequences:
+            for module in self._models():
+                packing.use_attention(module, config.packed_attention)
         # The class transformers writes into config.json; FSDP renames the class it wraps.
         self.architecture = type(self.model).__name__
         # FSDP averages gradients over its group; the losses are already divided by the global count.
@@ -263,8 +267,10 @@ class TorchTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def forward(self, mb: MicroBatch, *, reference: bool = False, entropy: bool = False) -> Forward:
+    def forward(self, mb: Batch, *, reference: bool = False, entropy: bool = False) -> Forward:
         """The actor's (or the reference's) log-probs and entropy, or the critic's values, over ``mb``."""
+        if isinstance(mb, packing.PackedMicroBatch):
+            return self._packed_forward(mb, reference, entropy)
         if self.config.role == "critic" and not reference:
             with self._autocast():
                 values = self.model(mb.input_ids, mb.attention_mask)  # [b, L]
@@ -272,7 +278,17 @@ class TorchTrainer:
         model = self._scored(reference)
         with self._autocast():
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        return policy_forward(logits, mb, entropy)
+        return policy_forward(logits, mb, entropy, self.config.logprob_chunk_tokens)
+
+    def _packed_forward(self, mb: packing.PackedMicroBatch, reference: bool, entropy: bool) -> Forward:
+        """``forward`` over samples packed back to back: no compute on padding, the LM head in chunks."""
+        with self._autocast():
+            if self.config.role == "critic" and not reference:
+                return Forward(values=packing.value_forward(self.model, mb))
+            log_probs, entropies = packing.policy_forward(
+                self._scored(reference), mb, entropy, self.config.logprob_chunk_tokens
+            )
+        return Forward(log_probs=log_probs, entropy=entropies)
 
     @contextlib.contextmanager
     def inference(self, reference: bool = False) -> Iterator[None]:

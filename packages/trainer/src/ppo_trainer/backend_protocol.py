@@ -25,8 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ppo_trainer import ppo_math as pm
+from ppo_trainer import token_logprobs
 from ppo_trainer.batch import MicroBatch, Samples
 from ppo_trainer.config import TrainerConfig
+from ppo_trainer.packing import PackedMicroBatch
+
+# A micro-batch's model inputs: right-padded rows, or its samples back to back (train.pack_sequences).
+Batch = MicroBatch | PackedMicroBatch
 
 # The memory backend's region factory: allocations made under ``region(tag)`` carry that tag.
 Region = Callable[[str], AbstractContextManager[None]]
@@ -89,15 +94,14 @@ def scored_model(model: nn.Module, reference: nn.Module | None, want_reference: 
     return reference
 
 
-def policy_forward(logits: torch.Tensor, mb: MicroBatch, entropy: bool) -> Forward:
+def policy_forward(logits: torch.Tensor, mb: MicroBatch, entropy: bool, chunk: int) -> Forward:
     """``Forward`` from a causal LM's logits ``[b, L, V]``: the logits that predict each response token,
-    their log-prob of it and (``entropy``) their entropy."""
+    their log-prob of it and (``entropy``) their entropy, the float32 softmax ``chunk`` positions at a
+    time (``token_logprobs``: never a float32 copy of all the logits)."""
     index = mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     picked = logits.gather(1, index)  # [b, R, V]
-    return Forward(
-        log_probs=pm.log_probs_from_logits(picked, mb.targets),
-        entropy=pm.entropy_from_logits(picked) if entropy else None,
-    )
+    log_probs, entropies = token_logprobs.chunked_logit_stats(picked, mb.targets, entropy, chunk)
+    return Forward(log_probs=log_probs, entropy=entropies)
 
 
 class ModelBackend(Protocol):
@@ -112,7 +116,7 @@ class ModelBackend(Protocol):
         """Whether the frozen reference policy is loaded (``forward(..., reference=True)`` works)."""
         ...
 
-    def forward(self, mb: MicroBatch, *, reference: bool = False, entropy: bool = False) -> Forward:
+    def forward(self, mb: Batch, *, reference: bool = False, entropy: bool = False) -> Forward:
         """The trained model's outputs over ``mb`` (the actor's log-probs, with ``entropy`` its entropy
         too; the critic's values), or the reference policy's log-probs. Differentiable in training."""
         ...

@@ -34,6 +34,7 @@ DataParallelKind = Literal["auto", "replicate", "fsdp2"]
 WeightSyncBackend = Literal["gloo", "nccl"]
 WeightSyncDType = Literal["float32", "bfloat16", "float16"]
 Backend = Literal["torch", "megatron"]
+PackedAttention = Literal["varlen", "sdpa", "flex_attention"]
 LrSchedule = Literal["constant", "cosine"]
 
 # Shared by every config of this package (and the ones that extend them): unknown keys are errors,
@@ -181,6 +182,32 @@ class TrainSettings:
     micro_batch_size: int = Field(
         default=8, ge=1, description="samples per forward/backward; gradients accumulate over them"
     )
+    max_tokens_per_micro_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description="tokens per forward/backward instead of micro_batch_size samples: each mini-batch is "
+        "cut into the fewest micro-batches within this budget (packed: their real tokens; padded: samples "
+        "x longest), balanced by token count, as many on every data-parallel rank; at least the longest "
+        "sample; null: micro_batch_size samples each",
+    )
+    pack_sequences: bool = Field(
+        default=False,
+        description="torch backend: run each micro-batch as its samples back to back in one row (positions "
+        "restart at each sample, attention stays within it): no compute on padding, and log-probs from "
+        "the response positions' hidden states in chunks (no [tokens, vocabulary] logits)",
+    )
+    packed_attention: PackedAttention = Field(
+        default="varlen",
+        description="pack_sequences: varlen (torch's variable-length flash kernel on CUDA in bf16, a causal "
+        "SDPA call per sample elsewhere), sdpa (transformers' dense block-diagonal mask) or "
+        "flex_attention (transformers' FlexAttention block mask)",
+    )
+    logprob_chunk_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="positions per chunk of the float32 log-softmax and entropy (packed: of the LM head "
+        "too); only one chunk's float32 logits exist at a time",
+    )
     # 1e-3 (actor) and 2e-3 (critic): the driver's embedded default run (a tiny model learning copy_small
     # from scratch) learns on every seed with them. At 5e-3 it was a lottery: once the policy sharpened,
     # single steps moved it by a KL of 0.3-0.8 and the reward fell from 0.8 to 0.5 (one seed of four
@@ -226,6 +253,11 @@ class TrainSettings:
             raise ValueError(
                 f"train.tensor_parallel={self.tensor_parallel} needs train.backend='megatron' "
                 "(the torch backend is data parallel only); set the backend or tensor_parallel=1"
+            )
+        if self.pack_sequences and self.backend == "megatron":
+            raise ValueError(
+                "train.pack_sequences=true needs train.backend='torch' (the megatron backend's local layer "
+                "spec has no packed attention); set pack_sequences=false or use the torch backend"
             )
 
     def backend_problems(self, device: str, role_gpus: dict[str, int]) -> list[str]:

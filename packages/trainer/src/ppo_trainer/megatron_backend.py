@@ -39,6 +39,7 @@ from ppo_lifecycle import ReloadableProcessGroups
 from ppo_trainer import megatron_convert as mc
 from ppo_trainer import objective
 from ppo_trainer.backend_protocol import (
+    Batch,
     DataParallel,
     Forward,
     Region,
@@ -590,8 +591,12 @@ class MegatronTrainer:
     def has_reference(self) -> bool:
         return self.reference is not None
 
-    def forward(self, mb: MicroBatch, *, reference: bool = False, entropy: bool = False) -> Forward:
+    def forward(self, mb: Batch, *, reference: bool = False, entropy: bool = False) -> Forward:
         """The actor's (or the reference's) log-probs and entropy, or the critic's values, over ``mb``."""
+        if not isinstance(mb, MicroBatch):
+            # TrainSettings refuses pack_sequences with this backend: the local layer spec's
+            # DotProductAttention takes no PackedSeqParams (THD needs Transformer Engine's).
+            raise ValueError("the megatron backend runs padded micro-batches; set train.pack_sequences=false")
         model = self._scored(reference)
         length = mb.input_ids.shape[1]
         position_ids = torch.arange(length, device=self.device).unsqueeze(0).expand_as(mb.input_ids)
@@ -599,7 +604,10 @@ class MegatronTrainer:
         out = model(mb.input_ids, position_ids, None)
         if self.critic and not reference:
             return Forward(values=out.squeeze(-1).float().gather(1, mb.logit_positions))
-        return policy_forward(out[..., : self.shape.vocab_size], mb, entropy)  # drop the TP vocab padding
+        # the TP vocabulary padding dropped; the float32 softmax a chunk of positions at a time
+        return policy_forward(
+            out[..., : self.shape.vocab_size], mb, entropy, self.config.logprob_chunk_tokens
+        )
 
     @contextlib.contextmanager
     def inference(self, reference: bool = False) -> Iterator[None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,8 +87,21 @@ class CriticModel(nn.Module):
             self.value_head.weight.copy_(weight)
             self.value_head.bias.zero_()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **attention_kwargs: Any,
+    ) -> torch.Tensor:
+        """``position_ids`` and ``attention_kwargs`` (``cu_seq_lens_q``, ...): packed samples."""
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **attention_kwargs,
+        )
         hidden = out.last_hidden_state
         # Not a view: FSDP2 hooks the backward of a sharded module's output, and an in-place op on
         # a view of it would skip that hook (it warns about view outputs).

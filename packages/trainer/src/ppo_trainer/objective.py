@@ -16,14 +16,15 @@ float summation order.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ppo_trainer import micro_batches, packing
 from ppo_trainer import ppo_math as pm
-from ppo_trainer.backend_protocol import DataParallel, Forward, ModelBackend
-from ppo_trainer.batch import MicroBatch, Samples, chunks, collate, split_even
+from ppo_trainer.backend_protocol import Batch, DataParallel, Forward, ModelBackend
+from ppo_trainer.batch import Samples, collate, split_even
 from ppo_trainer.config import AlgorithmConfig
 
 
@@ -45,7 +46,7 @@ class Micro:
     their loss mask ``[b, R_max]`` on the device, and the mini-batch's global ``counts``."""
 
     rows: list[int]
-    mb: MicroBatch
+    mb: Batch
     mask: torch.Tensor
     counts: Counts
 
@@ -58,12 +59,35 @@ MicroLoss = Callable[[Micro], dict[str, torch.Tensor]]
 def score(backend: ModelBackend, samples: Samples, *, reference: bool = False) -> torch.Tensor:
     """Without gradients, ``[N, R_max]`` (0 on padding): the actor's log-probs of the response tokens,
     the critic's values before each of them, or (``reference``) the reference policy's log-probs."""
-    out = torch.zeros(len(samples), samples.max_response)
+    parts: list[tuple[list[int], torch.Tensor]] = []
     with backend.inference(reference):
-        for rows in chunks(range(len(samples)), backend.config.micro_batch_size):
-            scored = backend.forward(collate(samples, rows, backend.device), reference=reference)
-            out[rows] = _scores(scored).float().cpu()
-    return out * samples.response_mask
+        for rows in micro_batches_of(backend, samples, range(len(samples))):
+            scored = backend.forward(inputs_of(backend, samples, rows), reference=reference)
+            parts.append((rows, _scores(scored).float()))
+    return _in_row_order(parts, samples) * samples.response_mask
+
+
+def micro_batches_of(backend: ModelBackend, samples: Samples, rows: Sequence[int]) -> list[list[int]]:
+    """``rows`` in micro-batches (``micro_batch_size`` samples, or a token budget; as many on every
+    data-parallel rank)."""
+    dp = backend.dp
+    return micro_batches.for_rows(backend.config, samples, rows, dp.rank, dp.world_size, dp.all_reduce)
+
+
+def inputs_of(backend: ModelBackend, samples: Samples, rows: list[int]) -> Batch:
+    """The model inputs of ``rows``: packed (``train.pack_sequences``) or right-padded."""
+    if backend.config.pack_sequences:
+        return packing.pack(samples, rows, backend.device)
+    return collate(samples, rows, backend.device)
+
+
+def _in_row_order(parts: list[tuple[list[int], torch.Tensor]], samples: Samples) -> torch.Tensor:
+    """Micro-batch results (``[b, R_max]`` each, for their rows) as one ``[N, R_max]`` CPU tensor:
+    one copy to the host for all of them (a copy per micro-batch would wait for the GPU each time)."""
+    out = torch.zeros(len(samples), samples.max_response)
+    if parts:
+        out[[r for rows, _ in parts for r in rows]] = torch.cat([x for _, x in parts]).cpu()
+    return out
 
 
 def _scores(forward: Forward) -> torch.Tensor:
@@ -313,12 +337,13 @@ def _mini_batch_step(
     its metrics summed over the ranks, and ``grad_norm``."""
     counts = global_counts(backend, samples.loss_mask[mini])
     sums: dict[str, torch.Tensor] = {}
-    for rows in chunks(mini, backend.config.micro_batch_size):
-        mb = collate(samples, rows, backend.device)
+    for rows in micro_batches_of(backend, samples, mini):
+        mb = inputs_of(backend, samples, rows)
         terms = micro_loss(Micro(rows, mb, samples.loss_mask[rows].to(backend.device), counts))
         backend.backward(terms["loss"])
+        # Summed where they are: one copy to the host per mini-batch, not a sync per micro-batch.
         for name, value in terms.items():
-            sums[name] = sums.get(name, torch.zeros(())) + value.detach().float().cpu()
+            sums[name] = sums.get(name, 0.0) + value.detach().float()
     reduced = reduce_metrics(backend.dp, sums)
     reduced["grad_norm"] = backend.optimizer_step()
     return reduced

@@ -42,7 +42,7 @@ from ppo_lifecycle import (
     default_backend,
     enable_expandable_segments,
 )
-from ppo_trainer import fault_injection
+from ppo_trainer import fault_injection, throughput
 from ppo_trainer.addresses import peer_address
 from ppo_trainer.backend_protocol import DataParallel, TrainerBackend
 from ppo_trainer.backends import make_trainer
@@ -116,6 +116,7 @@ class TrainWorker:
         self._engines: list[EngineEndpoint] = []
         self._targets: list[EngineEndpoint] = []  # the engines this rank sends to
         self._last_step: int | None = None
+        self._cost: throughput.PhaseCost | None = None  # a train call's FLOPs a token, made at the first
         self._cache_release_s = 0.0  # seconds of release_device_cache since the last pop_metrics
 
     # ------------------------------------------------------------------ setup
@@ -261,13 +262,22 @@ class TrainWorker:
     def train(
         self, step: int, batch_box: Box, external: Pieces | None = None
     ) -> tuple[dict[str, float], Box | None]:
-        """One PPO update on this rank's batch (see ``_train``)."""
-        result = self._train(step, batch_box, external)
+        """One PPO update on this rank's batch (see ``_train``); its metrics add the phase's
+        ``tflops``, ``tokens_per_s`` and, on CUDA, ``peak_memory_gb`` (``throughput``)."""
+        self._require_awake("train()")
+        samples = Samples.from_fields(unpack_fields(batch_box))
+        meter = throughput.PhaseMeter(self.device)
+        metrics, box = self._train(step, samples, external)
+        if self._cost is None:
+            self._cost = throughput.PhaseCost.for_config(self.config)
+        tokens = sum(t.numel() for t in samples.tokens)
+        handoff_s = metrics.get("handoff_put_s", 0.0) + metrics.get("handoff_get_s", 0.0)
+        metrics = metrics | meter.metrics(self._cost.flops(tokens), tokens, excluded_s=handoff_s)
         fault_injection.after_train(self.role, step, self.trainer.weight_tensors())
-        return result
+        return metrics, box
 
     def _train(
-        self, step: int, batch_box: Box, external: Pieces | None = None
+        self, step: int, samples: Samples, external: Pieces | None = None
     ) -> tuple[dict[str, float], Box | None]:
         """One PPO update on this rank's batch.
 
@@ -276,8 +286,6 @@ class TrainWorker:
         ``ppo`` estimator: ``external`` is this rank's share of those payloads
         (``ppo_value_transport.pair_values``), in this rank's sample order.
         """
-        self._require_awake("train()")
-        samples = Samples.from_fields(unpack_fields(batch_box))
         trainer = self.trainer
         self._last_step = step
         lr = trainer.set_step(step)

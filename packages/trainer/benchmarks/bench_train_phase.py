@@ -1,0 +1,371 @@
+"""Throughput of the compute phases: padded vs packed micro-batches vs a plain Hugging Face pass.
+
+For one model size, on one device, in one run:
+
+- ``logprob_forward``: ``compute_log_probs`` (the old log-prob and reference forwards; 2 N FLOPs a token);
+- ``actor_train``: ``train_actor`` (old log-probs, then forward and backward per micro-batch, AdamW per
+  mini-batch);
+- ``critic_train``: ``train_critic`` (values, then the value loss's passes);
+- ``plain HF``: ``model(input_ids, attention_mask, labels).loss.backward()`` and AdamW over the same
+  tokens in padded micro-batches of the same sample count (6 N FLOPs a token): what transformers does.
+
+Each phase runs padded (``micro_batch_size`` samples, today's path), packed with the same micro-batches,
+and packed with a ``max_tokens_per_micro_batch`` budget for each packed attention asked for, the
+variants taking turns call by call (all of a phase's trainers are resident at once). Rows: seconds
+(median),
+tokens/s, achieved TFLOP/s (model FLOPs, ``ppo_trainer.throughput``: what the run's metrics log), its
+share of the matmul limit measured in the same run (an 8192^3 bf16 matmul on CUDA, 2048^3 float32 on
+the CPU), peak working memory (CUDA: the most a call allocated above what was resident before it, i.e.
+activations, logits and gradients, not the weights and optimizer state), and the first call's loss
+(every variant starts from the same weights: packed must give the padded loss, up to bf16 rounding on
+CUDA).
+
+Sizes: ``tiny`` (the CPU smoke), ``default`` (the embedded default run's model and batch),
+``cpu-small`` (a 5M-matmul-parameter model, vocabulary 8192, a CPU measurement),
+``135m`` (SmolLM2-135M's shape: Llama, 30 layers, hidden 576, 9 query and
+3 key-value heads, vocabulary 49 152, tied embeddings; 512 samples of about 80 tokens), ``0.82b`` (the
+step budget's model: hidden 2048, 16 layers, 16 heads, MLP 5632, the copy task's small vocabulary;
+256 samples of 16 prompt + 256 response tokens). Weights are random (a config-only folder).
+
+Run: ``python benchmarks/bench_train_phase.py`` (CPU smoke) or
+``python benchmarks/bench_train_phase.py --device cuda --size 135m`` (and ``--size 0.82b``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from ppo_trainer import AlgorithmConfig, TrainerConfig
+from ppo_trainer.backend import TorchTrainer
+from ppo_trainer.batch import Samples
+from ppo_trainer.models import load_causal_lm
+from ppo_trainer.throughput import PhaseCost, matmul_parameters
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    samples: int
+    prompt: tuple[int, int]  # token counts drawn uniformly in [low, high]
+    response: tuple[int, int]
+    micro_batch: int  # padded: samples per micro-batch (the run configs' value)
+    max_tokens: int  # packed: tokens per micro-batch
+
+
+SIZES = {
+    "tiny": Size(64, 2, 4, 2, 128, 512, True, 32, (4, 24), (2, 20), 8, 256),
+    # The embedded default run's step: its model, 256 samples of a short prompt and <= 4 tokens.
+    "default": Size(64, 2, 4, 4, 128, 20, False, 256, (5, 8), (1, 4), 8, 256),
+    "cpu-small": Size(256, 4, 8, 2, 768, 8192, True, 64, (20, 60), (5, 40), 16, 2048),
+    "135m": Size(576, 30, 9, 3, 1536, 49152, True, 512, (40, 70), (5, 40), 32, 16384),
+    "0.82b": Size(2048, 16, 16, 16, 5632, 32, False, 256, (16, 16), (256, 256), 16, 16384),
+}
+
+
+def make_model(folder: Path, size: Size) -> Path:
+    LlamaConfig(
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        vocab_size=size.vocab,
+        max_position_embeddings=1024,
+        rope_theta=100000.0,
+        tie_word_embeddings=size.tied,
+    ).save_pretrained(folder)  # config only: every trainer initialises the same weights from its seed
+    return folder
+
+
+def make_samples(size: Size, seed: int = 0) -> Samples:
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(bounds: tuple[int, int]) -> int:
+        return int(torch.randint(bounds[0], bounds[1] + 1, (1,), generator=g))
+
+    fields: dict[str, list[torch.Tensor]] = {
+        k: []
+        for k in ("tokens", "response_length", "loss_mask", "reward", "rollout_log_probs", "prompt_index")
+    }
+    for i in range(size.samples):
+        prompt, response = draw(size.prompt), draw(size.response)
+        fields["tokens"].append(torch.randint(0, size.vocab, (prompt + response,), generator=g))
+        fields["response_length"].append(torch.tensor([response]))
+        fields["loss_mask"].append(torch.ones(response))
+        fields["reward"].append(torch.tensor([float(i % 2)]))
+        fields["rollout_log_probs"].append(torch.full((response,), -10.0))
+        fields["prompt_index"].append(torch.tensor([i // 8]))
+    return Samples.from_fields(fields)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_limit(device: torch.device) -> tuple[float, str]:
+    """TFLOP/s of one large square matmul: bf16 8192^3 on CUDA, float32 2048^3 on the CPU."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    repeats = 20 if device.type == "cuda" else 3
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync(device)
+    seconds = (time.perf_counter() - start) / repeats
+    return 2 * n**3 / seconds / 1e12, f"{n}^3 {str(dtype).removeprefix('torch.')} matmul"
+
+
+@dataclass(frozen=True)
+class Row:
+    phase: str
+    variant: str
+    seconds: float
+    tokens: int
+    flops: float
+    peak_gb: float | None
+    loss: float | None
+
+
+@dataclass
+class Timing:
+    """One variant's calls: seconds of the timed ones, its peak working memory, the first loss."""
+
+    seconds: list[float]
+    peak_gb: float | None = None
+    loss: float | None = None
+
+
+def timed_call(fn: Callable[[], float | None], device: torch.device, timing: Timing, keep: bool) -> None:
+    """Run ``fn`` once; record its seconds (``keep``), its loss (the first call) and the memory it
+    allocated above what was resident before it (CUDA: activations, logits, gradients)."""
+    sync(device)
+    if device.type == "cuda":
+        resident = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    loss = fn()
+    sync(device)
+    if keep:
+        timing.seconds.append(time.perf_counter() - start)
+    if timing.loss is None and loss is not None:
+        timing.loss = loss
+    if device.type == "cuda":
+        working = (torch.cuda.max_memory_allocated(device) - resident) / 1e9
+        timing.peak_gb = max(timing.peak_gb or 0.0, working)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+PHASES = (("logprob_forward", "actor"), ("actor_train", "actor"), ("critic_train", "critic"))
+
+
+def trainer_rows(
+    path: Path,
+    samples: Samples,
+    device: torch.device,
+    variants: dict[str, dict[str, object]],
+    args: argparse.Namespace,
+) -> list[Row]:
+    """Every phase for every variant; within a phase the variants take turns call by call, so that
+    drift in the machine's load (or clocks) hits them alike."""
+    tokens = sum(t.numel() for t in samples.tokens)
+    alg = AlgorithmConfig(lam=1.0, num_mini_batches=args.mini_batches)
+    # Seeded here: loading a config-only model reseeds the global generator.
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(len(samples), samples.max_response, generator=g) * samples.response_mask
+    rows = []
+    for phase, role in PHASES:
+        trainers, costs = {}, {}
+        for variant, settings in variants.items():
+            config = TrainerConfig(
+                role=role,  # type: ignore[arg-type]
+                model_path=str(path),
+                algorithm=alg,
+                device=device.type,  # type: ignore[arg-type]
+                actor_lr=1e-5,
+                critic_lr=1e-5,
+                **settings,  # type: ignore[arg-type]
+            )
+            trainers[variant], costs[variant] = TorchTrainer(config), PhaseCost.for_config(config)
+
+        def run(trainer: TorchTrainer, phase: str = phase) -> float | None:
+            if phase == "logprob_forward":
+                trainer.compute_log_probs(samples)
+                return None
+            if phase == "actor_train":
+                return trainer.train_actor(samples, values)["pg_loss"]
+            return trainer.train_critic(samples)[0]["value_loss"]
+
+        timings = {variant: Timing([]) for variant in variants}
+        for i in range(args.warmup + args.repeats):
+            for variant, trainer in trainers.items():
+                timed_call(lambda t=trainer: run(t), device, timings[variant], keep=i >= args.warmup)
+        for variant, timing in timings.items():
+            cost = costs[variant]
+            flops = 2 * cost.trained * tokens if phase == "logprob_forward" else cost.flops(tokens)
+            seconds = statistics.median(timing.seconds)
+            rows.append(Row(phase, variant, seconds, tokens, flops, timing.peak_gb, timing.loss))
+        del trainers
+        free(device)
+    return rows
+
+
+def plain_row(
+    path: Path, samples: Samples, size: Size, device: torch.device, args: argparse.Namespace
+) -> Row:
+    """Transformers' own causal-LM loss, forward and backward, padded micro-batches, AdamW."""
+    model = load_causal_lm(path, seed=1234).to(device)  # the weights every trainer starts from
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=device.type == "cuda")
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    )
+    n = len(samples)
+    order = list(range(n))
+    minis = [order[i :: args.mini_batches] for i in range(args.mini_batches)]
+
+    def batch(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        width = max(samples.tokens[i].numel() for i in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        mask = torch.zeros(len(rows), width, dtype=torch.int64)
+        for j, i in enumerate(rows):
+            ids[j, : samples.tokens[i].numel()] = samples.tokens[i]
+            mask[j, : samples.tokens[i].numel()] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        return ids.to(device), mask.to(device), labels.to(device)
+
+    def step() -> float:
+        total = 0.0
+        for mini in minis:
+            micros = [mini[i : i + size.micro_batch] for i in range(0, len(mini), size.micro_batch)]
+            for rows in micros:
+                ids, mask, labels = batch(rows)
+                with autocast:
+                    loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+                (loss / len(micros)).backward()
+                total += float(loss.detach())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return total
+
+    timing = Timing([])
+    for i in range(args.warmup + args.repeats):
+        timed_call(step, device, timing, keep=i >= args.warmup)
+    tokens = sum(t.numel() for t in samples.tokens)
+    flops = 6.0 * matmul_parameters(model) * tokens
+    variant = f"padded, {size.micro_batch} samples"
+    return Row(
+        "plain HF fwd+bwd",
+        variant,
+        statistics.median(timing.seconds),
+        tokens,
+        flops,
+        timing.peak_gb,
+        timing.loss,
+    )
+
+
+def print_table(rows: list[Row], limit: float) -> None:
+    print("| phase | variant | s | tokens/s | TFLOP/s | share of matmul limit | working GB | first loss |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        tflops = r.flops / r.seconds / 1e12
+        peak = "-" if r.peak_gb is None else f"{r.peak_gb:.1f}"
+        loss = "-" if r.loss is None else f"{r.loss:.5f}"
+        print(
+            f"| {r.phase} | {r.variant} | {r.seconds:.3f} | {r.tokens / r.seconds:,.0f} | {tflops:.3g} | "
+            f"{tflops / limit:.1%} | {peak} | {loss} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default=None, help="default: tiny on cpu, 135m on cuda"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--attention",
+        default=None,
+        help="packed attentions, comma-separated (varlen, sdpa, flex_attention); default: varlen,sdpa",
+    )
+    parser.add_argument("--max-tokens", type=int, default=None, help="packed token budget (default per size)")
+    parser.add_argument("--mini-batches", type=int, default=4, help="optimizer steps per phase")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    size = SIZES[args.size or ("135m" if device.type == "cuda" else "tiny")]
+    budget = args.max_tokens or size.max_tokens
+    attentions = (args.attention or "varlen,sdpa").split(",")
+    limit, what = matmul_limit(device)
+    where = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
+    samples = make_samples(size)
+    tokens = sum(t.numel() for t in samples.tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_model(Path(tmp) / "model", size)
+        params = PhaseCost.for_config(TrainerConfig(role="actor", model_path=str(path))).trained
+        print(
+            f"\n### train phases on {where}: {params / 1e6:.0f}M matmul parameters (hidden {size.hidden}, "
+            f"{size.layers} layers, vocabulary {size.vocab}); {size.samples} samples, {tokens} tokens "
+            f"({tokens / size.samples:.0f} a sample, longest {max(t.numel() for t in samples.tokens)}); "
+            f"{args.mini_batches} mini-batches; matmul limit {limit:.1f} TFLOP/s ({what}); median of "
+            f"{args.repeats} after {args.warmup} warm-up, variants interleaved"
+        )
+        variants: dict[str, dict[str, object]] = {
+            f"padded, {size.micro_batch} samples": {"micro_batch_size": size.micro_batch}
+        }
+        # Packing alone (the padded micro-batches' samples), then with the token budget.
+        variants[f"packed {attentions[0]}, {size.micro_batch} samples"] = {
+            "pack_sequences": True,
+            "packed_attention": attentions[0],
+            "micro_batch_size": size.micro_batch,
+        }
+        for attention in attentions:
+            variants[f"packed {attention}, {budget} tokens"] = {
+                "pack_sequences": True,
+                "packed_attention": attention,
+                "max_tokens_per_micro_batch": budget,
+            }
+        rows = trainer_rows(path, samples, device, variants, args)
+        rows.sort(key=lambda r: r.phase)
+        rows.append(plain_row(path, samples, size, device, args))
+        free(device)
+    print_table(rows, limit)
+
+
+if __name__ == "__main__":
+    main()
