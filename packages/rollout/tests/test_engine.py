@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from ppo_rollout import BuiltinEngine, RolloutManager, SamplingConfig, make_tiny_model
 from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.handles import BuiltinEngineHandle
-from ppo_weight_sync import RayEngineEndpoint, WeightSender, checksum
+from ppo_weight_sync import RayEngineEndpoint, UpdateRequest, WeightSender, checksum
 
 PROMPTS = [[1, 5, 6, 14], [1, 7, 8, 9, 14]]
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=8, n_samples_per_prompt=2, seed=4)
@@ -121,13 +121,15 @@ def test_flush_and_version_before_any_update(tiny_model: Path) -> None:
     assert engine.flush_cache().success
     assert engine.get_weight_version() is None
     reply = engine.update_weights_from_distributed(
-        names=["x"],
-        dtypes=["float32"],
-        shapes=[[1]],
-        group_name="nope",
-        weight_version=None,
-        flush_cache=True,
-        load_format=None,
+        UpdateRequest(
+            names=["x"],
+            dtypes=["float32"],
+            shapes=[[1]],
+            group_name="nope",
+            weight_version=None,
+            flush_cache=True,
+            load_format=None,
+        )
     )
     assert not reply.success
     assert "not joined" in reply.message

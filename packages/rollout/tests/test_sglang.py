@@ -182,7 +182,7 @@ def test_weight_update_over_http_changes_generations(
         sender.update(named, version="v7")
     finally:
         sender.disconnect()
-    assert client.get_weight_version() == "v7"
+    assert client.endpoint.get_weight_version().result(60) == "v7"
     after = client.generate(prompts, greedy)
     assert after == GenerationCore(other).generate(prompts, greedy)
     assert after != before
@@ -204,10 +204,10 @@ def test_control_and_memory_routes(
 ) -> None:
     manager, _ = sglang_manager
     client, record = standin
-    assert client.pause_generation().success
+    assert client.endpoint.pause_generation().result(60).success
     assert _requests(record)[-1]["body"] == {"mode": client.protocol.pause_mode}  # chosen, never {}
-    assert client.continue_generation().success
-    assert client.flush_cache().success
+    assert client.endpoint.continue_generation().result(60).success
+    assert client.endpoint.flush_cache().result(60).success
     # Ours -> SGLang's tags, cuda_graph included; SGLang's release is not idempotent, so the client never
     # sends a tag twice (a second release, or a resume of a tag not released, would take the server down).
     assert client.release_memory_occupation(tags=["weights", "kv_cache"]).success

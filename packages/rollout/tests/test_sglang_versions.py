@@ -90,7 +90,7 @@ def test_update_in_both_formats_disconnect_and_reconnect(
     sender.connect([client.endpoint])
     first = sender.active_group_name
     sender.update(_named(other_model), version=f"{load_format}-1")  # type: ignore[arg-type]
-    assert client.get_weight_version() == f"{load_format}-1"  # read from /model_info
+    assert client.endpoint.get_weight_version().result(60) == f"{load_format}-1"  # read from /model_info
     assert client.generate(prompts, GREEDY) == GenerationCore(other_model).generate(prompts, GREEDY)
     sender.disconnect()
     sender.connect([client.endpoint])
@@ -142,7 +142,7 @@ def test_flush_is_retried_while_requests_are_pending(
     worker = threading.Thread(target=lambda: client.generate([prompt], GREEDY))
     worker.start()
     time.sleep(0.3)
-    assert client.flush_cache().success  # 400 while the request runs, then 200
+    assert client.endpoint.flush_cache().result(60).success  # 400 while the request runs, then 200
     worker.join(60)
     flushes = [r["status"] for r in _requests(record) if r["path"] == "/flush_cache"]
     assert flushes[-1] == 200
@@ -181,7 +181,7 @@ def test_a_rejected_update_disconnects_and_a_reconnect_recovers(
     sender.connect([client.endpoint])
     sender.update(named, version="good")  # type: ignore[arg-type]
     sender.disconnect()
-    assert client.get_weight_version() == "good"
+    assert client.endpoint.get_weight_version().result(60) == "good"
 
 
 def _update_until_it_fails(sender: WeightSender, model: Path) -> None:
@@ -330,7 +330,7 @@ def test_engines_with_tensor_parallelism_update_every_tp_rank(
                 got = client.endpoint.request("GET", "/standin_tp_checksums")["checksums"]
                 expected = [checksum(named)] + [shard_checksum(named, r, tp) for r in range(1, tp)]  # type: ignore[arg-type]
                 assert got == expected, f"{client.name} ({load_format})"
-                assert client.get_weight_version() == load_format
+                assert client.endpoint.get_weight_version().result(60) == load_format
                 assert client.generate(prompts, GREEDY) == GenerationCore(model).generate(prompts, GREEDY)
     finally:
         for client in clients:

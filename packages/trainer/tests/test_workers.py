@@ -30,7 +30,7 @@ from ppo_value_transport import (
     unpack,
     unpack_fields,
 )
-from ppo_weight_sync import RayEngineEndpoint, checksum
+from ppo_weight_sync import DestroyRequest, EngineReply, InitRequest, RayEngineEndpoint, checksum
 from ppo_weight_sync.testing.engine import TensorEngine
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
@@ -234,13 +234,13 @@ class CountingEngine(TensorEngine):
         self.inits = 0
         self.destroys = 0
 
-    def init_weights_update_group(self, **kwargs: Any) -> dict[str, Any]:
+    def init_weights_update_group(self, request: InitRequest) -> EngineReply:
         self.inits += 1
-        return super().init_weights_update_group(**kwargs)
+        return super().init_weights_update_group(request)
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+    def destroy_weights_update_group(self, request: DestroyRequest) -> EngineReply:
         self.destroys += 1
-        return super().destroy_weights_update_group(group_name=group_name)
+        return super().destroy_weights_update_group(request)
 
     def counts(self) -> tuple[int, int]:
         return self.inits, self.destroys

@@ -30,6 +30,7 @@ from ppo_weight_sync.ipc import (
 )
 from ppo_weight_sync.ipc.receiving import IpcTensorReceiver, check_layout
 from ppo_weight_sync.ipc.transport import IpcTransport
+from ppo_weight_sync.requests import DestroyRequest, TensorRequest
 
 HANDLE = IpcHandle(
     device_uuid="GPU-5c1b1f7e-0000-1111-2222-333344445555",
@@ -240,7 +241,9 @@ def test_flattened_bucket_decoder_refuses_foreign_globals_and_garbage() -> None:
 
 
 def test_tensor_request_has_sglangs_fields() -> None:
-    body = tensor_request(["a", "b"], load_format="flattened_bucket", flush_cache=False, weight_version="v3")
+    body = tensor_request(
+        ["a", "b"], load_format="flattened_bucket", flush_cache=False, weight_version="v3"
+    ).to_json()
     # UpdateWeightsFromTensorReqInput (io_struct.py, 0.5.15.post1 and 0.5.23): these names, these defaults.
     assert body == {
         "serialized_named_tensors": ["a", "b"],
@@ -280,22 +283,26 @@ def test_check_layout_names_the_tensor_at_fault() -> None:
     assert check_layout(layout, held) == "tensor 'mask' is not a weight of this engine"
 
 
+def _bucket(entries: list[str], load_format: str) -> TensorRequest:
+    return tensor_request(entries, load_format=load_format, flush_cache=True, weight_version=None)
+
+
 def test_receiver_refuses_bad_requests_before_touching_the_gpu() -> None:
     (layout,) = plan_layouts(METAS, bucket_bytes=1 << 20)
     loaded: list[str] = []
     cpu = IpcTensorReceiver(lambda named: loaded.extend(n for n, _ in named), _held, torch.device("cpu"))
     entry = encode_ipc_bucket("s", HANDLE, layout)
-    reply = cpu.update_weights_from_tensor([entry], load_format=PPO_IPC_FORMAT)
+    reply = cpu.update_weights_from_tensor(_bucket([entry], PPO_IPC_FORMAT))
     assert reply == EngineReply.refused("update_weights_from_tensor needs an engine on a GPU, not cpu.")
     gpu = IpcTensorReceiver(lambda named: None, _held, torch.device("cuda", 0), tp_rank=1)
-    reply = gpu.update_weights_from_tensor([entry], load_format=PPO_IPC_FORMAT)
+    reply = gpu.update_weights_from_tensor(_bucket([entry], PPO_IPC_FORMAT))
     assert reply.success is False
     assert reply.group_lost is False
     assert "has 1 entries; TP rank 1 reads entry 1" in reply.message
-    reply = gpu.update_weights_from_tensor([entry, entry], load_format="direct")
+    reply = gpu.update_weights_from_tensor(_bucket([entry, entry], "direct"))
     assert reply.success is False
     assert "Unsupported load_format 'direct'" in reply.message
-    reply = gpu.update_weights_from_tensor(["x", "{"], load_format=PPO_IPC_FORMAT)
+    reply = gpu.update_weights_from_tensor(_bucket(["x", "{"], PPO_IPC_FORMAT))
     assert reply == EngineReply.refused(
         "Bad update request: ppo_ipc_bucket entry: not JSON "
         "(Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"
@@ -353,11 +360,13 @@ def test_the_http_route_carries_sglangs_request_and_the_engines_reply() -> None:
         ep = HttpEngineEndpoint(url, name="cpu-engine", timeout_s=30)
         (layout,) = plan_layouts(METAS, bucket_bytes=1 << 20)
         reply = ep.update_weights_from_tensor(
-            serialized_named_tensors=[encode_ipc_bucket("s", HANDLE, layout)],
-            load_format=PPO_IPC_FORMAT,
-            flush_cache=True,
-            abort_all_requests=False,
-            weight_version="v1",
+            TensorRequest(
+                serialized_named_tensors=[encode_ipc_bucket("s", HANDLE, layout)],
+                load_format=PPO_IPC_FORMAT,
+                flush_cache=True,
+                abort_all_requests=False,
+                weight_version="v1",
+            )
         ).result(30)
         assert reply == EngineReply.refused("update_weights_from_tensor needs an engine on a GPU, not cpu.")
         bad = ep.request("POST", "/update_weights_from_tensor", {"serialized_named_tensors": [1]})
@@ -465,7 +474,7 @@ def test_a_one_request_update_is_refused_whole_before_any_mapping() -> None:
     loaded: list[str] = []
     gpu = IpcTensorReceiver(lambda named: loaded.extend(n for n, _ in named), _held, torch.device("cuda", 0))
     entry = encode_ipc_stream("s", [HANDLE, HANDLE], layouts, "/nonexistent")
-    reply = gpu.update_weights_from_tensor([entry], load_format=PPO_IPC_STREAM)
+    reply = gpu.update_weights_from_tensor(_bucket([entry], PPO_IPC_STREAM))
     assert reply == EngineReply.refused(
         f"Rejected update, nothing loaded: bucket {len(layouts) - 1}: "
         "tensor 'stranger' is not a weight of this engine"
@@ -479,10 +488,10 @@ class _StreamEndpoint(_Endpoint):
         super().__init__(name, 1)
         self.load_formats = formats
 
-    def destroy_weights_update_group(self, *, group_name: str) -> object:
+    def destroy_weights_update_group(self, request: DestroyRequest) -> object:
         from ppo_weight_sync.endpoints import Done
 
-        return Done(EngineReply.ok(f"released {group_name}"))
+        return Done(EngineReply.ok(f"released {request.group_name}"))
 
 
 def test_the_transport_streams_only_when_every_engine_takes_it() -> None:

@@ -26,6 +26,7 @@ from ppo_weight_sync import (
 )
 from ppo_weight_sync.endpoints import EngineEndpoint
 from ppo_weight_sync.finite import fused_abs_sums, start_finite_check
+from ppo_weight_sync.requests import UpdateRequest
 from ppo_weight_sync.routes import serve_engine_route
 from ppo_weight_sync.testing import TensorEngine
 
@@ -74,13 +75,15 @@ def test_a_tensor_engine_is_engine_ops_and_answers_typed_replies() -> None:
     assert isinstance(engine.receiver, WeightOps)
     assert engine.pause_generation() == EngineReply(True, "Generation paused.")
     reply = engine.update_weights_from_distributed(
-        names=["w"],
-        dtypes=["float32"],
-        shapes=[[2]],
-        group_name="none",
-        weight_version="v1",
-        flush_cache=True,
-        load_format=None,
+        UpdateRequest(
+            names=["w"],
+            dtypes=["float32"],
+            shapes=[[2]],
+            group_name="none",
+            weight_version="v1",
+            flush_cache=True,
+            load_format=None,
+        )
     )
     assert reply == EngineReply(False, "Group 'none' is not joined; call init_weights_update_group first.")
     assert engine.get_weight_version() is None

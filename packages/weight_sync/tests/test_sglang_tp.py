@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from harness import GROUP_TIMEOUT_S, SPEC, HttpEngine, weights
 
-from ppo_weight_sync import EngineUnavailableError, HttpEngineEndpoint, WeightSender, checksum
+from ppo_weight_sync import EngineUnavailableError, HttpEngineEndpoint, TensorRequest, WeightSender, checksum
+from ppo_weight_sync.ipc import tensor_request
 from ppo_weight_sync.testing.http_engine import start_process
 from ppo_weight_sync.testing.sglang_tp import shard_checksum, tp_shard
 
@@ -92,6 +93,10 @@ def test_tp_ranks_join_at_their_offsets_and_every_rank_loads(
     sender.disconnect()
 
 
+def _bucket(entries: list[str]) -> TensorRequest:
+    return tensor_request(entries, load_format="flattened_bucket", flush_cache=True, weight_version=None)
+
+
 def test_a_tp_rank_reads_only_its_own_tensor_entry_and_a_short_list_is_fatal() -> None:
     import torch
 
@@ -99,12 +104,10 @@ def test_a_tp_rank_reads_only_its_own_tensor_entry_and_a_short_list_is_fatal() -
 
     receiver = SGLangReceiver(lambda named: None, torch.device("cpu"), version="0.5.23", tp_rank=1)
     with pytest.raises(SchedulerCrash, match=r"TP rank 1 reads serialized_named_tensors\[1\] of 1 entries"):
-        receiver.update_weights_from_tensor(serialized_named_tensors=["AAAA"], load_format="flattened_bucket")
+        receiver.update_weights_from_tensor(_bucket(["AAAA"]))
     # entry 0 is rank 0's: rank 1 reads entry 1, here not a payload at all
     with pytest.raises(SchedulerCrash, match=r"deserializing TP rank 1's entry failed"):
-        receiver.update_weights_from_tensor(
-            serialized_named_tensors=["rank 0's", "not base64!"], load_format="flattened_bucket"
-        )
+        receiver.update_weights_from_tensor(_bucket(["rank 0's", "not base64!"]))
 
 
 def test_a_tensor_update_with_one_entry_for_two_tp_ranks_takes_the_server_down() -> None:

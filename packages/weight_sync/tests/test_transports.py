@@ -20,6 +20,7 @@ from ppo_weight_sync import (
     checksum,
 )
 from ppo_weight_sync.endpoints import EngineEndpoint
+from ppo_weight_sync.requests import DestroyRequest, InitRequest, UpdateRequest
 from ppo_weight_sync.testing import TensorEngine, make_weights
 from ppo_weight_sync.testing.http_engine import start_process
 
@@ -45,13 +46,13 @@ class LocalEndpoint:
     def __init__(self, engine: TensorEngine, name: str) -> None:
         self.engine, self.name, self.num_gpus, self.load_formats = engine, name, 1, ()
 
-    def init_weights_update_group(self, **kwargs: object) -> Pending[EngineReply]:
+    def init_weights_update_group(self, request: InitRequest) -> Pending[EngineReply]:
         raise AssertionError("a claimed engine must never be asked to join the group")
 
-    def update_weights_from_distributed(self, **kwargs: object) -> Pending[EngineReply]:
+    def update_weights_from_distributed(self, request: UpdateRequest) -> Pending[EngineReply]:
         raise AssertionError("a claimed engine must never receive over the group")
 
-    def destroy_weights_update_group(self, *, group_name: str) -> Pending[EngineReply]:
+    def destroy_weights_update_group(self, request: DestroyRequest) -> Pending[EngineReply]:
         raise AssertionError("a claimed engine never joined the group")
 
     def pause_generation(self) -> Pending[EngineReply]:

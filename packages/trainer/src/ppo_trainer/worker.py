@@ -5,12 +5,9 @@ and never sleeps or wakes on its own: the driver tells it. The two exceptions fo
 the weight update: ``update_weights`` and ``weights_checksum`` called while asleep wake the worker,
 do their work, and put it back to sleep, so the caller finds it in the state it left it in.
 
-Every actor rank that sends owns a ``WeightSender`` (``ppo_weight_sync.SenderPlan``, from
-``TrainerConfig.weight_sync_colocated`` and ``weight_sync_colocated_tp``): rank r sends to the engines on
-its own GPU over CUDA IPC (for an engine of several GPUs, the rank on its TP rank 0's GPU posts and the
-ranks on its other GPUs feed their TP ranks through an ``IpcExporter``, after an exchange over a gloo
-subgroup of those ranks), and rank 0 also sends to every other engine over the weight group. A pre-sleep
-hook disconnects it from the engines (so no communicator or shared buffer outlives the process groups and
+Every actor rank publishes its weights through a ``WeightPublisher`` (``ppo_trainer.weight_publisher``:
+the sender, the exporter, the colocated TP channels and the plan of who sends what). A pre-sleep hook
+disconnects it from the engines (so no communicator or shared buffer outlives the process groups and
 memory it needs); the next update reconnects. While resident, the connection is kept across updates.
 """
 
@@ -49,22 +46,10 @@ from ppo_trainer.backends import make_trainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.checkpoint.saves import RankCheckpoints
 from ppo_trainer.config import TrainerConfig
-from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_trainer.models import count_parameters
+from ppo_trainer.weight_publisher import WeightPublisher
 from ppo_value_transport import Box, Pieces, pack, pack_fields, require_values, unpack_fields, unpack_pieces
-from ppo_weight_sync import (
-    ColocatedIpc,
-    EngineEndpoint,
-    GlooExchange,
-    IpcExporter,
-    NonFiniteTensorsError,
-    RankSends,
-    SenderPlan,
-    TpLink,
-    WeightSender,
-    checksum,
-    free_port,
-)
+from ppo_weight_sync import EngineEndpoint, RankSends, checksum, free_port
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +95,7 @@ class TrainWorker:
         self._checkpoints = RankCheckpoints(config, f"{self.role}-{rank}", timeout_s)
         self._groups: ReloadableProcessGroups | None = None
         self._dp: GroupHandle | None = None
-        self._sender: WeightSender | None = None
-        self._exporter: IpcExporter | None = None  # feeds a TP rank of an engine another rank posts
-        self._tp_groups: dict[int, GroupHandle] = {}  # per colocated TP engine: its ranks' gloo channel
-        self._engines: list[EngineEndpoint] = []
-        self._targets: list[EngineEndpoint] = []  # the engines this rank sends to
+        self._publisher: WeightPublisher | None = None  # the actor's, built at setup
         self._last_step: int | None = None
         self._cost: throughput.PhaseCost | None = None  # a train call's FLOPs a token, made at the first
         self._cache_release_s = 0.0  # seconds of release_device_cache since the last pop_metrics
@@ -180,13 +161,10 @@ class TrainWorker:
         self._lifecycle.add_pre_sleep_hook("release_gathered_params", trainer.release_gathered)
         self._lifecycle.add_post_wake_hook("rebind_process_groups", trainer.after_groups_rebuilt)
         if self.role == "actor":
-            self._lifecycle.add_pre_sleep_hook("disconnect_engines", self._disconnect)
-            # One small gloo channel per colocated TP engine, among the ranks on its GPUs (every rank
-            # creates every one, in the same order; rebuilt with the role's groups when it wakes).
-            for entry in self.config.weight_sync_colocated_tp:
-                self._tp_groups[entry[0]] = groups.new_group(
-                    sorted(entry[1:]), backend="gloo", timeout=timedelta(seconds=self.timeout_s)
-                )
+            self._publisher = WeightPublisher.open(
+                self.config, self.rank, self.world_size, groups, self.timeout_s
+            )
+            self._lifecycle.add_pre_sleep_hook("disconnect_engines", self._publisher.disconnect)
         return {
             "rank": self.rank,
             "device": str(self.device),
@@ -251,6 +229,13 @@ class TrainWorker:
         if self._lifecycle is None:
             raise RuntimeError(f"{self.role} rank {self.rank}: setup() has not run")
         return self._lifecycle
+
+    @property
+    def publisher(self) -> WeightPublisher:
+        if self._publisher is None:
+            why = "setup() has not run" if self.role == "actor" else "the critic sends no weights"
+            raise RuntimeError(f"{self.role} rank {self.rank}: {why}")
+        return self._publisher
 
     def _require_awake(self, what: str) -> None:
         if self.lifecycle.is_asleep:
@@ -373,10 +358,8 @@ class TrainWorker:
         out = self.lifecycle.pop_metrics()
         if self._cache_release_s:  # after the lifecycle's sleep: torch's cache back to the GPU
             out["sleep/empty_cache/seconds"], self._cache_release_s = self._cache_release_s, 0.0
-        if self._sender is not None:
-            out.update({k: v for k, v in self._sender.pop_metrics().items() if v})
-        if self._exporter is not None:
-            out.update({k: v for k, v in self._exporter.pop_metrics().items() if v})
+        if self._publisher is not None:
+            out.update(self._publisher.pop_metrics())
         return out
 
     def memory_info(self) -> dict[str, float]:
@@ -411,84 +394,22 @@ class TrainWorker:
         copy = self.device.type == "cpu"
         return [(name, t.to(dtype, copy=copy)) for name, t in self.trainer.named_weights()]
 
-    def _disconnect(self) -> None:
-        if self._sender is not None and self._sender.is_connected:
-            self._sender.disconnect()
-        if self._exporter is not None:
-            self._exporter.disconnect()
-
     def disconnect_engines(self) -> None:
         """What the pre-sleep hook does, on its own (the driver's, before a background sleep)."""
-        self._disconnect()
+        if self._publisher is not None:
+            self._publisher.disconnect()
 
     def sends(self) -> RankSends:
         """What this rank sends (after ``connect_engines``): its CUDA IPC engines and, on rank 0, the
         group's, by index in the engine list."""
-        return self._plan().for_rank(self.rank)
-
-    def _plan(self) -> SenderPlan:
-        return SenderPlan.from_ipc(
-            self.config.weight_sync_colocated,
-            len(self._engines),
-            self.world_size,
-            self.config.weight_sync_colocated_tp,
-        )
-
-    def _tp_link(self, plan: SenderPlan, engine: int) -> TpLink:
-        """This rank's part in colocated TP engine ``engine``: its TP rank, and the channel to the others."""
-        tp = plan.tp_engine(engine)
-        if tp is None or self.rank not in tp.ranks:
-            raise ValueError(f"rank {self.rank} has no part in a colocated TP engine {engine}")
-        handle = self._tp_groups[engine]
-        return TpLink(
-            engine=self._engines[engine].name,
-            tp_rank=tp.ranks.index(self.rank),
-            tp_size=len(tp.ranks),
-            exchange=GlooExchange(lambda: handle.group, self.timeout_s),  # the live group, after a wake too
-        )
+        return self.publisher.rank_sends()
 
     def connect_engines(self, engines: list[EngineEndpoint]) -> None:
         """Remember the engines; a rank that sends connects to its own now if resident (else at the next
         update): the engines on its GPU over CUDA IPC, and on rank 0 every other engine over the group."""
         if self.role != "actor":
             raise RuntimeError("connect_engines() is the actor's: the critic sends no weights")
-        if not engines:
-            raise ValueError("connect_engines: engines is empty; pass the rollout engines' endpoints")
-        self._engines = list(engines)
-        try:
-            plan = self._plan()
-        except ValueError as exc:
-            raise ValueError(f"weight_sync_colocated={self.config.weight_sync_colocated}: {exc}") from None
-        mine = plan.for_rank(self.rank)
-        if self.rank == 0:
-            names = ", ".join(f"{i}={e.name}" for i, e in enumerate(self._engines))
-            log.info(
-                "weight updates (engines %s): %s",
-                names,
-                "; ".join(plan.describe(self.config.weight_sync_backend)) or "none",
-            )
-        self._targets = [self._engines[i] for i in (*mine.ipc, *mine.group)]
-        if mine.exports and self._exporter is None:
-            self._exporter = IpcExporter(self._tp_link(plan, mine.exports[0][0]), timeout_s=self.timeout_s)
-        if self._exporter is not None and not self.lifecycle.is_asleep:
-            self._exporter.connect()  # with the lead's connect (every rank runs this at once)
-        if not self._targets:
-            return
-        if self._sender is None:
-            colocated = [self._engines[i].name for i in mine.ipc]
-            tp = {self._engines[i].name: self._tp_link(plan, i) for i in mine.ipc if plan.tp_engine(i)}
-            self._sender = WeightSender(
-                backend=self.config.weight_sync_backend,
-                bucket_bytes=self.config.bucket_bytes,
-                group_name=self.config.weight_sync_group,
-                master_address=peer_address(),  # its store and gloo listen there only
-                timeout_s=self.timeout_s,
-                # Engines on this rank's GPU load over CUDA IPC (buckets sized from the model:
-                # ColocatedIpc's auto_bucket_bytes); the others (rank 0's) join the group.
-                transports=[ColocatedIpc(colocated, tp=tp)] if colocated else [],
-            )
-        if not self.lifecycle.is_asleep:
-            self._sender.connect(self._targets)
+        self.publisher.connect(engines, resident=not self.lifecycle.is_asleep)
 
     def update_weights(self, version: str) -> dict[str, float]:
         """Send the weights to the engines. Asleep: wake, reconnect, send, sleep. Resident: keep the link.
@@ -497,7 +418,8 @@ class TrainWorker:
         """
         if self.role != "actor":
             raise RuntimeError("update_weights() is the actor's")
-        if not self._engines:
+        publisher = self.publisher
+        if not publisher.has_engines:
             raise RuntimeError("update_weights() before connect_engines(): no engines to send to")
         was_asleep = self.lifecycle.is_asleep
         if was_asleep:
@@ -507,23 +429,10 @@ class TrainWorker:
             # Sharded, every rank gathers before any rank talks to the engines: were a rank to fail to
             # connect while its peers waited in a gather, they would hang until the collective timeout.
             # After the gather no collective is left: each sending rank updates its own engines.
-            sender, exporter = self._sender, self._exporter
-            weights = self._sync_weights(keep=sender is not None or exporter is not None)
-            if exporter is not None:  # this rank feeds a TP rank of an engine another rank posts
-                try:
-                    exporter.update(weights, version)  # connects (with the lead) when not connected
-                except NonFiniteTensorsError as exc:
-                    raise NonFiniteWeightsError(self.role, self.rank, exc.names, "send") from exc
-                return exporter.pop_metrics() | {"reconnected": float(was_asleep)}
-            if sender is None:
+            weights = self._sync_weights(keep=publisher.sends_weights)
+            if not publisher.sends_weights:
                 return {}
-            if not sender.is_connected:
-                sender.connect(self._targets)
-            try:
-                sender.update(weights, version)  # refuses non-finite weights before sending any
-            except NonFiniteTensorsError as exc:
-                raise NonFiniteWeightsError(self.role, self.rank, exc.names, "send") from exc
-            return sender.pop_metrics() | {"reconnected": float(was_asleep)}
+            return publisher.update(weights, version) | {"reconnected": float(was_asleep)}
         finally:
             weights = []  # the gathered copy must not outlive the cache release of the sleep below
             if was_asleep:
@@ -596,13 +505,8 @@ class TrainWorker:
             # The driver waits for a save it will mark complete; one left here belongs to a run that
             # failed, and its folder is never marked complete: the daemon thread ends with the process.
             log.warning("%s rank %d: shutting down during a background save", self.role, self.rank)
-        if self._exporter is not None:
-            self._exporter.disconnect()  # never raises
-        if self._sender is not None and self._sender.is_connected:
-            try:
-                self._sender.disconnect()
-            except Exception as exc:  # best effort on the way out
-                log.warning("%s rank %d: disconnect at shutdown failed: %s", self.role, self.rank, exc)
+        if self._publisher is not None:
+            self._publisher.close()  # best effort on the way out
         if self._groups is not None and self._groups.is_alive:
             self._groups.destroy()
 

@@ -29,6 +29,7 @@ from ppo_weight_sync.ops import EngineOps, EngineReply, TensorOps, WeightOps
 from ppo_weight_sync.plan import RankSends, SenderPlan, TpIpc, plan_senders
 from ppo_weight_sync.receiver import WeightReceiver
 from ppo_weight_sync.receiving_engine import ReceivingEngine
+from ppo_weight_sync.requests import DestroyRequest, InitRequest, TensorRequest, UpdateRequest, WeightRequest
 from ppo_weight_sync.sender import WeightSender
 from ppo_weight_sync.transports import Sent, Transport, TransportFactory
 
@@ -40,6 +41,7 @@ __all__ = [
     "RECEIVER_LOAD_FORMATS",
     "STREAM_FORMAT_PREFIX",
     "ColocatedIpc",
+    "DestroyRequest",
     "EngineEndpoint",
     "EngineOps",
     "EngineRejectedError",
@@ -49,6 +51,7 @@ __all__ = [
     "ExchangeError",
     "GlooExchange",
     "HttpEngineEndpoint",
+    "InitRequest",
     "IpcExporter",
     "NonFiniteTensorsError",
     "Pending",
@@ -60,14 +63,17 @@ __all__ = [
     "SenderPlan",
     "Sent",
     "TensorOps",
+    "TensorRequest",
     "ThreadUpdateLock",
     "TpIpc",
     "TpLink",
     "Transport",
     "TransportFactory",
     "UpdateLock",
+    "UpdateRequest",
     "WeightOps",
     "WeightReceiver",
+    "WeightRequest",
     "WeightSender",
     "WeightSyncError",
     "check_reply",

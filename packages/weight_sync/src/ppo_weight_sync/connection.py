@@ -33,6 +33,7 @@ from ppo_weight_sync.errors import (
 from ppo_weight_sync.group import WeightGroup
 from ppo_weight_sync.net import free_port, node_address
 from ppo_weight_sync.ops import EngineReply
+from ppo_weight_sync.requests import DestroyRequest, InitRequest
 from ppo_weight_sync.transports import (
     GroupLink,
     Transport,
@@ -153,12 +154,14 @@ class Connection:
                     (
                         engine,
                         engine.init_weights_update_group(
-                            master_address=address,
-                            master_port=port,
-                            rank_offset=offset,
-                            world_size=world_size,
-                            group_name=group_name,
-                            backend=s.backend,
+                            InitRequest(
+                                master_address=address,
+                                master_port=port,
+                                rank_offset=offset,
+                                world_size=world_size,
+                                group_name=group_name,
+                                backend=s.backend,
+                            )
                         ),
                     )
                 )
@@ -224,7 +227,7 @@ class Connection:
         for engine, name in self.stale:
             if id(engine) in wanted:
                 try:
-                    calls.append(engine.destroy_weights_update_group(group_name=name))
+                    calls.append(engine.destroy_weights_update_group(DestroyRequest(group_name=name)))
                 except WeightSyncError:
                     continue
         for call in calls:
@@ -260,7 +263,7 @@ class Connection:
         calls: list[tuple[EngineEndpoint, Pending[EngineReply]]] = []
         for engine in engines:
             try:
-                calls.append((engine, engine.destroy_weights_update_group(group_name=name)))
+                calls.append((engine, engine.destroy_weights_update_group(DestroyRequest(group_name=name))))
             except WeightSyncError as exc:
                 errors.append(str(exc))
         # Our side is destroyed while the engines destroy theirs, not after their answers: with NCCL the

@@ -1,7 +1,8 @@
 """Engine endpoints: how the sender reaches an engine (a Ray actor handle, or an SGLang-style HTTP URL).
 
 An endpoint's methods are the :class:`~ppo_weight_sync.ops.EngineOps` weight and generation operations,
-with the same keyword arguments, each returning a :class:`Pending` of the same result:
+with the same request values (:mod:`ppo_weight_sync.requests`), each returning a :class:`Pending` of the
+same result:
 ``result(timeout_s)`` gives the engine's :class:`~ppo_weight_sync.ops.EngineReply` (the version string or
 None for ``get_weight_version``) or raises :class:`~ppo_weight_sync.errors.EngineUnavailableError` /
 ``EngineTimeoutError`` naming the engine.
@@ -21,7 +22,8 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from ppo_weight_sync.buckets import FLATTENED_BUCKET, STREAM_FORMAT_PREFIX
 from ppo_weight_sync.errors import EngineTimeoutError, EngineUnavailableError
 from ppo_weight_sync.http_client import JsonHttpClient
-from ppo_weight_sync.ops import EngineReply
+from ppo_weight_sync.ops import EngineReply, WeightOpsForwarder
+from ppo_weight_sync.requests import DestroyRequest, InitRequest, TensorRequest, UpdateRequest, WeightRequest
 from ppo_weight_sync.sglang import SGLangProtocol, group_ranks_of
 
 __all__ = [
@@ -63,47 +65,17 @@ class EngineEndpoint(Protocol):
     ``load_formats`` lists the transfer formats the engine accepts beyond per-tensor broadcast:
     ``"flattened_bucket"`` (SGLang's name: one flat buffer per call) and ``"ppo_flat_stream:"`` (ours:
     one call per update, flat buffers per bucket; :class:`~ppo_weight_sync.WeightReceiver` accepts both).
-    The operations are :class:`~ppo_weight_sync.ops.EngineOps`' (same names, same keyword arguments).
+    The operations are :class:`~ppo_weight_sync.ops.EngineOps`' (same names, same request values).
     """
 
     name: str
     num_gpus: int
     load_formats: tuple[str, ...]
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> Pending[EngineReply]: ...
-
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str | None,
-        flush_cache: bool,
-        load_format: str | None,
-    ) -> Pending[EngineReply]: ...
-
-    def update_weights_from_tensor(
-        self,
-        *,
-        serialized_named_tensors: list[str],
-        load_format: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> Pending[EngineReply]: ...
-
-    def destroy_weights_update_group(self, *, group_name: str) -> Pending[EngineReply]: ...
+    def init_weights_update_group(self, request: InitRequest) -> Pending[EngineReply]: ...
+    def update_weights_from_distributed(self, request: UpdateRequest) -> Pending[EngineReply]: ...
+    def update_weights_from_tensor(self, request: TensorRequest) -> Pending[EngineReply]: ...
+    def destroy_weights_update_group(self, request: DestroyRequest) -> Pending[EngineReply]: ...
     def pause_generation(self) -> Pending[EngineReply]: ...
     def continue_generation(self) -> Pending[EngineReply]: ...
     def flush_cache(self) -> Pending[EngineReply]: ...
@@ -205,7 +177,7 @@ class _RayPending(Generic[T]):
         return value
 
 
-class RayEngineEndpoint:
+class RayEngineEndpoint(WeightOpsForwarder[Pending[EngineReply]]):
     """An engine that is a Ray actor exposing :class:`~ppo_weight_sync.ops.EngineOps` as methods.
 
     Create the actor with ``max_concurrency >= 2`` so that the weight calls run while it generates.
@@ -223,78 +195,15 @@ class RayEngineEndpoint:
         self.name = name or f"ray-actor-{handle._actor_id.hex()[:12]}"
         self.load_formats = tuple(load_formats)
 
-    def _call(self, op: str, kind: type[T], **kwargs: Any) -> Pending[T]:
+    def _call(self, op: str, kind: type[T], *args: Any) -> Pending[T]:
         try:
-            ref = getattr(self.handle, op).remote(**kwargs)
+            ref = getattr(self.handle, op).remote(*args)
         except Exception as exc:  # submitting to a dead actor can raise here rather than on get
             raise EngineUnavailableError(self.name, op, f"could not submit: {exc}") from exc
         return _RayPending(ref, self.name, op, kind)
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> Pending[EngineReply]:
-        return self._call(
-            "init_weights_update_group",
-            EngineReply,
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
-
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str | None,
-        flush_cache: bool,
-        load_format: str | None,
-    ) -> Pending[EngineReply]:
-        return self._call(
-            "update_weights_from_distributed",
-            EngineReply,
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=group_name,
-            weight_version=weight_version,
-            flush_cache=flush_cache,
-            load_format=load_format,
-        )
-
-    def update_weights_from_tensor(
-        self,
-        *,
-        serialized_named_tensors: list[str],
-        load_format: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> Pending[EngineReply]:
-        return self._call(
-            "update_weights_from_tensor",
-            EngineReply,
-            serialized_named_tensors=serialized_named_tensors,
-            load_format=load_format,
-            flush_cache=flush_cache,
-            abort_all_requests=abort_all_requests,
-            weight_version=weight_version,
-        )
-
-    def destroy_weights_update_group(self, *, group_name: str) -> Pending[EngineReply]:
-        return self._call("destroy_weights_update_group", EngineReply, group_name=group_name)
+    def _forward(self, request: WeightRequest) -> Pending[EngineReply]:
+        return self._call(request.OP, EngineReply, request)
 
     def pause_generation(self) -> Pending[EngineReply]:
         return self._call("pause_generation", EngineReply)
@@ -352,7 +261,7 @@ def _fresh(error: BaseException) -> BaseException:
         return error
 
 
-class HttpEngineEndpoint:
+class HttpEngineEndpoint(WeightOpsForwarder[Pending[EngineReply]]):
     """An engine behind SGLang's HTTP routes at ``base_url`` (``http://host:port``).
 
     Requests use the standard library, over one kept-alive HTTP/1.1 connection per thread (see
@@ -483,72 +392,9 @@ class HttpEngineEndpoint:
                 return reply
             time.sleep(1.0)
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> Pending[EngineReply]:
-        body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        return self._submit("POST", "/init_weights_update_group", body)
-
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str | None,
-        flush_cache: bool,
-        load_format: str | None,
-    ) -> Pending[EngineReply]:
-        body: dict[str, Any] = {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shapes,
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-        }
-        # Left out when None, which is io_struct.py's default for both.
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        if load_format is not None:
-            body["load_format"] = load_format
-        return self._submit("POST", "/update_weights_from_distributed", body, self._update_call)
-
-    def update_weights_from_tensor(
-        self,
-        *,
-        serialized_named_tensors: list[str],
-        load_format: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> Pending[EngineReply]:
-        # SGLang's UpdateWeightsFromTensorReqInput (io_struct.py, 0.5.15.post1 and 0.5.23).
-        body = {
-            "serialized_named_tensors": serialized_named_tensors,
-            "load_format": load_format,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-            "weight_version": weight_version,
-        }
-        return self._submit("POST", "/update_weights_from_tensor", body)
-
-    def destroy_weights_update_group(self, *, group_name: str) -> Pending[EngineReply]:
-        return self._submit("POST", "/destroy_weights_update_group", {"group_name": group_name})
+    def _forward(self, request: WeightRequest) -> Pending[EngineReply]:
+        run = self._update_call if isinstance(request, UpdateRequest) else self.call
+        return self._submit("POST", "/" + request.OP, request.to_json(), run)
 
     def pause_generation(self) -> Pending[EngineReply]:
         # The mode on purpose: SGLang's default ({}) is "abort" (SGLangProtocol says which one a version

@@ -28,7 +28,7 @@ import contextlib
 import inspect
 import threading
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from ppo_weight_sync.net import (  # free_port, node_address re-exported: older 
     local_address_toward,
     node_address,
 )
+
+if TYPE_CHECKING:
+    from ppo_weight_sync.requests import InitRequest
 
 __all__ = ["WeightGroup", "free_port", "node_address"]
 
@@ -164,6 +167,20 @@ class WeightGroup:
         # Ranks in this group are their own global ranks for torch's bookkeeping (as SGLang does).
         c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
         self._pg = pg
+
+    @classmethod
+    def join(cls, request: InitRequest, rank: int, timeout_s: float, *, bind: bool = True) -> WeightGroup:
+        """An engine's member of the group ``request`` names, as ``rank`` (``rank_offset + tp_rank``)."""
+        return cls(
+            master_address=request.master_address,
+            master_port=request.master_port,
+            rank=rank,
+            world_size=request.world_size,
+            group_name=request.group_name,
+            backend=request.backend,
+            timeout_s=timeout_s,
+            bind=bind,
+        )
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         """Start a broadcast from rank 0 of ``tensor`` (in place on receivers); returns the work handle."""

@@ -1,24 +1,28 @@
 """The engine operations, declared once: :class:`EngineOps` and its reply, :class:`EngineReply`.
 
 Every engine implementation satisfies :class:`EngineOps` (mypy checks it where each is defined): the
-built-in engine, the SGLang client, the test engines, the SGLang stand-in. :class:`WeightReceiver`
-satisfies its weight half, :class:`WeightOps`. The sender reaches an engine through an
-:class:`~ppo_weight_sync.endpoints.EngineEndpoint`, whose methods are these operations with the same
-keyword arguments, each returning a ``Pending[...]`` of the same result.
+built-in engine, the test engines, the SGLang stand-in's ranks. :class:`WeightReceiver` satisfies its
+weight half, :class:`WeightOps`. The sender reaches an engine through an
+:class:`~ppo_weight_sync.endpoints.EngineEndpoint`, whose methods are these operations, each returning a
+``Pending[...]`` of the same result.
 
-The operation and field names are SGLang's (``sglang/srt/entrypoints/http_server.py`` and
-``sglang/srt/managers/io_struct.py``); there are no defaults here: every caller says which group and
-which backend it means, and only the HTTP routes fill SGLang's defaults for a request that leaves a
-field out (:mod:`ppo_weight_sync.routes`).
+Each weight operation takes one request value (:mod:`ppo_weight_sync.requests`: SGLang's request body,
+its field names, no defaults: every caller says which group and which backend it means; only the HTTP
+routes fill SGLang's defaults for a body that leaves a field out). :class:`WeightOpsForwarder` declares
+the four weight operations once for the implementations that only pass the value on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["EngineOps", "EngineReply", "TensorOps", "WeightOps"]
+from ppo_weight_sync.requests import DestroyRequest, InitRequest, TensorRequest, UpdateRequest, WeightRequest
+
+__all__ = ["EngineOps", "EngineReply", "TensorOps", "WeightOps", "WeightOpsForwarder"]
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -66,50 +70,18 @@ class EngineReply:
 class WeightOps(Protocol):
     """The weight half of an engine: join a group, receive over it, leave it, report the version."""
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> EngineReply: ...
-
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str | None,
-        flush_cache: bool,
-        load_format: str | None,
-    ) -> EngineReply: ...
-
-    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply: ...
-
+    def init_weights_update_group(self, request: InitRequest) -> EngineReply: ...
+    def update_weights_from_distributed(self, request: UpdateRequest) -> EngineReply: ...
+    def destroy_weights_update_group(self, request: DestroyRequest) -> EngineReply: ...
     def get_weight_version(self) -> str | None: ...
 
 
 @runtime_checkable
 class TensorOps(Protocol):
     """Colocated updates (CUDA IPC, :mod:`ppo_weight_sync.ipc`): one bucket per call, SGLang's
-    ``update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``, 0.5.15.post1 and 0.5.23).
-    ``serialized_named_tensors`` holds one entry per TP rank; the version and the cache flush apply once
-    the call's bucket is loaded."""
+    ``update_weights_from_tensor`` (:class:`~ppo_weight_sync.requests.TensorRequest`)."""
 
-    def update_weights_from_tensor(
-        self,
-        *,
-        serialized_named_tensors: list[str],
-        load_format: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> EngineReply: ...
+    def update_weights_from_tensor(self, request: TensorRequest) -> EngineReply: ...
 
 
 @runtime_checkable
@@ -127,3 +99,24 @@ class EngineOps(WeightOps, Protocol):
     def flush_cache(self) -> EngineReply: ...
     def release_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply: ...
     def resume_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply: ...
+
+
+class WeightOpsForwarder(Generic[R]):
+    """The four weight operations of an implementation that passes each request value on: to its
+    receiver, to every TP rank, over Ray or HTTP. A subclass defines :meth:`_forward` (``R``: the reply,
+    or a ``Pending`` of it)."""
+
+    def _forward(self, request: WeightRequest) -> R:
+        raise NotImplementedError(f"{type(self).__name__} must define _forward")
+
+    def init_weights_update_group(self, request: InitRequest) -> R:
+        return self._forward(request)
+
+    def update_weights_from_distributed(self, request: UpdateRequest) -> R:
+        return self._forward(request)
+
+    def update_weights_from_tensor(self, request: TensorRequest) -> R:
+        return self._forward(request)
+
+    def destroy_weights_update_group(self, request: DestroyRequest) -> R:
+        return self._forward(request)

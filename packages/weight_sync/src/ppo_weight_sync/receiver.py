@@ -31,6 +31,7 @@ from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.group import WeightGroup
 from ppo_weight_sync.ipc.receiving import IpcTensorReceiver
 from ppo_weight_sync.ops import EngineReply, TensorOps, WeightOps
+from ppo_weight_sync.requests import DestroyRequest, InitRequest, TensorRequest, UpdateRequest
 
 __all__ = ["WeightReceiver"]
 
@@ -81,17 +82,9 @@ class WeightReceiver:
 
     # ------------------------------------------------------------ group lifecycle
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> EngineReply:
-        rank = rank_offset + self.local_rank
+    def init_weights_update_group(self, request: InitRequest) -> EngineReply:
+        group_name = request.group_name
+        rank = request.rank_offset + self.local_rank
         with self._lock:
             if group_name in self._building:
                 return EngineReply.refused(f"Group {group_name!r} is already being joined.")
@@ -104,15 +97,7 @@ class WeightReceiver:
                 if stale is not None:
                     # A sender that failed and reconnects under the same name: our old side is dead too.
                     stale.destroy(abort=True)
-                group = WeightGroup(
-                    master_address=master_address,
-                    master_port=master_port,
-                    rank=rank,
-                    world_size=world_size,
-                    group_name=group_name,
-                    backend=backend,
-                    timeout_s=self.timeout_s,
-                )
+                group = WeightGroup.join(request, rank, self.timeout_s)
         except Exception as exc:
             log.warning("init_weights_update_group %s failed: %s", group_name, exc)
             return EngineReply.refused(f"Failed to init group {group_name!r} as rank {rank}: {exc}")
@@ -123,7 +108,8 @@ class WeightReceiver:
             self._groups[group_name] = group
         return EngineReply.ok(f"Joined group {group_name!r} as rank {rank}.")
 
-    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
+    def destroy_weights_update_group(self, request: DestroyRequest) -> EngineReply:
+        group_name = request.group_name
         unmapped = self._ipc.release(group_name)
         if unmapped:
             return EngineReply.ok(f"Released {unmapped} colocated buffer(s) of {group_name!r}.")
@@ -152,23 +138,15 @@ class WeightReceiver:
         """Sender buffers mapped for colocated updates, over every session (0 once all released)."""
         return self._ipc.mappings.count()
 
-    def update_weights_from_tensor(
-        self,
-        *,
-        serialized_named_tensors: list[str],
-        load_format: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> EngineReply:
+    def update_weights_from_tensor(self, request: TensorRequest) -> EngineReply:
         """One bucket of a colocated update (``ppo_ipc_bucket``, or SGLang's ``flattened_bucket``); the
         version is recorded and the cache flushed only when it loaded. ``abort_all_requests`` has no
         meaning here: the sender paused generation first."""
-        reply = self._ipc.update_weights_from_tensor(serialized_named_tensors, load_format)
+        reply = self._ipc.update_weights_from_tensor(request)
         if reply.success:
-            if weight_version is not None:
-                self.weight_version = weight_version
-            if flush_cache and self._on_flush is not None:
+            if request.weight_version is not None:
+                self.weight_version = request.weight_version
+            if request.flush_cache and self._on_flush is not None:
                 self._on_flush()
         return reply
 
@@ -201,20 +179,11 @@ class WeightReceiver:
         # current so streams, syncs and the engine's loader all act on the right GPU.
         return on_device(self.device)
 
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str | None,
-        flush_cache: bool,
-        load_format: str | None,
-    ) -> EngineReply:
+    def update_weights_from_distributed(self, request: UpdateRequest) -> EngineReply:
+        group_name = request.group_name
         try:
-            metas = metas_from_request(names, dtypes, shapes)
-            buckets = self._buckets(metas, load_format)
+            metas = metas_from_request(request.names, request.dtypes, request.shapes)
+            buckets = self._buckets(metas, request.load_format)
         except ValueError as exc:
             return EngineReply.refused(f"Bad update request: {exc}")
         with self._lock:
@@ -254,8 +223,8 @@ class WeightReceiver:
                 return EngineReply.lost(f"Failed to receive weights over group {group_name!r}: {exc}")
             if problem is not None:
                 return EngineReply.refused(f"Rejected update, nothing loaded: {problem}")
-            if weight_version is not None:
-                self.weight_version = weight_version
+            if request.weight_version is not None:
+                self.weight_version = request.weight_version
         finally:
             with self._lock:
                 self._busy.discard(group_name)
@@ -264,7 +233,7 @@ class WeightReceiver:
                     self._buffers.pop(group_name, None)
             if orphaned:
                 group.destroy(abort=True)  # destroyed while this update ran (idempotent if already)
-        if flush_cache and self._on_flush is not None:
+        if request.flush_cache and self._on_flush is not None:
             self._on_flush()
         return EngineReply.ok("Succeeded to update parameter online.")
 

@@ -27,9 +27,9 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ppo_weight_sync import EngineOps, EngineReply, HttpEngineEndpoint, TensorOps, reply_from_http
+from ppo_weight_sync import EngineReply, HttpEngineEndpoint, reply_from_http
 from ppo_weight_sync.sglang import SGLangProtocol
 
 from ..config import SamplingConfig
@@ -218,7 +218,10 @@ class SGLangServer:
 
 
 class SGLangClient:
-    """The engine operations over a server's HTTP routes (stdlib HTTP via ``HttpEngineEndpoint``)."""
+    """Generation and memory release over a server's HTTP routes (stdlib HTTP via ``HttpEngineEndpoint``).
+
+    The weight and generation-control operations are ``endpoint``'s (an ``EngineEndpoint``): the sender
+    reaches the server through it, and so does everything else that updates weights."""
 
     def __init__(
         self,
@@ -340,81 +343,7 @@ class SGLangClient:
             finish_reason=str(kind),
         )
 
-    # -- the engine operations (EngineOps, over the endpoint's HTTP calls) ---------------------------
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> EngineReply:
-        return self.endpoint.init_weights_update_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        ).result(self.timeout_s)
-
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str | None,
-        flush_cache: bool,
-        load_format: str | None,
-    ) -> EngineReply:
-        return self.endpoint.update_weights_from_distributed(
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=group_name,
-            weight_version=weight_version,
-            flush_cache=flush_cache,
-            load_format=load_format,
-        ).result(self.timeout_s)
-
-    def update_weights_from_tensor(
-        self,
-        *,
-        serialized_named_tensors: list[str],
-        load_format: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> EngineReply:
-        """SGLang's ``POST /update_weights_from_tensor`` (0.5.15.post1 and 0.5.23): one entry per TP rank,
-        built by ``ppo_weight_sync.ipc`` (``flattened_bucket``)."""
-        return self.endpoint.update_weights_from_tensor(
-            serialized_named_tensors=serialized_named_tensors,
-            load_format=load_format,
-            flush_cache=flush_cache,
-            abort_all_requests=abort_all_requests,
-            weight_version=weight_version,
-        ).result(self.timeout_s)
-
-    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
-        return self.endpoint.destroy_weights_update_group(group_name=group_name).result(self.timeout_s)
-
-    def pause_generation(self) -> EngineReply:
-        return self.endpoint.pause_generation().result(self.timeout_s)
-
-    def continue_generation(self) -> EngineReply:
-        return self.endpoint.continue_generation().result(self.timeout_s)
-
-    def flush_cache(self) -> EngineReply:
-        return self.endpoint.flush_cache().result(self.timeout_s)
-
-    def get_weight_version(self) -> str | None:
-        return self.endpoint.get_weight_version().result(self.timeout_s)
-
+    # -- memory (the weight and generation operations go through ``endpoint``, as the sender's do) ----
     def _sglang_tags(self, tags: Sequence[str] | None) -> list[str]:
         # Ours ("weights", "kv_cache") or None -> SGLang's, cuda_graph included: the captured graphs hold
         # GPU memory too, and a tag left out is never given back to training.
@@ -509,12 +438,3 @@ def _protocol_of(endpoint: HttpEngineEndpoint) -> SGLangProtocol:
     if endpoint.sglang is None:  # for_sglang always sets it; this keeps the type exact
         raise SGLangError(f"SGLang server {endpoint.name}: no protocol was read from /server_info")
     return endpoint.sglang
-
-
-if TYPE_CHECKING:  # mypy checks that the client has the engine operations' exact signatures
-
-    def _is_tensor_ops(client: SGLangClient) -> TensorOps:
-        return client
-
-    def _is_engine_ops(client: SGLangClient) -> EngineOps:
-        return client

@@ -49,6 +49,7 @@ from torch.multiprocessing import reductions
 
 from ppo_weight_sync.ipc.handles import IpcHandle, device_index, device_uuid, export_buffer
 from ppo_weight_sync.ipc.layout import BucketLayout
+from ppo_weight_sync.requests import TensorRequest
 
 __all__ = [
     "PPO_IPC_FORMAT",
@@ -80,18 +81,18 @@ def tensor_request(
     load_format: str,
     flush_cache: bool,
     weight_version: str | None,
-    abort_all_requests: bool = False,
-) -> dict[str, Any]:
-    """The JSON body of ``POST /update_weights_from_tensor`` (SGLang's field names and defaults)."""
+) -> TensorRequest:
+    """A colocated update's request for one engine: one entry per TP rank; ``abort_all_requests`` off
+    (the sender paused generation first)."""
     if not serialized_named_tensors:
         raise ValueError("serialized_named_tensors needs one entry per TP rank of the engine, got none")
-    return {
-        "serialized_named_tensors": list(serialized_named_tensors),
-        "load_format": load_format,
-        "flush_cache": flush_cache,
-        "abort_all_requests": abort_all_requests,
-        "weight_version": weight_version,
-    }
+    return TensorRequest(
+        serialized_named_tensors=list(serialized_named_tensors),
+        load_format=load_format,
+        flush_cache=flush_cache,
+        abort_all_requests=False,
+        weight_version=weight_version,
+    )
 
 
 # ------------------------------------------------------------------ ours: cached handles

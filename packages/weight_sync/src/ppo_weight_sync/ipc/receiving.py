@@ -9,7 +9,7 @@ anything is copied; a reply means the copies finished (the sender may overwrite 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -28,6 +28,7 @@ from ppo_weight_sync.ipc.payload import (
 )
 from ppo_weight_sync.ipc.signals import BucketSignals
 from ppo_weight_sync.ops import EngineReply
+from ppo_weight_sync.requests import TensorRequest
 
 __all__ = ["IPC_LOAD_FORMATS", "IpcTensorReceiver", "check_layout"]
 
@@ -80,12 +81,9 @@ class IpcTensorReceiver:
         self._decoded: dict[str, IpcBucket] = {}
         self._decoded_streams: dict[str, IpcStream] = {}
 
-    def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: Sequence[str],
-        load_format: str | None = None,
-    ) -> EngineReply:
+    def update_weights_from_tensor(self, request: TensorRequest) -> EngineReply:
         """Load one bucket; the caller records the version and flushes on success."""
+        load_format = request.load_format
         if self.device.type != "cuda":
             return EngineReply.refused(
                 f"update_weights_from_tensor needs an engine on a GPU, not {self.device}."
@@ -95,9 +93,7 @@ class IpcTensorReceiver:
                 f"Unsupported load_format {load_format!r} for update_weights_from_tensor: expected one of "
                 f"{list(IPC_LOAD_FORMATS)}.",
             )
-        entries = (
-            list(serialized_named_tensors) if isinstance(serialized_named_tensors, (list, tuple)) else []
-        )
+        entries = request.serialized_named_tensors
         if len(entries) <= self.tp_rank:
             return EngineReply.refused(
                 f"serialized_named_tensors has {len(entries)} entries; TP rank {self.tp_rank} reads entry "

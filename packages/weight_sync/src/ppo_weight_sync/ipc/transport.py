@@ -49,10 +49,12 @@ from ppo_weight_sync.ipc.payload import (
     encode_flattened_bucket,
     encode_ipc_bucket,
     encode_ipc_stream,
+    tensor_request,
 )
 from ppo_weight_sync.ipc.signals import BucketSignals
 from ppo_weight_sync.ipc.tp import TpLead, TpLink
 from ppo_weight_sync.ops import EngineReply
+from ppo_weight_sync.requests import DestroyRequest
 from ppo_weight_sync.transports.base import Sent
 
 __all__ = ["ColocatedIpc", "IpcTransport"]
@@ -262,13 +264,13 @@ class IpcTransport:
             k = index[id(layout)]
             for engine in engines:
                 fmt = self._formats[engine.name]
-                pending = engine.update_weights_from_tensor(
-                    serialized_named_tensors=self._serialized(engine, fmt, k, slot, layout),
+                request = tensor_request(
+                    self._serialized(engine, fmt, k, slot, layout),
                     load_format=fmt,
                     flush_cache=last,
-                    abort_all_requests=False,
                     weight_version=version if last else None,
                 )
+                pending = engine.update_weights_from_tensor(request)
                 waiters.append(_waiter(engine, pending, self._leads.get(engine.name), k))
             return waiters
 
@@ -308,11 +310,12 @@ class IpcTransport:
                     (
                         engine,
                         engine.update_weights_from_tensor(
-                            serialized_named_tensors=[self._stream_entry(engine, layouts)],
-                            load_format=PPO_IPC_STREAM,
-                            flush_cache=True,
-                            abort_all_requests=False,
-                            weight_version=version,
+                            tensor_request(
+                                [self._stream_entry(engine, layouts)],
+                                load_format=PPO_IPC_STREAM,
+                                flush_cache=True,
+                                weight_version=version,
+                            )
                         ),
                     )
                 )
@@ -359,7 +362,8 @@ class IpcTransport:
             if self._formats.get(engine.name) not in (PPO_IPC_FORMAT, PPO_IPC_STREAM):
                 continue  # SGLang unmapped after each call
             try:
-                calls.append((engine, engine.destroy_weights_update_group(group_name=self.session), ""))
+                release = DestroyRequest(group_name=self.session)
+                calls.append((engine, engine.destroy_weights_update_group(release), ""))
             except WeightSyncError as exc:
                 calls.append((engine, None, str(exc)))
         for engine in engines:

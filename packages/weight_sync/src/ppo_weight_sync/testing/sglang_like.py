@@ -29,16 +29,15 @@ import torch
 from ppo_weight_sync.buckets import dtype_from_name
 from ppo_weight_sync.device_sync import on_device, wait_stream
 from ppo_weight_sync.group import WeightGroup
-from ppo_weight_sync.ops import EngineReply, WeightOps
-from ppo_weight_sync.routes import (
+from ppo_weight_sync.ops import EngineReply, TensorOps, WeightOps
+from ppo_weight_sync.requests import (
     DestroyRequest,
     InitRequest,
-    RouteResult,
+    TensorRequest,
     UpdateRequest,
     ValidationError,
-    validation_error,
-    weight_reply,
 )
+from ppo_weight_sync.routes import RouteResult, validation_error, weight_reply
 from ppo_weight_sync.sglang import SGLANG_MEMORY_TAGS, SGLangProtocol
 from ppo_weight_sync.testing.sglang_tp import SchedulerCrash, TPRanks
 
@@ -73,42 +72,24 @@ class SGLangReceiver:
         self._lock = threading.Lock()
         self.weight_version: str | None = None  # the tokenizer manager's copy in SGLang
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> EngineReply:
-        if not group_name:
+    def init_weights_update_group(self, request: InitRequest) -> EngineReply:
+        if not request.group_name:
             raise AssertionError("Group name cannot be empty")  # an assert in SGLang: a 500, not a reply
-        rank = rank_offset + self.tp_rank
+        rank = request.rank_offset + self.tp_rank
         try:
             with on_device(self.device):
-                group = WeightGroup(
-                    master_address=master_address,
-                    master_port=master_port,
-                    rank=rank,
-                    world_size=world_size,
-                    group_name=group_name,
-                    backend=backend,
-                    timeout_s=self.timeout_s,
-                    # SGLang's init_custom_process_group binds nothing (torch's defaults): joining as it
-                    # does also checks that our bound sender meets a group torch's helper built.
-                    bind=False,
-                )
+                # SGLang's init_custom_process_group binds nothing (torch's defaults): joining as it does
+                # also checks that our bound sender meets a group torch's helper built.
+                group = WeightGroup.join(request, rank, self.timeout_s, bind=False)
         except Exception as exc:
             return EngineReply.refused(f"Failed to initialize custom process group: {exc}.")
         with self._lock:
-            self._groups[group_name] = group
+            self._groups[request.group_name] = group
         return EngineReply.ok("Succeeded to initialize custom process group.")
 
-    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
+    def destroy_weights_update_group(self, request: DestroyRequest) -> EngineReply:
         with self._lock:
-            group = self._groups.pop(group_name, None)
+            group = self._groups.pop(request.group_name, None)
         if group is None:
             return EngineReply.refused("The group to be destroyed does not exist.")
         try:
@@ -120,14 +101,15 @@ class SGLangReceiver:
     def get_weight_version(self) -> str | None:
         return self.weight_version
 
-    def update_weights_from_tensor(
-        self, *, serialized_named_tensors: Sequence[str], load_format: str | None
-    ) -> EngineReply:
+    def update_weights_from_tensor(self, request: TensorRequest) -> EngineReply:
         """This TP rank's part of ``update_weights_from_tensor``: it reads entry ``tp_rank`` only (0.5.23
         ``tp_worker.deserialize_own_rank``; 0.5.15.post1 ``tp_worker.update_weights_from_tensor``). The
         read and the load run outside any ``try`` in SGLang: a list too short for this rank (IndexError),
-        an entry that does not unpickle, or a load that raises takes the server down."""
+        an entry that does not unpickle, or a load that raises takes the server down. The flush and the
+        version are the server's (:class:`SGLangServerState`)."""
         from ppo_weight_sync.ipc.payload import decode_flattened_bucket
+
+        serialized_named_tensors, load_format = request.serialized_named_tensors, request.load_format
 
         if self.tp_rank >= len(serialized_named_tensors):
             raise SchedulerCrash(
@@ -152,15 +134,9 @@ class SGLangReceiver:
             raise SchedulerCrash(f"loading TP rank {self.tp_rank}'s tensors failed: {exc}") from exc
         return EngineReply.ok("Success")
 
-    def _receive(
-        self,
-        group: WeightGroup,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        load_format: str | None,
-    ) -> list[tuple[str, torch.Tensor]]:
-        if load_format == "flattened_bucket":
+    def _receive(self, group: WeightGroup, request: UpdateRequest) -> list[tuple[str, torch.Tensor]]:
+        names, dtypes, shapes = request.names, request.dtypes, request.shapes
+        if request.load_format == "flattened_bucket":
             metas, offset = [], 0
             for name, dtype_text, shape in zip(names, dtypes, shapes, strict=True):
                 dtype = dtype_from_name(dtype_text)
@@ -181,61 +157,52 @@ class SGLangReceiver:
             work.wait()
         return weights
 
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str | None,
-        flush_cache: bool,
-        load_format: str | None,
-    ) -> EngineReply:
+    def update_weights_from_distributed(self, request: UpdateRequest) -> EngineReply:
+        group_name = request.group_name
         with self._lock:
             group = self._groups.get(group_name)
+        missing = (
+            f"Group {group_name} not in {list(self._groups)}. Please call `init_weights_update_group` first."
+        )
         if group is None and self.legacy:
             # 0.5.15.post1: an assert outside the try, in the scheduler process: the server goes down.
-            raise AssertionError(
-                f"Group {group_name} not in {list(self._groups)}. "
-                "Please call `init_weights_update_group` first."
-            )
+            raise AssertionError(missing)
         try:
             if group is None:
-                raise AssertionError(
-                    f"Group {group_name} not in {list(self._groups)}. "
-                    "Please call `init_weights_update_group` first."
-                )
+                raise AssertionError(missing)
             with on_device(self.device):
-                weights = self._receive(group, names, dtypes, shapes, load_format)
+                weights = self._receive(group, request)
                 if not self.legacy:
                     wait_stream(self.device, self.timeout_s, "receiving weights")
         except Exception as exc:
-            if self.legacy:
-                return EngineReply.refused(
-                    f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are "
-                    "partially updated. Please discard the whole weights."
-                )
-            return EngineReply.refused(f"Failed to receive weights: {exc}")
+            return self._failed(exc, "Failed to receive weights")
         try:
             with on_device(self.device):
                 self._load(weights)
                 wait_stream(self.device, self.timeout_s, "loading weights")
         except Exception as exc:
-            if self.legacy:
-                return EngineReply.refused(
-                    f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are "
-                    "partially updated. Please discard the whole weights."
-                )
-            return EngineReply.refused(f"Failed to update weights: {exc}")
-        if weight_version is not None:
-            self.weight_version = weight_version
+            return self._failed(exc, "Failed to update weights")
+        if request.weight_version is not None:
+            self.weight_version = request.weight_version
         return EngineReply.ok("Succeeded to update parameter online.")
+
+    def _failed(self, exc: Exception, what: str) -> EngineReply:
+        """A failed update's reply: ``what`` from 0.5.21 (the scheduler catches receive and load failures
+        apart); before, one message for both."""
+        if self.legacy:
+            return EngineReply.refused(
+                f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are "
+                "partially updated. Please discard the whole weights."
+            )
+        return EngineReply.refused(f"{what}: {exc}")
 
 
 if TYPE_CHECKING:
 
     def _is_weight_ops(receiver: SGLangReceiver) -> WeightOps:
+        return receiver
+
+    def _is_tensor_ops(receiver: SGLangReceiver) -> TensorOps:
         return receiver
 
 
@@ -363,38 +330,10 @@ class SGLangServerState:
             return RouteResult(400, "Flush cache failed.\n")
         if path in ("/release_memory_occupation", "/resume_memory_occupation") and method in ("GET", "POST"):
             return self._memory(path == "/release_memory_occupation", data)
-        if path == "/update_weights_from_distributed" and method == "POST":
-            if self.protocol.weight_update_session and not self.session_open:
-                return RouteResult(
-                    400,
-                    EngineReply.refused(
-                        "update_weights_from_distributed must run between begin_weight_update() and "
-                        "end_weight_update()"
-                    ).to_json(),
-                )
-            answer = weight_reply(self._fatal_on_crash(UpdateRequest.parse(data).send_to, self.ranks))
-            if answer.status == 200:
-                if data.get("flush_cache", True) and not self.flush_cache():
-                    # 0.5.23 flush_cache_after_weight_update: a refused flush fails the update call
-                    return RouteResult(
-                        400,
-                        EngineReply.refused(
-                            "Weights were updated, but the cache was not flushed because requests are still "
-                            "running or queued. Retract or finish them, then call /flush_cache."
-                        ).to_json(),
-                    )
-                version = data.get("weight_version")
-                if version is not None:
-                    answer = RouteResult(
-                        200,
-                        {
-                            **answer.body,
-                            "message": f"{answer.body['message']} Weight version updated to {version}.",
-                        },
-                    )
-            return answer
-        if path == "/update_weights_from_tensor" and method == "POST":
-            return self._update_from_tensor(data)
+        if path == "/" + UpdateRequest.OP and method == "POST":
+            return self._update(UpdateRequest, data)
+        if path == "/" + TensorRequest.OP and method == "POST":
+            return self._update(TensorRequest, data)
         if path == "/init_weights_update_group" and method == "POST":
             return weight_reply(self._fatal_on_crash(InitRequest.parse(data).send_to, self.ranks))
         if path == "/destroy_weights_update_group" and method == "POST":
@@ -408,43 +347,35 @@ class SGLangServerState:
             self.on_fatal(f"{type(exc).__name__}: {exc}")
             raise
 
-    def _update_from_tensor(self, data: Mapping[str, Any]) -> RouteResult:
-        # http_server.update_weights_from_tensor -> tokenizer manager -> every TP rank's scheduler (0.5.23
-        # scheduler_components/weight_updater.py, 0.5.15.post1 scheduler -> tp_worker); 400 on failure.
+    def _update(
+        self, kind: type[UpdateRequest] | type[TensorRequest], data: Mapping[str, Any]
+    ) -> RouteResult:
+        """Both update routes: http_server -> tokenizer manager -> every TP rank's scheduler (0.5.23
+        ``scheduler_components/weight_updater.py``, 0.5.15.post1 scheduler -> tp_worker); 400 on failure.
+        From 0.5.21 only inside a weight-update session; 0.5.23 ``flush_cache_after_weight_update``: a
+        refused flush fails the update call; the version is recorded once the update loaded."""
         if self.protocol.weight_update_session and not self.session_open:
-            return RouteResult(
-                400,
+            return weight_reply(
                 EngineReply.refused(
-                    "update_weights_from_tensor must run between "
-                    "begin_weight_update() and end_weight_update()"
-                ).to_json(),
+                    f"{kind.OP} must run between begin_weight_update() and end_weight_update()"
+                )
             )
-        entries = data.get("serialized_named_tensors")
-        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
-            raise ValidationError("body.serialized_named_tensors: Input should be a valid list of strings")
-        load_format = data.get("load_format")
-        load_format = None if load_format is None else str(load_format)
-
-        def update(ranks: TPRanks) -> EngineReply:
-            return ranks.update_weights_from_tensor(serialized_named_tensors=entries, load_format=load_format)
-
-        reply = self._fatal_on_crash(update, self.ranks)
+        request = kind.parse(data)
+        reply = self._fatal_on_crash(request.send_to, self.ranks)
         if not reply.success:
-            return RouteResult(400, reply.to_json())
-        if data.get("flush_cache", True) and not self.flush_cache():
-            return RouteResult(
-                400,
+            return weight_reply(reply)
+        if request.flush_cache and not self.flush_cache():
+            return weight_reply(
                 EngineReply.refused(
                     "Weights were updated, but the cache was not flushed because requests are still "
                     "running or queued. Retract or finish them, then call /flush_cache."
-                ).to_json(),
+                )
             )
-        version = data.get("weight_version")
         message = reply.message
-        if version is not None:
-            self.ranks.weight_version = str(version)
-            message = f"{message} Weight version updated to {version}."
-        return RouteResult(200, EngineReply.ok(message).to_json())
+        if request.weight_version is not None:
+            self.ranks.weight_version = request.weight_version
+            message = f"{message} Weight version updated to {request.weight_version}."
+        return weight_reply(EngineReply.ok(message))
 
     def _session(self, begin: bool) -> RouteResult:
         with self._lock:

@@ -28,15 +28,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ppo_weight_sync.buckets import checksum, dtype_from_name
-from ppo_weight_sync.ops import EngineReply
+from ppo_weight_sync.ops import EngineReply, WeightOpsForwarder
+from ppo_weight_sync.requests import WeightRequest
 
 if TYPE_CHECKING:
-    from ppo_weight_sync.ops import WeightOps
+    from ppo_weight_sync.ops import TensorOps, WeightOps
     from ppo_weight_sync.testing.sglang_like import SGLangReceiver
 
 __all__ = ["RemoteRank", "SchedulerCrash", "TPRanks", "shard_checksum", "start_remote_ranks", "tp_shard"]
 
 Spec = Mapping[str, tuple[str, Sequence[int]]]
+_CHECKSUM = "checksum"  # a rank process's one message that is not an operation's request
 
 
 class SchedulerCrash(Exception):
@@ -104,14 +106,14 @@ def _rank_main(
     conn.send(("ready", tp_rank))
     while True:
         try:
-            op, kwargs = conn.recv()
+            message: WeightRequest | str = conn.recv()
         except (EOFError, OSError):  # the server is gone: so is this rank, as SGLang's ranks die together
             return
-        if op == "checksum":
+        if isinstance(message, str):  # _CHECKSUM
             conn.send(("ok", holder.checksum()))
             continue
         try:
-            reply = getattr(receiver, op)(**kwargs)
+            reply = message.send_to(receiver)
         except (AssertionError, SchedulerCrash) as exc:  # raised in SGLang's scheduler: the server goes down
             conn.send(("crash", f"{type(exc).__name__}: {exc}"))
             return
@@ -154,12 +156,19 @@ class RemoteRank:
             raise TimeoutError(f"TP rank {tp_rank}'s process did not start within {start_timeout_s:g} s")
         self._conn.recv()
 
-    def call(self, op: str, kwargs: Mapping[str, Any], timeout_s: float) -> Any:
-        """Run ``op`` on this rank; its answer, or :class:`~.sglang_like.SchedulerCrash` where SGLang's
-        scheduler raises (the rank's process has exited)."""
+    def run(self, request: WeightRequest, timeout_s: float) -> Any:
+        """Run ``request``'s operation on this rank; its answer, or :class:`~.sglang_like.SchedulerCrash`
+        where SGLang's scheduler raises (the rank's process has exited)."""
+        return self._ask(request, request.OP, timeout_s)
+
+    def checksum(self, timeout_s: float) -> str:
+        """The checksum of this rank's shards."""
+        return str(self._ask(_CHECKSUM, "checksum", timeout_s))
+
+    def _ask(self, message: WeightRequest | str, op: str, timeout_s: float) -> Any:
         with self._lock:
             try:
-                self._conn.send((op, dict(kwargs)))
+                self._conn.send(message)
                 if not self._conn.poll(timeout_s):
                     raise TimeoutError(f"TP rank {self.tp_rank} did not answer {op} within {timeout_s:g} s")
                 kind, value = self._conn.recv()
@@ -183,7 +192,7 @@ class RemoteRank:
             self.process.kill()
 
 
-class TPRanks:
+class TPRanks(WeightOpsForwarder[EngineReply]):
     """A server's TP ranks: rank 0 (``local``, in this process) and ``remotes``; each weight operation
     runs on all of them at once (a group join needs every rank) and answers with rank 0's reply."""
 
@@ -207,11 +216,12 @@ class TPRanks:
     def weight_version(self, value: str | None) -> None:
         self.local.weight_version = value
 
-    def _fan_out(self, op: str, kwargs: dict[str, Any]) -> EngineReply:
-        calls = [self._pool.submit(r.call, op, kwargs, self.timeout_s) for r in self.remotes]
+    def _forward(self, request: WeightRequest) -> EngineReply:
+        """The operation on every rank at once (a group join needs every rank); rank 0's reply."""
+        calls = [self._pool.submit(r.run, request, self.timeout_s) for r in self.remotes]
         fatal: Exception | None = None
         try:
-            reply: EngineReply = getattr(self.local, op)(**kwargs)
+            reply = request.send_to(self.local)
         except (AssertionError, SchedulerCrash) as exc:
             fatal = exc
         for call in calls:
@@ -223,64 +233,12 @@ class TPRanks:
             raise fatal
         return reply
 
-    # The weight operations (WeightOps' signatures); each goes to every rank as (name, keyword arguments).
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> EngineReply:
-        kwargs = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        return self._fan_out("init_weights_update_group", kwargs)
-
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str | None,
-        flush_cache: bool,
-        load_format: str | None,
-    ) -> EngineReply:
-        kwargs = {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shapes,
-            "group_name": group_name,
-            "weight_version": weight_version,
-            "flush_cache": flush_cache,
-            "load_format": load_format,
-        }
-        return self._fan_out("update_weights_from_distributed", kwargs)
-
-    def destroy_weights_update_group(self, *, group_name: str) -> EngineReply:
-        return self._fan_out("destroy_weights_update_group", {"group_name": group_name})
-
     def get_weight_version(self) -> str | None:
         return self.weight_version
 
-    def update_weights_from_tensor(
-        self, *, serialized_named_tensors: list[str], load_format: str | None
-    ) -> EngineReply:
-        kwargs = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format}
-        return self._fan_out("update_weights_from_tensor", kwargs)
-
     def remote_checksums(self) -> list[str]:
         """The checksums of ranks 1..tp_size-1 (their shards), in rank order."""
-        return [str(r.call("checksum", {}, self.timeout_s)) for r in self.remotes]
+        return [r.checksum(self.timeout_s) for r in self.remotes]
 
     def close(self) -> None:
         for remote in self.remotes:
@@ -327,4 +285,7 @@ def _device_of(device: str, tp_rank: int) -> str:
 if TYPE_CHECKING:  # mypy checks that the fan-out has the weight operations' exact signatures
 
     def _is_weight_ops(ranks: TPRanks) -> WeightOps:
+        return ranks
+
+    def _is_tensor_ops(ranks: TPRanks) -> TensorOps:
         return ranks

@@ -22,6 +22,7 @@ from ppo_weight_sync.errors import (
 )
 from ppo_weight_sync.group import WeightGroup
 from ppo_weight_sync.ops import EngineReply
+from ppo_weight_sync.requests import UpdateRequest
 from ppo_weight_sync.transports.base import Sent
 from ppo_weight_sync.waiting import wait_until
 
@@ -269,18 +270,19 @@ class GroupTransport(abc.ABC):
 
     def call_update(self, meta: Metadata, a: int, b: int, *, version: str | None, flush_cache: bool) -> Calls:
         """Every engine's ``update_weights_from_distributed`` call for tensors ``[a, b)``."""
+        request = UpdateRequest(
+            names=meta.names[a:b],
+            dtypes=meta.dtypes[a:b],
+            shapes=meta.shapes[a:b],
+            group_name=self.link.group_name,
+            weight_version=version,
+            flush_cache=flush_cache,
+            load_format=self._load_format,
+        )
         return [
             (
                 e,
-                e.update_weights_from_distributed(
-                    names=meta.names[a:b],
-                    dtypes=meta.dtypes[a:b],
-                    shapes=meta.shapes[a:b],
-                    group_name=self.link.group_name,
-                    weight_version=version,
-                    flush_cache=flush_cache,
-                    load_format=self._load_format,
-                ),
+                e.update_weights_from_distributed(request),
             )
             for e in self.link.engines
         ]
