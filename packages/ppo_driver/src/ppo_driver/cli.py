@@ -50,16 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ppo-driver {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def add_config_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override one config field, e.g. --set train.steps=10 (repeatable; YAML values)",
-        )
+    _add_train(sub)
+    _add_validate(sub)
+    _add_plot(sub)
+    _add_import_model(sub)
+    return parser
 
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config field, e.g. --set train.steps=10 (repeatable; YAML values)",
+    )
+
+
+def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     train = sub.add_parser(
         "train",
         help="run PPO training",
@@ -71,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--config", type=Path, metavar="FILE", help="YAML config (default: the embedded CPU default)"
     )
-    add_config_args(train)
+    _add_config_args(train)
     train.add_argument(
         "--ray-address",
         metavar="ADDR",
@@ -84,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run folder for metrics and checkpoints (default: logging.run_dir, else runs/<date-time>)",
     )
 
+
+def _add_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     validate = sub.add_parser(
         "validate",
         help="check a config; print it resolved, and the placement layout",
@@ -91,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         "resolved config and the placement layout. Exit code 2 on an invalid config.",
     )
     validate.add_argument("config", type=Path, metavar="CONFIG", help="YAML config file")
-    add_config_args(validate)
+    _add_config_args(validate)
 
+
+def _add_plot(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plot = sub.add_parser(
         "plot",
         help="plot reward, loss, KL and step time of a run to a PNG",
@@ -101,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder written by `train`")
     plot.add_argument("-o", "--output", type=Path, help="PNG path (default: RUN_DIR/curves.png)")
 
+
+def _add_import_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     imp = sub.add_parser(
         "import-model",
         help="turn a GGUF file or a Hugging Face folder into a model folder a run loads",
@@ -119,7 +134,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     imp.add_argument("--force", action="store_true", help="replace OUT if it exists")
     imp.add_argument("--no-check", action="store_true", help="skip loading it as actor, critic and engine")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -236,8 +236,16 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_rules(self) -> RunConfig:
-        p, a, t, r, o = self.placement, self.algorithm, self.train, self.rollout, self.offload
-        # The critic and the estimator: GAE needs values, and only GAE uses them.
+        self._check_estimator()
+        self._check_roles()
+        self._check_devices()
+        self._check_model()
+        self._check_batches()
+        return self
+
+    def _check_estimator(self) -> None:
+        """The critic and the estimator agree; one-step-off has its own engines and TIS."""
+        p, a, t = self.placement, self.algorithm, self.train
         if self.use_critic and a.estimator != "ppo":
             raise ValueError(
                 f"placement.critic={p.critic!r} needs algorithm.estimator='ppo' (got {a.estimator!r}); "
@@ -259,6 +267,10 @@ class RunConfig(_Section):
                     "train.async='one_step_off' trains on samples one weight version old: set "
                     "algorithm.tis_cap (truncated importance sampling, e.g. 2.0)"
                 )
+
+    def _check_roles(self) -> None:
+        """The offload plan (ppo-lifecycle's rule) and what each role's settings need."""
+        p, t, o = self.placement, self.train, self.offload
         # Which role is resident when: ppo-lifecycle owns that rule (a shared critic needs offload,
         # or warns once with ResidentSharedCriticWarning when allowed for debugging).
         try:
@@ -289,7 +301,10 @@ class RunConfig(_Section):
                     f"train.num_critic_only_steps ({t.num_critic_only_steps}) must be below train.steps "
                     f"({t.steps}), or the actor never trains; lower it or raise train.steps"
                 )
-        # Devices and engines.
+
+    def _check_devices(self) -> None:
+        """Devices and engines."""
+        p = self.placement
         if p.colocate and p.rollout_gpus is not None and p.rollout_gpus != p.actor_gpus:
             raise ValueError(
                 f"placement.mode='colocate' runs the engines on the actor's devices, so "
@@ -303,6 +318,10 @@ class RunConfig(_Section):
             )
         if p.device == "cpu" and p.gpus_per_engine != 1:
             raise ValueError("placement.gpus_per_engine must be 1 when placement.device='cpu'")
+
+    def _check_model(self) -> None:
+        """What the model (the built-in tiny one, or a folder) allows; what the engine and backend need."""
+        p, t, r, o = self.placement, self.train, self.rollout, self.offload
         if self.model.path is None and r.task is None:
             raise ValueError(
                 "model.path is null (the built-in tiny model, whose tokenizer is made for a built-in "
@@ -341,7 +360,10 @@ class RunConfig(_Section):
                 "placement.critic='dedicated' with placement.mode='colocate': a colocated run shares "
                 "every device; use placement.critic=shared, or placement.mode=disaggregate"
             )
-        # Batch sizes: one optimizer step per rollout step, split evenly over data-parallel ranks.
+
+    def _check_batches(self) -> None:
+        """Batch sizes: one optimizer step per rollout step, split evenly over data-parallel ranks."""
+        p, a, t, r = self.placement, self.algorithm, self.train, self.rollout
         samples = self.samples_per_step
         if t.global_batch_size is not None and t.global_batch_size != samples:
             raise ValueError(
@@ -387,7 +409,6 @@ class RunConfig(_Section):
                 "algorithm.estimator='grpo' compares samples of one prompt: "
                 "set rollout.sampling.n_samples_per_prompt >= 2"
             )
-        return self
 
 
 # --- loading ----------------------------------------------------------------------------------

@@ -10,24 +10,27 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ppo_driver import build
 from ppo_driver.config import RunConfig
 
-
-class TrainResultLike(Protocol):
-    metrics: dict[str, float]
-    values: Any
+if TYPE_CHECKING:
+    from ppo_rollout.manager import RolloutBatch
+    from ppo_trainer.group import TrainResult
+    from ppo_value_transport import Box, Pieces
+    from ppo_weight_sync.endpoints import EngineEndpoint
 
 
 class TrainGroupLike(Protocol):
     world_size: int
 
-    def train(self, step: int, batches: Sequence[Any], values: Sequence[Any] | None = None) -> Any: ...
+    def train(
+        self, step: int, batches: Sequence[Box], values: Sequence[Pieces] | None = None
+    ) -> TrainResult: ...
     def sleep(self) -> None: ...
     def wake_up(self) -> None: ...
-    def connect_engines(self, engines: Sequence[Any]) -> None: ...
+    def connect_engines(self, engines: Sequence[EngineEndpoint]) -> None: ...
     def disconnect_engines(self) -> None: ...
     def update_weights(self, version: str) -> dict[str, float]: ...
     def save(self, folder: Path) -> None: ...
@@ -55,9 +58,9 @@ class BackgroundSaving(Protocol):
 
 
 class RolloutLike(Protocol):
-    def generate(self, step: int) -> Any: ...
+    def generate(self, step: int) -> RolloutBatch: ...
     def evaluate(self, step: int) -> dict[str, float]: ...
-    def endpoints(self) -> list[Any]: ...
+    def endpoints(self) -> list[EngineEndpoint]: ...
     def offload(self) -> None: ...
     def onload(self) -> None: ...
     def pop_metrics(self) -> dict[str, float]: ...
@@ -85,7 +88,7 @@ def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles
     most of a run's start-up, and one after the other they leave cores idle. On GPUs they start one
     after the other: the engines size their memory before the trainers take theirs."""
     from ppo_placement import create_placement_groups, remove_placement_groups
-    from ppo_rollout import RolloutManager
+    from ppo_rollout.manager import RolloutManager
     from ppo_trainer import TrainGroup
 
     placements = create_placement_groups(build.placement_spec(config), timeout_s=min(timeout_s, 120.0))
@@ -155,6 +158,19 @@ def critic_dp_size(config: RunConfig) -> int | None:
     if not config.use_critic:
         return None
     return p.critic_gpus if p.critic == "dedicated" and p.critic_gpus is not None else p.actor_gpus
+
+
+def role_names(config: RunConfig) -> str:
+    """What a run starts, e.g. "2 rollout engines, the actor (2 ranks), the critic (2 ranks)"."""
+
+    def ranks(n: int) -> str:
+        return f"{n} rank{'s' if n != 1 else ''}"
+
+    count = config.placement.num_engines
+    engines = "the rollout engine" if count == 1 else f"{count} rollout engines"
+    critic = critic_dp_size(config)
+    critic_part = f", the critic ({ranks(critic)})" if critic is not None else ""
+    return f"{engines}, the actor ({ranks(config.placement.actor_gpus)}){critic_part}"
 
 
 def shutdown_roles(roles: Roles) -> None:
