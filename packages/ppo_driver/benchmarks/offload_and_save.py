@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ppo_lifecycle import HostCopies, HostMemoryBackend, MemoryBackend, PinnedHostBackend
+from ppo_lifecycle.memory import HostCopies, HostMemoryBackend, MemoryBackend, PinnedHostBackend
 from ppo_trainer.backend import init_adam_state
 from ppo_trainer.background_save import BackgroundSave
 from ppo_trainer.checkpoint import (

@@ -11,9 +11,12 @@ import pytest
 import ray
 from transformers import AutoModelForCausalLM
 
-from ppo_rollout import BuiltinEngine, RolloutManager, SamplingConfig, make_tiny_model
+from ppo_rollout.config import SamplingConfig
+from ppo_rollout.engine.builtin import BuiltinEngine
 from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.handles import BuiltinEngineHandle
+from ppo_rollout.manager import RolloutManager
+from ppo_rollout.tasks import make_tiny_model
 from ppo_weight_sync import RayEngineEndpoint, WeightSender, checksum
 
 PROMPTS = [[1, 5, 6, 14], [1, 7, 8, 9, 14]]

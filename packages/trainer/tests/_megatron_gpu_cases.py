@@ -111,7 +111,7 @@ def batch(n: int, prompt: int, response: int, vocab: int, seed: int) -> Any:
 
 
 def init_groups() -> Any:
-    from ppo_lifecycle import ReloadableProcessGroups
+    from ppo_lifecycle.process_groups import ReloadableProcessGroups
     from ppo_weight_sync import free_port
 
     torch.cuda.set_device(0)
@@ -205,7 +205,7 @@ def unique_bytes(tensors: list[torch.Tensor]) -> int:
 
 # ---------------------------------------------------------------------------------------- cases
 def kl_sleep_wake(tmp: Path, memory_backend: str) -> dict[str, Any]:
-    from ppo_lifecycle import Lifecycle
+    from ppo_lifecycle.lifecycle import Lifecycle
     from ppo_trainer.backend import DataParallel
     from ppo_trainer.backend_protocol import make_trainer
     from ppo_trainer.megatron_backend import held_tensors, misplaced_tensors
@@ -277,7 +277,7 @@ def _deterministic() -> None:
 
 
 def resume(tmp: Path) -> dict[str, Any]:
-    from ppo_lifecycle import PinnedHostBackend
+    from ppo_lifecycle.memory import PinnedHostBackend
     from ppo_trainer import megatron_checkpoint
 
     _deterministic()

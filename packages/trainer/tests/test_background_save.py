@@ -11,7 +11,7 @@ import torch
 from conftest import save_tiny_llama
 from safetensors import safe_open
 
-from ppo_lifecycle import HostMemoryBackend
+from ppo_lifecycle.memory import HostMemoryBackend
 from ppo_trainer import AlgorithmConfig, Samples, TorchTrainer, TrainerConfig, checkpoint
 from ppo_trainer.background_save import BackgroundSave
 

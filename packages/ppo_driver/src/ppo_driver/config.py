@@ -34,7 +34,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 
-from ppo_lifecycle import OffloadPlan
+from ppo_lifecycle.plan import OffloadPlan
 from ppo_rollout.config import RolloutSettings
 from ppo_rollout.tasks import get_task
 from ppo_trainer.config import AlgorithmConfig, DType, MemoryBackendName, TrainSettings

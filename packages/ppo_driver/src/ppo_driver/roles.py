@@ -1,6 +1,6 @@
 """What the loop drives, and how the real parts are made.
 
-``ppo_trainer.TrainGroup`` and ``ppo_rollout.RolloutManager`` satisfy the protocols below; the loop
+``ppo_trainer.TrainGroup`` and ``ppo_rollout.manager.RolloutManager`` satisfy the protocols below; the loop
 uses nothing else of them. ``create_roles`` builds the real ones on fresh placement groups.
 """
 

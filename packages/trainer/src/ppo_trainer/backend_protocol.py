@@ -20,7 +20,7 @@ from ppo_trainer.batch import Samples
 from ppo_trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
-    from ppo_lifecycle import ReloadableProcessGroups
+    from ppo_lifecycle.process_groups import ReloadableProcessGroups
     from ppo_trainer.backend import DataParallel
 
 Region = Callable[[str], AbstractContextManager[None]]

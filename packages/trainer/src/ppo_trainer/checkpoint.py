@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PreTrainedModel
 
-from ppo_lifecycle import HostCopies
+from ppo_lifecycle.memory import HostCopies
 from ppo_trainer.backend import TorchTrainer, init_adam_state
 from ppo_trainer.backend_protocol import TrainerBackend
 from ppo_trainer.errors import NonFiniteWeightsError

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ppo_lifecycle import ReloadableProcessGroups
+from ppo_lifecycle.process_groups import ReloadableProcessGroups
 from ppo_trainer import megatron_convert as mc
 from ppo_trainer import optimizer_format as of
 from ppo_trainer.backend import DataParallel, Region, TorchTrainer, _no_region, init_adam_state

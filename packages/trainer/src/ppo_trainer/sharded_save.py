@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from ppo_lifecycle import HostCopies
+from ppo_lifecycle.memory import HostCopies
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.checkpoint import ShardState, _rng_state, optimizer_state_by_name, whole_state
 from ppo_weight_sync.net import local_address_toward

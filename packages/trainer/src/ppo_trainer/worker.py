@@ -29,19 +29,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppo_lifecycle import (
-    GroupHandle,
+from ppo_lifecycle.lifecycle import Lifecycle, State
+from ppo_lifecycle.memory import (
     HostCopies,
     HostMemoryBackend,
-    Lifecycle,
     MemoryBackend,
     PinnedHostBackend,
-    ReloadableProcessGroups,
-    State,
     TorchMemorySaverBackend,
     default_backend,
     enable_expandable_segments,
 )
+from ppo_lifecycle.process_groups import GroupHandle, ReloadableProcessGroups
 from ppo_trainer import checkpoint, fault_injection, sharded_save
 from ppo_trainer.addresses import peer_address
 from ppo_trainer.backend import DataParallel, TorchTrainer

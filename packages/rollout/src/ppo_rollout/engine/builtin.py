@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 import torch
 
-from ppo_lifecycle import TransferStats, default_backend
+from ppo_lifecycle.memory import default_backend
+from ppo_lifecycle.stats import TransferStats
 from ppo_weight_sync import EngineOps, EngineReply, ReceivingEngine, TensorOps, WeightReceiver, checksum
 
 from .. import fault_injection
