@@ -95,7 +95,7 @@ def test_bad_input() -> None:
 
 def test_the_plan_imports_without_torch() -> None:
     # The driver's config builds the plan while validating a config (``ppo-driver validate``).
-    modules = "ppo_lifecycle.plan, ppo_lifecycle.stats"
+    modules = "ppo_lifecycle.plan, ppo_lifecycle.stats, ppo_lifecycle.startup"
     code = f"import sys, {modules}; print('torch' in sys.modules)"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True

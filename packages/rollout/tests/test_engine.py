@@ -134,3 +134,12 @@ def test_flush_and_version_before_any_update(tiny_model: Path) -> None:
     )
     assert not reply.success
     assert "not joined" in reply.message
+
+
+def test_the_manager_reports_its_engines_start_up(manager: RolloutManager) -> None:
+    # Each engine timed its own start-up (ppo_lifecycle.startup): the driver's start-up table shows it.
+    startup = manager.startup
+    assert {"imports", "model", "cuda graphs"} <= set(startup)
+    assert startup["model"] > 0
+    assert startup["cuda graphs"] == 0.0  # on CPU the static decoder runs eagerly: no graphs
+    assert all(seconds >= 0 for seconds in startup.values())

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from ppo_driver import __version__, preflight
 from ppo_driver.config import ConfigError, RunConfig, dump_config, load_config
+from ppo_driver.startup import StartupClock
 
 DESCRIPTION = """\
 PPO post-training for LLMs: actor and critic share the training devices by taking turns,
@@ -137,6 +138,9 @@ def _add_import_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The start-up table counts from the process's start: the interpreter and the imports so far too.
+    startup = StartupClock.since_process_start()
+    startup.since_origin("python start + imports")
     # Under `uv run`, Ray 2.60 re-launches every worker through `uv run` with the working directory
     # packaged as a runtime env: slow, and unneeded since the workers run in this environment (and every
     # node of a cluster has the workspace installed, as the README says). Ray reads the switch when it is
@@ -152,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True, soft_wrap=True)
     try:
         if args.command == "train":
-            return _train(args, console)
+            return _train(args, console, startup)
         if args.command == "validate":
             return _validate(args, console)
         if args.command == "import-model":
@@ -312,15 +316,17 @@ def _write_traceback(exc: BaseException, run_dir: Path) -> Path | None:
     return path
 
 
-def _train(args: argparse.Namespace, console: Console) -> int:
-    config = resolve(args)
-    logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
-    run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
-    preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
-    checked = preflight.check_dataset(config)  # every prompt, tokenized as the run will
-    from ppo_driver.faults import RunFailed
-    from ppo_driver.loop import train
-    from ppo_driver.metrics import budget_table, summary_table
+def _train(args: argparse.Namespace, console: Console, startup: StartupClock) -> int:
+    with startup.part("config + pre-flight"):
+        config = resolve(args)
+        logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
+        run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+        preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
+        checked = preflight.check_dataset(config)  # every prompt, tokenized as the run will
+    with startup.part("driver imports"):  # torch, Ray, transformers
+        from ppo_driver.faults import RunFailed
+        from ppo_driver.loop import train
+        from ppo_driver.metrics import budget_table, startup_table, summary_table
 
     console.print(
         f"ppo-driver {__version__}: {config.algorithm.estimator} on "
@@ -343,7 +349,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = show_warning  # one line per warning, as the config's warnings
         try:
-            result = train(config, run_dir, console=console)
+            result = train(config, run_dir, console=console, startup=startup)
         except RunFailed as exc:
             exc.traceback_file = _write_traceback(exc, run_dir)
             raise
@@ -352,6 +358,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     if result.history:
         console.print(summary_table(result.history, run_dir))
         console.print(budget_table(result.history))
+    if result.startup is not None:
+        console.print(startup_table(result.startup, result.history))
     status = "match" if result.weights_match else "DIFFER"
     console.print(
         f"engines hold the actor's final weights: {status} (actor {result.actor_checksum[:12]})",

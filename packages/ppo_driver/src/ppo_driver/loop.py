@@ -47,6 +47,7 @@ from ppo_driver.roles import RoleFactory, Roles, TrainGroupLike, create_roles, r
 from ppo_driver.runlock import RunLock
 from ppo_driver.saving import CheckpointSaver
 from ppo_driver.schedule import BatchSchedule, Cadence
+from ppo_driver.startup import StartupClock, StartupTable
 from ppo_driver.step_record import StepRecord, Where
 from ppo_driver.stops import (
     check_space,
@@ -73,6 +74,7 @@ class RunResult:
     engine_checksums: list[str] = field(default_factory=list)
     # Set when the run was already done: the checkpoint at or past ``train.steps`` (nothing was started)
     finished_at: Path | None = None
+    startup: StartupTable | None = None  # the seconds from the command to the first step
 
     @property
     def weights_match(self) -> bool:
@@ -99,6 +101,7 @@ class Run:
     setup_metrics: dict[str, dict[str, float]]
     evaluates: Cadence
     published: int = 0  # the latest weight version sent to the engines
+    startup: StartupTable | None = None  # set when setup ends: the first step starts
 
     @property
     def roles_in_budget(self) -> tuple[str, ...]:
@@ -112,14 +115,17 @@ def train(
     *,
     console: Console | None = None,
     roles_factory: RoleFactory = create_roles,
+    startup: StartupClock | None = None,
 ) -> RunResult:
     """Run the loop. A failing step raises ``RunFailed`` (step, phase, cause, where a re-run resumes);
-    SIGINT/SIGTERM raise ``Interrupted`` after a save at the end of the step they arrived in."""
+    SIGINT/SIGTERM raise ``Interrupted`` after a save at the end of the step they arrived in.
+    ``startup``: the clock the start-up is timed on (the CLI's, from the process's start); else one
+    from this call."""
     console = console or Console()
     # Absolute paths: the Ray workers that read the model and write checkpoints run in other folders.
     run_dir = run_dir.resolve()
     with ExitStack() as stack:
-        run = setup(config, run_dir, stack, console, roles_factory)
+        run = setup(config, run_dir, stack, console, roles_factory, startup or StartupClock())
         if isinstance(run, RunResult):
             return run  # already at train.steps: nothing was started
         for n in range(run.start + 1, config.train.steps + 1):
@@ -217,47 +223,45 @@ def _update_weights(run: Run, rec: StepRecord) -> None:
 
 
 def setup(
-    config: RunConfig, run_dir: Path, stack: ExitStack, console: Console, roles_factory: RoleFactory
+    config: RunConfig,
+    run_dir: Path,
+    stack: ExitStack,
+    console: Console,
+    roles_factory: RoleFactory,
+    clock: StartupClock,
 ) -> Run | RunResult:
-    """Everything before the first step, each part's undoing on ``stack``; a ``RunResult`` when the
-    run folder's checkpoint is at ``train.steps`` already (nothing is started then)."""
+    """Everything before the first step, each part timed on ``clock`` and its undoing on ``stack``; a
+    ``RunResult`` when the run folder's checkpoint is at ``train.steps`` already (nothing started)."""
     ckpt_root = Path(config.checkpoint.dir).resolve() if config.checkpoint.dir else run_dir / "checkpoints"
-    stack.enter_context(RunLock(run_dir))  # creates run_dir; refuses a second run in it
-    # The content hashes of the checkpoints to resume from are checked while Ray and the roles start.
-    verified = checkpoint.BackgroundVerify(ckpt_root) if config.checkpoint.resume else None
-    done = resume.already_done(ckpt_root, verified, config.train.steps)
-    if done is not None:  # decided before anything starts: the finished run's files stay as they are
+    with clock.part("run folder"):
+        stack.enter_context(RunLock(run_dir))  # creates run_dir; refuses a second run in it
+        # The content hashes of the checkpoints to resume from are checked while Ray and the roles start.
+        verified = checkpoint.BackgroundVerify(ckpt_root) if config.checkpoint.resume else None
+        done = resume.already_done(ckpt_root, verified, config.train.steps)
+        if done is None:  # else decided before anything starts: the finished run's files stay as they are
+            _prepare_folder(config, run_dir, ckpt_root, console)
+    if done is not None:
         return _nothing_to_do(config, run_dir, done, console)
-    _prepare_folder(config, run_dir, ckpt_root, console)
     where = Where()
-    signals = _start_ray(config, ckpt_root, where, stack, console)
+    with clock.part("ray"):
+        signals = _start_ray(config, ckpt_root, where, stack, console)
     # Entered before the roles: their shutdown runs first, then a failure is reported.
     stack.enter_context(report_failures(where, ckpt_root, run_dir))
     seed_everything(config.train.seed)
-    roles = _start_roles(config, run_dir, stack, console, roles_factory)
-    overlap = _choose_overlap(config, roles)  # measured now, with every role resident
-    console.print(overlap.describe(), highlight=False)
-    plan = build.offload_plan(config)
-    timeout_s = config.ray.timeout_s
-    phases = PhaseTracker(plan, roles, on_enter=where.entering, overlap=overlap.overlap, timeout_s=timeout_s)
-    stack.callback(phases.close)  # before the roles shut down: nothing left moving
-    saver = CheckpointSaver(
-        ckpt_root,
-        roles,
-        phases,
-        lambda step: resume.driver_state(step, roles, config),
-        keep=config.checkpoint.keep,
-        cadence=Cadence(config.checkpoint.interval, config.train.steps, final=config.checkpoint.save_final),
-    )
-    # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
-    # loads (one that does not is reported and skipped for the previous one).
-    where.phase = "resume"
-    start = resume.resume(ckpt_root, verified, roles, phases.enter, config, console) if verified else 0
-    setup_metrics = _first_weight_update(roles, phases, where, start)
-    schedule = _schedule(config, roles, saver, stack)
-    log = MetricsLog(run_dir, tensorboard=config.logging.tensorboard, start_step=start)
-    stack.callback(log.close)
-    progress = StepProgress(config.train.steps, start, console=console, enabled=config.logging.progress)
+    with clock.part("tiny model" if config.model.path is None else "model path"):
+        model_path = _model_path(config, run_dir)
+    roles = _start_roles(config, run_dir, model_path, stack, console, roles_factory, clock)
+    with clock.part("offload plan"):
+        phases, saver, overlap = _turn_taking(config, roles, ckpt_root, where, stack, console)
+    if verified is not None:
+        # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
+        # loads (one that does not is reported and skipped for the previous one).
+        where.phase = "resume"
+        with clock.part("resume"):
+            start = resume.resume(ckpt_root, verified, roles, phases.enter, config, console)
+    else:
+        start = 0
+    setup_metrics = _first_weight_update(roles, phases, where, start, clock)
     run = Run(
         config=config,
         run_dir=run_dir,
@@ -265,9 +269,11 @@ def setup(
         roles=roles,
         phases=phases,
         saver=saver,
-        schedule=schedule,
-        log=log,
-        progress=stack.enter_context(progress),
+        schedule=_schedule(config, roles, saver, stack),
+        log=_metrics_log(config, run_dir, start, stack),
+        progress=stack.enter_context(
+            StepProgress(config.train.steps, start, console=console, enabled=config.logging.progress)
+        ),
         signals=signals,
         where=where,
         overlap=overlap,
@@ -277,6 +283,7 @@ def setup(
         published=start,
     )
     stop_if_asked(signals, start, ckpt_root)
+    run.startup = clock.end()
     return run
 
 
@@ -314,32 +321,69 @@ def _start_ray(
 
 
 def _start_roles(
-    config: RunConfig, run_dir: Path, stack: ExitStack, console: Console, roles_factory: RoleFactory
+    config: RunConfig,
+    run_dir: Path,
+    model_path: Path,
+    stack: ExitStack,
+    console: Console,
+    roles_factory: RoleFactory,
+    clock: StartupClock,
 ) -> Roles:
-    model_path = _model_path(config, run_dir)
     # The roles' start-up (processes importing torch, loading the model) is most of a short run's
     # time: say what is starting, and how long it took, rather than staying silent through it.
-    starting = time.perf_counter()
     console.print(f"starting {role_names(config)} ...", highlight=False)
-    roles = roles_factory(config, model_path, config.ray.timeout_s)
+    with clock.part("roles"):
+        starting = time.perf_counter()
+        roles = roles_factory(config, model_path, config.ray.timeout_s)
+        stack.callback(shutdown_roles, roles)
     console.print(f"started in {time.perf_counter() - starting:.1f} s", highlight=False)
-    stack.callback(shutdown_roles, roles)
-    processes.record(roles, run_dir, config.ray.timeout_s)
+    clock.roles(roles.startup)
+    with clock.part("processes.json"):
+        processes.record(roles, run_dir, config.ray.timeout_s)
     return roles
 
 
+def _turn_taking(
+    config: RunConfig, roles: Roles, ckpt_root: Path, where: Where, stack: ExitStack, console: Console
+) -> tuple[PhaseTracker, CheckpointSaver, OverlapChoice]:
+    """The phase tracker that moves the roles, in the order ``offload.overlap`` picks, and the saver."""
+    overlap = _choose_overlap(config, roles)  # measured now, with every role resident
+    console.print(overlap.describe(), highlight=False)
+    plan = build.offload_plan(config)
+    timeout_s = config.ray.timeout_s
+    phases = PhaseTracker(plan, roles, on_enter=where.entering, overlap=overlap.overlap, timeout_s=timeout_s)
+    stack.callback(phases.close)  # before the roles shut down: nothing left moving
+    saver = CheckpointSaver(
+        ckpt_root,
+        roles,
+        phases,
+        lambda step: resume.driver_state(step, roles, config),
+        keep=config.checkpoint.keep,
+        cadence=Cadence(config.checkpoint.interval, config.train.steps, final=config.checkpoint.save_final),
+    )
+    return phases, saver, overlap
+
+
 def _first_weight_update(
-    roles: Roles, phases: PhaseTracker, where: Where, start: int
+    roles: Roles, phases: PhaseTracker, where: Where, start: int, clock: StartupClock
 ) -> dict[str, dict[str, float]]:
     """The engines start from the actor's weights (the loaded ones on resume); returns what start-up
     moved (its sleeps, wakes and this update), which is no step's budget."""
     where.step = start
-    phases.enter("weight_update")
-    roles.actor.connect_engines(roles.rollout.endpoints())
-    roles.actor.update_weights(version=str(start))
-    phases.enter("generate")
-    phases.settle()
+    with clock.part("weight-sync connect"):
+        phases.enter("weight_update")
+        roles.actor.connect_engines(roles.rollout.endpoints())
+    with clock.part("first weight update"):
+        roles.actor.update_weights(version=str(start))
+        phases.enter("generate")
+        phases.settle()
     return phases.pop_role_metrics()
+
+
+def _metrics_log(config: RunConfig, run_dir: Path, start: int, stack: ExitStack) -> MetricsLog:
+    log = MetricsLog(run_dir, tensorboard=config.logging.tensorboard, start_step=start)
+    stack.callback(log.close)
+    return log
 
 
 def _schedule(config: RunConfig, roles: Roles, saver: CheckpointSaver, stack: ExitStack) -> BatchSchedule:
@@ -372,6 +416,7 @@ def finish(run: Run) -> RunResult:
         history=run.log.history,
         actor_checksum=run.roles.actor.weights_checksum(),
         engine_checksums=list(run.roles.rollout.weights_checksums()),
+        startup=run.startup,
     )
     summary = {
         "first_step": result.first_step,
@@ -381,6 +426,7 @@ def finish(run: Run) -> RunResult:
         "weights_match": result.weights_match,
         "budget": budget.summary(run.log.history),
         "setup": run.setup_metrics,
+        "startup": run.startup.summary() if run.startup is not None else None,
         "transitions": {"overlap": run.overlap.overlap, "reason": run.overlap.reason},
     }
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

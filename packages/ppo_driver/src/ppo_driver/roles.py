@@ -6,11 +6,12 @@ uses nothing else of them. ``create_roles`` builds the real ones on fresh placem
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from ppo_driver import build
 from ppo_driver.config import RunConfig
@@ -76,6 +77,9 @@ class Roles:
     actor: TrainGroupLike
     critic: TrainGroupLike | None
     close: Callable[[], None] = lambda: None  # releases what the factory made (placement groups)
+    # What starting them took, part by part (``ppo_lifecycle.startup``): per role, and the factory's own
+    # ("placement groups"); the driver's start-up table shows it under ``roles``.
+    startup: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 RoleFactory = Callable[[RunConfig, Path, float], Roles]
@@ -91,9 +95,11 @@ def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles
     from ppo_rollout.manager import RolloutManager
     from ppo_trainer import TrainGroup
 
+    t0 = time.perf_counter()
     placements = create_placement_groups(build.placement_spec(config), timeout_s=min(timeout_s, 120.0))
+    placed_s = time.perf_counter() - t0
     actor_config = build.actor_trainer_config(config, model_path)
-    makers: dict[str, Callable[[], Any]] = {
+    makers: dict[str, Callable[[], RolloutManager | TrainGroup]] = {
         "rollout": lambda: RolloutManager(
             build.rollout_config(config, model_path),
             placements.slots.get("rollout"),
@@ -114,18 +120,29 @@ def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles
     except BaseException:
         remove_placement_groups(placements)
         raise
-    return Roles(
-        made["rollout"], made["actor"], made.get("critic"), close=lambda: remove_placement_groups(placements)
-    )
+    rollout, actor, critic = made["rollout"], made["actor"], made.get("critic")
+    assert isinstance(rollout, RolloutManager)
+    assert isinstance(actor, TrainGroup)
+    assert critic is None or isinstance(critic, TrainGroup)
+    startup = {"driver": {"placement groups": placed_s}}
+    startup.update({name: dict(part.startup) for name, part in made.items()})
+    return Roles(rollout, actor, critic, close=lambda: remove_placement_groups(placements), startup=startup)
 
 
-def _make_all(makers: dict[str, Callable[[], Any]], *, together: bool) -> dict[str, Any]:
+class _Part(Protocol):
+    def shutdown(self) -> None: ...
+
+
+_P = TypeVar("_P", bound=_Part)
+
+
+def _make_all(makers: Mapping[str, Callable[[], _P]], *, together: bool) -> dict[str, _P]:
     """Every part, in ``makers``' order or all at once; if one fails, the parts made are shut down
     (after the others finished starting) and the first failure is raised."""
-    made: dict[str, Any] = {}
+    made: dict[str, _P] = {}
     failure: BaseException | None = None
     if together:
-        futures: dict[str, Future[Any]] = {}
+        futures: dict[str, Future[_P]] = {}
         try:
             # Leaving the block waits for every part: each one's start-up waits have their timeouts.
             with ThreadPoolExecutor(len(makers), thread_name_prefix="create-role") as pool:

@@ -22,6 +22,7 @@ collective, so all ranks must hold the same number of samples (checked, ``ValueE
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
@@ -103,6 +104,7 @@ class TorchTrainer:
         # Sharded, the models stay in host memory until fully_shard moves them one block at a time:
         # the device never holds a whole model, only the shards and the block being split.
         load_to = torch.device("cpu") if self.sharded else self.device
+        started = time.perf_counter()
         with self.region(self.WEIGHTS_TAG):
             if config.role == "actor":
                 self.model = nn.Module.to(load_causal_lm(config.model_path, config.seed), load_to)
@@ -132,6 +134,7 @@ class TorchTrainer:
                 if self.reference is not None:
                     sharding.shard_model(self.reference, group, self.device.type, None)
             self._loss_scale = float(group.size())
+        built = time.perf_counter()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -144,6 +147,8 @@ class TorchTrainer:
         # the pinned one allocates host buffers for) the whole state at setup, not in the first sleep.
         with self.region(self.OPTIMIZER_TAG):
             init_adam_state(self.optimizer)
+        # What the worker reports of its start-up: loading (and sharding) the models, the optimizer.
+        self.setup_seconds = {"model": built - started, "optimizer": time.perf_counter() - built}
 
     def _models(self) -> list[nn.Module]:
         """The trained model and, with a KL term, the frozen reference."""
