@@ -319,6 +319,8 @@ def _write_traceback(exc: BaseException, run_dir: Path) -> Path | None:
 def _train(args: argparse.Namespace, console: Console, startup: StartupClock) -> int:
     with startup.part("config + pre-flight"):
         config = resolve(args)
+        if config.ray.write_bytecode:  # before the heavy imports: the next start reads the caches
+            sys.dont_write_bytecode = False
         logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
         run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
         preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts

@@ -207,6 +207,12 @@ class RayConfig(_Section):
     num_cpus: int = Field(default=4, ge=1, description="logical CPUs of the local instance")
     object_store_memory_mb: int = Field(default=256, ge=64)
     timeout_s: float = Field(default=600.0, gt=0, description="limit on each cross-process wait")
+    write_bytecode: bool = Field(
+        default=True,
+        description="the driver and a local instance's workers write Python's bytecode caches even where "
+        "PYTHONDONTWRITEBYTECODE is set; without them every worker compiles torch and transformers from "
+        "source at each start",
+    )
 
 
 class RunConfig(_Section):

@@ -26,7 +26,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,13 +243,19 @@ def setup(
     if done is not None:
         return _nothing_to_do(config, run_dir, done, console)
     where = Where()
-    with clock.part("ray"):
-        signals = _start_ray(config, ckpt_root, where, stack, console)
-    # Entered before the roles: their shutdown runs first, then a failure is reported.
-    stack.enter_context(report_failures(where, ckpt_root, run_dir))
+    # The model folder (the tiny model: transformers' import, the build, the files) is written while
+    # Ray starts, whose start-up mostly waits for its processes.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-path") as pool:
+        model = pool.submit(_timed, _model_path, config, run_dir)
+        with clock.part("ray"):
+            signals = _start_ray(config, ckpt_root, where, stack, console)
+        # Entered before the roles: their shutdown runs first, then a failure is reported.
+        stack.enter_context(report_failures(where, ckpt_root, run_dir))
+        with clock.part("model path (after ray)"):
+            model_path, model_s = model.result()
+    clock.alongside("ray", "tiny model" if config.model.path is None else "model path", model_s)
+    # After the model: its build forks and restores torch's global generator (ppo_rollout.tasks).
     seed_everything(config.train.seed)
-    with clock.part("tiny model" if config.model.path is None else "model path"):
-        model_path = _model_path(config, run_dir)
     roles = _start_roles(config, run_dir, model_path, stack, console, roles_factory, clock)
     with clock.part("offload plan"):
         phases, saver, overlap = _turn_taking(config, roles, ckpt_root, where, stack, console)
@@ -488,6 +494,11 @@ def _choose_overlap(config: RunConfig, roles: Roles) -> OverlapChoice:
 def _first_phase(config: RunConfig) -> Phase:
     """The phase after ``generate`` in a step that follows (warm-up steps train the critic too)."""
     return "critic_train" if config.use_critic else "actor_train"
+
+
+def _timed(make: Callable[[RunConfig, Path], Path], config: RunConfig, run_dir: Path) -> tuple[Path, float]:
+    t0 = time.perf_counter()
+    return make(config, run_dir), time.perf_counter() - t0
 
 
 def _model_path(config: RunConfig, run_dir: Path) -> Path:
