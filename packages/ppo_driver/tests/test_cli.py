@@ -152,4 +152,3 @@ def test_metrics_log_truncates_on_resume(tmp_path: Path) -> None:
     log.close()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["x"]) for r in lines] == [(1, 1), (2, 2), (3, 30)]
-

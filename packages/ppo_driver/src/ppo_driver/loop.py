@@ -243,30 +243,19 @@ def setup(
     if done is not None:
         return _nothing_to_do(config, run_dir, done, console)
     where = Where()
-    # The model folder (the tiny model: transformers' import, the build, the files) is written while
-    # Ray starts, whose start-up mostly waits for its processes.
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-path") as pool:
-        model = pool.submit(_timed, _model_path, config, run_dir)
-        with clock.part("ray"):
-            signals = _start_ray(config, ckpt_root, where, stack, console)
-        # Entered before the roles: their shutdown runs first, then a failure is reported.
-        stack.enter_context(report_failures(where, ckpt_root, run_dir))
-        with clock.part("model path (after ray)"):
-            model_path, model_s = model.result()
-    clock.alongside("ray", "tiny model" if config.model.path is None else "model path", model_s)
+    signals, model_path = _ray_and_model(config, run_dir, ckpt_root, where, stack, console, clock)
     # After the model: its build forks and restores torch's global generator (ppo_rollout.tasks).
     seed_everything(config.train.seed)
     roles = _start_roles(config, run_dir, model_path, stack, console, roles_factory, clock)
     with clock.part("offload plan"):
         phases, saver, overlap = _turn_taking(config, roles, ckpt_root, where, stack, console)
+    start = 0
     if verified is not None:
         # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
         # loads (one that does not is reported and skipped for the previous one).
         where.phase = "resume"
         with clock.part("resume"):
             start = resume.resume(ckpt_root, verified, roles, phases.enter, config, console)
-    else:
-        start = 0
     setup_metrics = _first_weight_update(roles, phases, where, start, clock)
     run = Run(
         config=config,
@@ -309,6 +298,29 @@ def _prepare_folder(config: RunConfig, run_dir: Path, ckpt_root: Path, console: 
     (run_dir / "config.yaml").write_text(dump_config(config))
     checkpoint.remove_unfinished(ckpt_root)  # saves a failed or killed run never completed
     check_space(config, ckpt_root)  # a save that cannot fit fails now, not minutes into the run
+
+
+def _ray_and_model(
+    config: RunConfig,
+    run_dir: Path,
+    ckpt_root: Path,
+    where: Where,
+    stack: ExitStack,
+    console: Console,
+    clock: StartupClock,
+) -> tuple[StopSignals, Path]:
+    """Ray, and meanwhile the model folder (the tiny model: transformers' import, the build, the
+    files), since Ray's start-up mostly waits for its processes. Failures are reported from here on."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-path") as pool:
+        model = pool.submit(_timed, _model_path, config, run_dir)
+        with clock.part("ray"):
+            signals = _start_ray(config, ckpt_root, where, stack, console)
+        # Entered before the roles: their shutdown runs first, then a failure is reported.
+        stack.enter_context(report_failures(where, ckpt_root, run_dir))
+        with clock.part("model path (after ray)"):
+            model_path, model_s = model.result()
+    clock.alongside("ray", "tiny model" if config.model.path is None else "model path", model_s)
+    return signals, model_path
 
 
 def _start_ray(
