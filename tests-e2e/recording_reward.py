@@ -10,8 +10,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from ppo_rollout import RewardInput
-from ppo_rollout.rewards import math_answer
+from ppo_rollout.rewards import RewardInput, math_answer
 
 
 def math_answer_recorded(samples: Sequence[RewardInput]) -> list[float]:

@@ -138,7 +138,7 @@ def test_console_script_rejects_with_exit_2(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ppo_rollout import make_tiny_model
+    from ppo_rollout.tasks import make_tiny_model
 
     return make_tiny_model("copy", tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

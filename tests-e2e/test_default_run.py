@@ -157,3 +157,36 @@ def test_resumed_run_matches_uninterrupted(default_run: tuple[Path, str], tmp_pa
     assert ours["first_step"] == RESUME_AT + 1
     assert ours["actor_checksum"] == theirs["actor_checksum"]
     assert ours["weights_match"] is True
+
+
+@pytest.mark.timeout(480)
+def test_start_up_is_accounted_for(default_run: tuple[Path, str]) -> None:
+    run_dir, stdout = default_run
+    startup = json.loads((run_dir / "summary.json").read_text())["startup"]
+    assert startup["from_process_start"] is True  # Python's own start and the imports count
+    parts = {p["part"]: p for p in startup["parts"]}
+    for part in ("python start + imports", "driver imports", "ray", "roles", "first weight update", "other"):
+        assert part in parts, part
+    # The rows add up to the command's start -> the first step, with a small remainder no part covers.
+    assert sum(p["seconds"] for p in startup["parts"]) == pytest.approx(startup["total_s"], rel=1e-9)
+    assert 0 <= parts["other"]["seconds"] <= 0.05 * startup["total_s"], parts["other"]
+    assert all(p["seconds"] >= 0 for p in startup["parts"])
+    # Each role's workers timed their own parts.
+    roles = startup["roles"]
+    for role in ("actor", "critic"):
+        assert {"process start", "imports", "process group", "model", "optimizer", "pinned buffers"} <= set(
+            roles[role]
+        ), roles[role]
+    assert {"process start", "imports", "model", "cuda graphs"} <= set(roles["rollout"]), roles["rollout"]
+    assert "placement groups" in roles["driver"]
+    table = stdout[stdout.index("start-up") :]
+    for row in (
+        "driver imports",
+        "ray",
+        "roles",
+        "actor: imports",
+        "rollout: model",
+        "other",
+        "to the first step",
+    ):
+        assert row in table, row

@@ -11,7 +11,8 @@ import ray
 from rich.console import Console
 
 from ppo_driver.config import load_config
-from ppo_driver.loop import start_local_ray, train
+from ppo_driver.loop import train
+from ppo_driver.ray_start import start_local_ray
 
 QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 

@@ -18,7 +18,8 @@ from rich.console import Console
 
 from ppo_driver import checkpoint as ck
 from ppo_driver.config import load_config
-from ppo_driver.loop import RunResult, start_local_ray, train
+from ppo_driver.loop import RunResult, train
+from ppo_driver.ray_start import start_local_ray
 
 QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 # Three steps with a checkpoint after the second (a save while transitions overlap) and the final one.

@@ -24,8 +24,7 @@ from real_model import smollm2_gguf
 from transformers import AutoTokenizer
 
 from ppo_driver.cli import main
-from ppo_rollout import RewardInput
-from ppo_rollout.rewards import math_answer
+from ppo_rollout.rewards import RewardInput, math_answer
 
 HERE = Path(__file__).resolve().parent
 

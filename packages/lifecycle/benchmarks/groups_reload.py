@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ppo_lifecycle import ReloadableProcessGroups
+from ppo_lifecycle.process_groups import ReloadableProcessGroups
 from ppo_testsupport import run_ranks
 
 MODES = ("separate", "shared")

@@ -115,7 +115,7 @@ def run_memcpy(nbytes: int, registered: bool, cycles: int) -> dict[str, Any]:
 
 
 def run_backend(numels: list[int], layout: str, free_while_copying: bool, cycles: int) -> dict[str, Any]:
-    from ppo_lifecycle import PinnedHostBackend
+    from ppo_lifecycle.memory import PinnedHostBackend
 
     device = torch.device("cuda", torch.cuda.current_device())
     state = make_state(numels, layout, device)

@@ -60,7 +60,7 @@ def free_bytes(device: str) -> int:
 
 
 def run_case(case: str, gib: float, cycles: int, device: str) -> dict[str, Any]:
-    from ppo_lifecycle import HostMemoryBackend, PinnedHostBackend, TorchMemorySaverBackend
+    from ppo_lifecycle.memory import HostMemoryBackend, PinnedHostBackend, TorchMemorySaverBackend
 
     total = int(gib * GiB)
     backend: Any = None

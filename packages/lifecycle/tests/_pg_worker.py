@@ -12,7 +12,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ppo_lifecycle import HostMemoryBackend, Lifecycle, ReloadableProcessGroups, group_timeout
+from ppo_lifecycle.lifecycle import Lifecycle
+from ppo_lifecycle.memory import HostMemoryBackend
+from ppo_lifecycle.process_groups import ReloadableProcessGroups, group_timeout
 from ppo_testsupport import listening_addresses
 
 DEFAULT_TIMEOUT = timedelta(seconds=123)

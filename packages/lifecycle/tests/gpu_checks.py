@@ -11,7 +11,8 @@ import importlib.util
 import torch
 from torch import nn
 
-from ppo_lifecycle import Lifecycle, PinnedHostBackend, TorchMemorySaverBackend, default_backend
+from ppo_lifecycle.lifecycle import Lifecycle
+from ppo_lifecycle.memory import PinnedHostBackend, TorchMemorySaverBackend, default_backend
 
 GiB = 1 << 30
 STATE_GIB = 4

@@ -7,7 +7,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ppo_lifecycle import HostMemoryBackend, MemoryBackend, ReloadableProcessGroups, TransferStats
+from ppo_lifecycle.memory import HostMemoryBackend, MemoryBackend
+from ppo_lifecycle.process_groups import ReloadableProcessGroups
+from ppo_lifecycle.stats import TransferStats
 
 
 def tiny_model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -7,8 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ppo_lifecycle import PinnedHostBackend
-from ppo_lifecycle.memory import allocator
+from ppo_lifecycle.memory import PinnedHostBackend, allocator
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +67,7 @@ def test_pinned_backend_rejects_a_group_size_of_zero() -> None:
 
 
 def test_torch_memory_saver_backend_refuses_expandable_segments() -> None:
-    from ppo_lifecycle import TorchMemorySaverBackend
+    from ppo_lifecycle.memory import TorchMemorySaverBackend
 
     allocator.set_expandable_segments(True)
     with pytest.raises(ValueError, match=r"expandable segments.*PinnedHostBackend"):

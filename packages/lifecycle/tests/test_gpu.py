@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from gpu_checks import HAVE_TMS, check_pinned_backend, check_tms_backend
 
-from ppo_lifecycle import TorchMemorySaverBackend
+from ppo_lifecycle.memory import TorchMemorySaverBackend
 
 
 @pytest.mark.gpu
@@ -49,7 +49,7 @@ def test_a_process_that_used_torch_memory_saver_exits_cleanly() -> None:
     # torch_memory_saver 0.0.10's free hook ends the process with exit code 1 when a region's pool is
     # destroyed outside a region, as at interpreter exit; the backend lets that memory go at exit.
     code = (
-        "import torch; from ppo_lifecycle import TorchMemorySaverBackend\n"
+        "import torch; from ppo_lifecycle.memory import TorchMemorySaverBackend\n"
         "backend = TorchMemorySaverBackend()\n"
         "with backend.region('weights'):\n"
         "    w = torch.ones(64 << 20, device='cuda')\n"
@@ -74,7 +74,7 @@ def test_torch_memory_saver_missing_is_a_clear_error() -> None:
 def test_pinned_buffers_exist_before_the_first_sleep_and_serve_host_copies() -> None:
     import torch
 
-    from ppo_lifecycle import PinnedHostBackend
+    from ppo_lifecycle.memory import PinnedHostBackend
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()

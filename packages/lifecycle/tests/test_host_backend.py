@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import snapshot, state_tensors, tiny_model, track_all, train_steps
 
-from ppo_lifecycle import HostCopies, HostMemoryBackend, MemoryBackend, default_backend
+from ppo_lifecycle.memory import HostCopies, HostMemoryBackend, MemoryBackend, default_backend
 
 
 def _nbytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:

@@ -12,7 +12,9 @@ from helpers import FlakyBackend, FlakyGroups, snapshot, state_tensors, tiny_mod
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ppo_lifecycle import HostMemoryBackend, Lifecycle, ReloadableProcessGroups, State, group_timeout
+from ppo_lifecycle.lifecycle import Lifecycle, State
+from ppo_lifecycle.memory import HostMemoryBackend
+from ppo_lifecycle.process_groups import ReloadableProcessGroups, group_timeout
 
 TIMEOUT = timedelta(seconds=91)
 SLEEP_STEPS = ["sleep/hook:disconnect", "sleep/hook:flush", "sleep/destroy_groups", "sleep/release"]

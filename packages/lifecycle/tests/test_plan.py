@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import warnings
 
 import pytest
 
-from ppo_lifecycle import PHASES, OffloadPlan, ResidentSharedCriticWarning, Transition
+from ppo_lifecycle.plan import PHASES, OffloadPlan, ResidentSharedCriticWarning, Transition
 
 A, C, R = "actor", "critic", "rollout"
 ALL_PHASES = ("generate", "critic_train", "actor_train", "weight_update", "save")
@@ -89,3 +91,13 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match="unknown roles"):
         plan.transitions_from({C}, "generate")
     assert plan.roles == (A, R)
+
+
+def test_the_plan_imports_without_torch() -> None:
+    # The driver's config builds the plan while validating a config (``ppo-driver validate``).
+    modules = "ppo_lifecycle.plan, ppo_lifecycle.stats, ppo_lifecycle.startup"
+    code = f"import sys, {modules}; print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False", done.stdout

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ppo_lifecycle import ReloadableProcessGroups, group_timeout
+from ppo_lifecycle.process_groups import ReloadableProcessGroups, group_timeout
 from ppo_testsupport import run_ranks
 
 WORKER = Path(__file__).with_name("_pg_worker.py")

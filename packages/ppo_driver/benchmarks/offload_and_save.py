@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ppo_lifecycle import HostCopies, HostMemoryBackend, MemoryBackend, PinnedHostBackend
+from ppo_lifecycle.memory import HostCopies, HostMemoryBackend, MemoryBackend, PinnedHostBackend
 from ppo_trainer.checkpoint.background import BackgroundSave
 from ppo_trainer.checkpoint.format import FORMAT_VERSION, rng_state
 from ppo_trainer.checkpoint.torch_io import PolicyExport, ShardState, drop_tied_aliases, from_host

@@ -125,10 +125,11 @@ def accuracy_before(config_path: Path, model: Path, overrides: list[str]) -> Acc
     from transformers import AutoTokenizer
 
     from ppo_driver.config import load_config
-    from ppo_rollout import BuiltinEngine, RewardInput, SamplingConfig, SamplingSettings
+    from ppo_rollout.config import SamplingConfig, SamplingSettings
     from ppo_rollout.data import PromptRenderer, open_prompts
+    from ppo_rollout.engine.builtin import BuiltinEngine
     from ppo_rollout.manager import CORRECT_REWARD
-    from ppo_rollout.rewards import resolve_reward
+    from ppo_rollout.rewards import RewardInput, resolve_reward
     from ppo_rollout.tasks import get_task
 
     config = load_config(config_path, [*overrides, f"model.path={model}"])

@@ -113,7 +113,7 @@ def test_wrong_format_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_changed_fields_names_what_matters_for_resume() -> None:
     from ppo_driver.config import load_config
-    from ppo_driver.loop import changed_fields
+    from ppo_driver.resume import changed_fields
 
     saved = load_config(None, ["train.steps=10"]).model_dump(mode="json")
     assert changed_fields(saved, load_config(None, ["train.steps=20", "logging.progress=false"])) == []

@@ -47,7 +47,7 @@ def test_import_model_names_a_bad_source_and_an_existing_target(
 def test_import_model_copies_a_hugging_face_folder_and_checks_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ppo_rollout import make_tiny_model
+    from ppo_rollout.tasks import make_tiny_model
 
     src = make_tiny_model("copy", tmp_path / "src", seed=0)
     out = tmp_path / "out"

@@ -22,7 +22,7 @@ from ppo_driver.config import (
     parse_override,
     validate_config,
 )
-from ppo_lifecycle import ResidentSharedCriticWarning
+from ppo_lifecycle.plan import ResidentSharedCriticWarning
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -153,7 +153,7 @@ def test_unknown_field_in_a_package_section(key: str, expected: str) -> None:
 
 def test_sections_are_the_packages_settings() -> None:
     """Each setting has one default: the package's."""
-    from ppo_rollout import RolloutSettings, SamplingSettings
+    from ppo_rollout.config import RolloutSettings, SamplingSettings
     from ppo_trainer.config import AlgorithmConfig, TrainSettings
 
     config = load_config()

@@ -273,7 +273,7 @@ def test_a_second_signal_is_seen_while_the_main_thread_waits_in_c() -> None:
 def test_starting_over_moves_the_earlier_run_aside(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from ppo_driver.loop import _start_over
+    from ppo_driver.resume import start_over as _start_over
 
     run_dir = tmp_path / "run"
     root = run_dir / "checkpoints"

@@ -21,7 +21,7 @@ _CHILD = textwrap.dedent(
 
     from ppo_driver.children import child_pids
     from ppo_driver.config import load_config
-    from ppo_driver.loop import start_local_ray
+    from ppo_driver.ray_start import start_local_ray
 
     config = load_config(None, ["ray.num_cpus=1", "ray.object_store_memory_mb=128"])
     start_local_ray(config, Console(stderr=True, width=400))

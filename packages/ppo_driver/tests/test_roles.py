@@ -101,7 +101,7 @@ def test_the_start_up_line_names_what_starts(
     config_file: str | None, overrides: list[str], expected: str
 ) -> None:
     from ppo_driver.config import load_config
-    from ppo_driver.loop import _role_names
+    from ppo_driver.roles import role_names as _role_names
 
     config = load_config(REPO / "configs" / config_file if config_file else None, overrides)
     assert _role_names(config) == expected

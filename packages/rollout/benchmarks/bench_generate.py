@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from ppo_rollout import SamplingConfig, make_tiny_model
+from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.core import GenerationCore
+from ppo_rollout.tasks import make_tiny_model
 
 PRESETS = {
     # name: (hidden, layers, heads, intermediate, vocab, batch, prompt_len, new_tokens)

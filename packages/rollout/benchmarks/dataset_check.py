@@ -19,8 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ppo_rollout import RolloutConfig, make_tiny_model
+from ppo_rollout.config import RolloutConfig
 from ppo_rollout.prompts import check_dataset
+from ppo_rollout.tasks import make_tiny_model
 
 
 def main() -> None:

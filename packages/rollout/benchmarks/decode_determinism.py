@@ -33,7 +33,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # needed before cuB
 import torch
 from gpu_generate import SIZES, build, make_prompts
 
-from ppo_rollout import SamplingConfig
+from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.core import GenerationCore
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ppo_rollout import SamplingConfig
+from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.core import GenerationCore, GenerationOutput
 from ppo_rollout.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 

@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from ppo_rollout import make_tiny_model
+from ppo_rollout.tasks import make_tiny_model
 from ppo_testsupport import skip_gpu_tests_without_cuda
 
 torch.set_num_threads(1)
@@ -60,7 +60,8 @@ def slots(ray_session: None) -> Iterator[Slots]:
 @pytest.fixture(scope="session")
 def manager(slots: Slots, tiny_model: Path) -> Iterator[object]:
     """Two built-in engines on a placement group's bundles, the copy task, dp_size 2."""
-    from ppo_rollout import RolloutConfig, RolloutManager, SamplingSettings
+    from ppo_rollout.config import RolloutConfig, SamplingSettings
+    from ppo_rollout.manager import RolloutManager
 
     config = RolloutConfig(
         model_path=str(tiny_model),

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppo_rollout import SamplingConfig
+from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.core import GenerationCore, sample_tokens
 
 PROMPTS = [[1, 5, 6], [1, 7, 8, 9, 14], [1, 4]]

@@ -11,9 +11,12 @@ import pytest
 import ray
 from transformers import AutoModelForCausalLM
 
-from ppo_rollout import BuiltinEngine, RolloutManager, SamplingConfig, make_tiny_model
+from ppo_rollout.config import SamplingConfig
+from ppo_rollout.engine.builtin import BuiltinEngine
 from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.handles import BuiltinEngineHandle
+from ppo_rollout.manager import RolloutManager
+from ppo_rollout.tasks import make_tiny_model
 from ppo_weight_sync import RayEngineEndpoint, UpdateRequest, WeightSender, checksum
 
 PROMPTS = [[1, 5, 6, 14], [1, 7, 8, 9, 14]]
@@ -133,3 +136,12 @@ def test_flush_and_version_before_any_update(tiny_model: Path) -> None:
     )
     assert not reply.success
     assert "not joined" in reply.message
+
+
+def test_the_manager_reports_its_engines_start_up(manager: RolloutManager) -> None:
+    # Each engine timed its own start-up (ppo_lifecycle.startup): the driver's start-up table shows it.
+    startup = manager.startup
+    assert {"imports", "model", "cuda graphs"} <= set(startup)
+    assert startup["model"] > 0
+    assert startup["cuda graphs"] == 0.0  # on CPU the static decoder runs eagerly: no graphs
+    assert all(seconds >= 0 for seconds in startup.values())

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppo_rollout import BuiltinEngine, GenerationOutput, SamplingConfig, make_tiny_model
-from ppo_rollout.engine.core import GenerationCore
+from ppo_rollout.config import SamplingConfig
+from ppo_rollout.engine.builtin import BuiltinEngine
+from ppo_rollout.engine.core import GenerationCore, GenerationOutput
+from ppo_rollout.tasks import make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
@@ -121,7 +123,7 @@ def test_nccl_weight_update_into_an_engine_actor(ray_gpus: None, tiny_model: Pat
     import ray
     from transformers import AutoModelForCausalLM
 
-    from ppo_rollout import BuiltinEngineActor
+    from ppo_rollout.engine.builtin import BuiltinEngineActor
     from ppo_weight_sync import RayEngineEndpoint, WeightSender, checksum
 
     _stage("nccl test: starting the engine actor")

@@ -11,10 +11,11 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ppo_rollout import RewardError, RolloutConfig, RolloutManager, register_reward
 from ppo_rollout.batch import FIELDS
+from ppo_rollout.config import RolloutConfig
 from ppo_rollout.data import JsonlPrompts
-from ppo_rollout.rewards import char_match
+from ppo_rollout.manager import RolloutManager
+from ppo_rollout.rewards import RewardError, char_match, register_reward
 from ppo_rollout.tasks import get_task
 from ppo_value_transport import unpack_fields
 from ppo_weight_sync import WeightSender, checksum
@@ -66,7 +67,7 @@ def test_batch_masks_splits_and_rewards(manager: RolloutManager, tiny_model: Pat
 
 
 def _inp(row, response):  # type: ignore[no-untyped-def]
-    from ppo_rollout import RewardInput
+    from ppo_rollout.rewards import RewardInput
 
     return RewardInput(
         prompt=row["prompt"], response=response, response_token_ids=(), finish_reason="stop", row=row
@@ -150,7 +151,7 @@ def test_offload_then_onload(manager: RolloutManager) -> None:
 
 
 def test_weight_update_reaches_every_engine(manager: RolloutManager, tmp_path: Path) -> None:
-    from ppo_rollout import make_tiny_model
+    from ppo_rollout.tasks import make_tiny_model
 
     original = [
         (n, t.clone())

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ppo_rollout import RewardInput, RolloutConfig
 from ppo_rollout.answers import extract_answer, parse_number
+from ppo_rollout.config import RolloutConfig
 from ppo_rollout.data import HeldOutEval, JsonlPrompts, PromptRenderer, describe_eval_source, open_prompts
-from ppo_rollout.rewards import FORMAT_SCORE, compute_rewards, math_answer, math_answer_strict
+from ppo_rollout.rewards import FORMAT_SCORE, RewardInput, compute_rewards, math_answer, math_answer_strict
 from ppo_rollout.tasks import HELD_OUT_EVERY, TASKS, get_task, make_tiny_model
 from ppo_rollout.tokenizer import build_char_tokenizer
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ppo_rollout import RolloutConfig
+from ppo_rollout.config import RolloutConfig
 from ppo_rollout.prompts import check_dataset
 
 # The tiny model's char tokenizer: one token per character plus <bos>; 64 positions.

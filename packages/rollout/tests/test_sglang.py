@@ -11,20 +11,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from ppo_rollout import (
-    RolloutConfig,
-    RolloutManager,
-    SamplingConfig,
-    SamplingSettings,
-    SGLangClient,
-    SGLangError,
-    SGLangOptions,
-    SGLangServer,
-    SGLangServerSpec,
-)
 from ppo_rollout.batch import FIELDS
+from ppo_rollout.config import RolloutConfig, SamplingConfig, SamplingSettings, SGLangOptions
 from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.handles import SGLangEngineHandle
+from ppo_rollout.engine.sglang import SGLangClient, SGLangError, SGLangServer, SGLangServerSpec
+from ppo_rollout.manager import RolloutManager
 from ppo_value_transport import unpack_fields
 from ppo_weight_sync import EngineReply, EngineUnavailableError, WeightSender, free_port, reply_from_http
 
@@ -167,7 +159,7 @@ def test_manager_batch_from_sglang_engine(sglang_manager: tuple[RolloutManager, 
 def test_weight_update_over_http_changes_generations(
     sglang_manager: tuple[RolloutManager, Path], standin: tuple[SGLangClient, Path], tmp_path: Path
 ) -> None:
-    from ppo_rollout import make_tiny_model
+    from ppo_rollout.tasks import make_tiny_model
 
     manager, _ = sglang_manager
     client, record = standin

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from ppo_rollout import SamplingConfig, make_tiny_model
+from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.core import GenerationCore, GenerationOutput
 from ppo_rollout.engine.sglang import SGLangClient, SGLangServer, SGLangServerSpec
+from ppo_rollout.tasks import make_tiny_model
 from ppo_weight_sync import EngineUnavailableError, WeightSender, free_port
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from ppo_rollout import SamplingConfig
+from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.core import GenerationCore, make_sampler, pick_with_noise, sampling_distribution
 from ppo_rollout.engine.static_decode import (
     batch_bucket,

@@ -10,8 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ppo_rollout import RewardError, RewardInput, register_reward
-from ppo_rollout.rewards import char_match, compute_rewards, exact_match, resolve_reward
+from ppo_rollout.rewards import (
+    RewardError,
+    RewardInput,
+    char_match,
+    compute_rewards,
+    exact_match,
+    register_reward,
+    resolve_reward,
+)
 from ppo_rollout.tasks import TASKS, get_task
 from ppo_rollout.tokenizer import build_char_tokenizer
 

@@ -122,7 +122,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the torch backend")
     parser.add_argument("--out", type=Path, default=Path("backend_parity.json"))
     args = parser.parse_args()
-    from ppo_lifecycle import ReloadableProcessGroups
+    from ppo_lifecycle.process_groups import ReloadableProcessGroups
     from ppo_weight_sync import free_port
 
     global DEVICE

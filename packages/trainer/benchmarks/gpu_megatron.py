@@ -102,7 +102,7 @@ def make_model(
 
 
 def init_groups() -> Any:
-    from ppo_lifecycle import ReloadableProcessGroups
+    from ppo_lifecycle.process_groups import ReloadableProcessGroups
     from ppo_weight_sync import free_port
 
     torch.cuda.set_device(0)
@@ -251,7 +251,8 @@ def parity_and_round_trip(folder: Path, groups: Any, steps: int) -> Any:
 
 def sleep_wake(actor: Any, batch: Any, groups: Any) -> None:
     """Stage 3 (the actor holds the only megatron objects still alive in this process)."""
-    from ppo_lifecycle import Lifecycle, PinnedHostBackend
+    from ppo_lifecycle.lifecycle import Lifecycle
+    from ppo_lifecycle.memory import PinnedHostBackend
 
     memory = PinnedHostBackend(torch.device("cuda", 0))
     memory.track(actor.WEIGHTS_TAG, actor.weight_tensors)
@@ -363,7 +364,8 @@ def optimizer_state(folder: Path, groups: Any, steps: int) -> None:
     """Stage 5 (see the module docstring)."""
     from megatron.core.optimizer import ChainedOptimizer
 
-    from ppo_lifecycle import Lifecycle, PinnedHostBackend
+    from ppo_lifecycle.lifecycle import Lifecycle
+    from ppo_lifecycle.memory.pinned import PinnedHostBackend
     from ppo_trainer.checkpoint import megatron_io, torch_io
 
     torch.use_deterministic_algorithms(True, warn_only=True)

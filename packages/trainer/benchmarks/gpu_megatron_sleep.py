@@ -92,7 +92,8 @@ def child(variant: str, folder: Path, cycles: int, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from ppo_lifecycle import Lifecycle, PinnedHostBackend
+    from ppo_lifecycle.lifecycle import Lifecycle
+    from ppo_lifecycle.memory import PinnedHostBackend
 
     gpu = _helpers()
     vocab = 4096

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ppo_lifecycle import ReloadableProcessGroups
+from ppo_lifecycle.process_groups import ReloadableProcessGroups
 from ppo_trainer import sharding
 
 sys.path.insert(0, str(Path(__file__).parent))

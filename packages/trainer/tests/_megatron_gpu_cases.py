@@ -111,7 +111,7 @@ def batch(n: int, prompt: int, response: int, vocab: int, seed: int) -> Any:
 
 
 def init_groups() -> Any:
-    from ppo_lifecycle import ReloadableProcessGroups
+    from ppo_lifecycle.process_groups import ReloadableProcessGroups
     from ppo_weight_sync import free_port
 
     torch.cuda.set_device(0)
@@ -205,7 +205,7 @@ def unique_bytes(tensors: list[torch.Tensor]) -> int:
 
 # ---------------------------------------------------------------------------------------- cases
 def kl_sleep_wake(tmp: Path, memory_backend: str) -> dict[str, Any]:
-    from ppo_lifecycle import Lifecycle
+    from ppo_lifecycle.lifecycle import Lifecycle
     from ppo_trainer import objective
     from ppo_trainer.backend_protocol import DataParallel
     from ppo_trainer.backends import make_trainer
@@ -278,7 +278,7 @@ def _deterministic() -> None:
 
 
 def resume(tmp: Path) -> dict[str, Any]:
-    from ppo_lifecycle import PinnedHostBackend
+    from ppo_lifecycle.memory.pinned import PinnedHostBackend
     from ppo_trainer.checkpoint import megatron_io
 
     _deterministic()

@@ -11,7 +11,7 @@ import torch
 from conftest import save_tiny_llama
 from safetensors import safe_open
 
-from ppo_lifecycle import HostMemoryBackend
+from ppo_lifecycle.memory.host import HostMemoryBackend
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.checkpoint import torch_io

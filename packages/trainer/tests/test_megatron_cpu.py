@@ -21,7 +21,7 @@ pytest.importorskip(
 
 import torch.distributed as dist
 
-from ppo_lifecycle import ReloadableProcessGroups
+from ppo_lifecycle.process_groups import ReloadableProcessGroups
 from ppo_trainer import megatron_convert as mc
 from ppo_trainer.megatron_backend import build_gpt, load_hf_into
 from ppo_trainer.megatron_groups import MegatronGroups

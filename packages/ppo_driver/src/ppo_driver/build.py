@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ppo_driver.config import RunConfig
-from ppo_lifecycle import OffloadPlan
+from ppo_lifecycle.plan import OffloadPlan
 from ppo_placement import PlacementSpec, plan_layout
-from ppo_rollout import RolloutConfig, RolloutSettings
+from ppo_rollout.config import RolloutConfig, RolloutSettings
 from ppo_trainer.config import AlgorithmConfig, TrainerConfig, TrainSettings
 
 if TYPE_CHECKING:  # ppo_weight_sync imports torch: `ppo-driver validate` must not (preflight.py)

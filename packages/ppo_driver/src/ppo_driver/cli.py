@@ -16,6 +16,7 @@ from rich.console import Console
 
 from ppo_driver import __version__, preflight
 from ppo_driver.config import ConfigError, RunConfig, dump_config, load_config
+from ppo_driver.startup import StartupClock
 
 DESCRIPTION = """\
 PPO post-training for LLMs: actor and critic share the training devices by taking turns,
@@ -50,16 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ppo-driver {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def add_config_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override one config field, e.g. --set train.steps=10 (repeatable; YAML values)",
-        )
+    _add_train(sub)
+    _add_validate(sub)
+    _add_plot(sub)
+    _add_import_model(sub)
+    return parser
 
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config field, e.g. --set train.steps=10 (repeatable; YAML values)",
+    )
+
+
+def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     train = sub.add_parser(
         "train",
         help="run PPO training",
@@ -71,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--config", type=Path, metavar="FILE", help="YAML config (default: the embedded CPU default)"
     )
-    add_config_args(train)
+    _add_config_args(train)
     train.add_argument(
         "--ray-address",
         metavar="ADDR",
@@ -84,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run folder for metrics and checkpoints (default: logging.run_dir, else runs/<date-time>)",
     )
 
+
+def _add_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     validate = sub.add_parser(
         "validate",
         help="check a config; print it resolved, and the placement layout",
@@ -91,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
         "resolved config and the placement layout. Exit code 2 on an invalid config.",
     )
     validate.add_argument("config", type=Path, metavar="CONFIG", help="YAML config file")
-    add_config_args(validate)
+    _add_config_args(validate)
 
+
+def _add_plot(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plot = sub.add_parser(
         "plot",
         help="plot reward, loss, KL and step time of a run to a PNG",
@@ -101,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder written by `train`")
     plot.add_argument("-o", "--output", type=Path, help="PNG path (default: RUN_DIR/curves.png)")
 
+
+def _add_import_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     imp = sub.add_parser(
         "import-model",
         help="turn a GGUF file or a Hugging Face folder into a model folder a run loads",
@@ -119,10 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     imp.add_argument("--force", action="store_true", help="replace OUT if it exists")
     imp.add_argument("--no-check", action="store_true", help="skip loading it as actor, critic and engine")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The start-up table counts from the process's start: the interpreter and the imports so far too.
+    startup = StartupClock.since_process_start()
+    startup.since_origin("python start + imports")
     # Under `uv run`, Ray 2.60 re-launches every worker through `uv run` with the working directory
     # packaged as a runtime env: slow, and unneeded since the workers run in this environment (and every
     # node of a cluster has the workspace installed, as the README says). Ray reads the switch when it is
@@ -138,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True, soft_wrap=True)
     try:
         if args.command == "train":
-            return _train(args, console)
+            return _train(args, console, startup)
         if args.command == "validate":
             return _validate(args, console)
         if args.command == "import-model":
@@ -298,15 +316,19 @@ def _write_traceback(exc: BaseException, run_dir: Path) -> Path | None:
     return path
 
 
-def _train(args: argparse.Namespace, console: Console) -> int:
-    config = resolve(args)
-    logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
-    run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
-    preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
-    checked = preflight.check_dataset(config)  # every prompt, tokenized as the run will
-    from ppo_driver.faults import RunFailed
-    from ppo_driver.loop import train
-    from ppo_driver.metrics import budget_table, summary_table
+def _train(args: argparse.Namespace, console: Console, startup: StartupClock) -> int:
+    with startup.part("config + pre-flight"):
+        config = resolve(args)
+        if config.ray.write_bytecode:  # before the heavy imports: the next start reads the caches
+            sys.dont_write_bytecode = False
+        logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
+        run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+        preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
+        checked = preflight.check_dataset(config)  # every prompt, tokenized as the run will
+    with startup.part("driver imports"):  # torch, Ray, transformers
+        from ppo_driver.faults import RunFailed
+        from ppo_driver.loop import train
+        from ppo_driver.metrics import budget_table, startup_table, summary_table
 
     console.print(
         f"ppo-driver {__version__}: {config.algorithm.estimator} on "
@@ -329,7 +351,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = show_warning  # one line per warning, as the config's warnings
         try:
-            result = train(config, run_dir, console=console)
+            result = train(config, run_dir, console=console, startup=startup)
         except RunFailed as exc:
             exc.traceback_file = _write_traceback(exc, run_dir)
             raise
@@ -338,6 +360,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     if result.history:
         console.print(summary_table(result.history, run_dir))
         console.print(budget_table(result.history))
+    if result.startup is not None:
+        console.print(startup_table(result.startup, result.history))
     status = "match" if result.weights_match else "DIFFER"
     console.print(
         f"engines hold the actor's final weights: {status} (actor {result.actor_checksum[:12]})",

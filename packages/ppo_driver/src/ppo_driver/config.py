@@ -34,7 +34,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 
-from ppo_lifecycle import OffloadPlan
+from ppo_lifecycle.plan import OffloadPlan
 from ppo_rollout.config import RolloutSettings
 from ppo_rollout.tasks import get_task
 from ppo_trainer.config import AlgorithmConfig, DType, MemoryBackendName, TrainSettings
@@ -207,6 +207,12 @@ class RayConfig(_Section):
     num_cpus: int = Field(default=4, ge=1, description="logical CPUs of the local instance")
     object_store_memory_mb: int = Field(default=256, ge=64)
     timeout_s: float = Field(default=600.0, gt=0, description="limit on each cross-process wait")
+    write_bytecode: bool = Field(
+        default=True,
+        description="the driver and a local instance's workers write Python's bytecode caches even where "
+        "PYTHONDONTWRITEBYTECODE is set; without them every worker compiles torch and transformers from "
+        "source at each start",
+    )
 
 
 class RunConfig(_Section):
@@ -236,8 +242,16 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_rules(self) -> RunConfig:
-        p, a, t, r, o = self.placement, self.algorithm, self.train, self.rollout, self.offload
-        # The critic and the estimator: GAE needs values, and only GAE uses them.
+        self._check_estimator()
+        self._check_roles()
+        self._check_devices()
+        self._check_model()
+        self._check_batches()
+        return self
+
+    def _check_estimator(self) -> None:
+        """The critic and the estimator agree; one-step-off has its own engines and TIS."""
+        p, a, t = self.placement, self.algorithm, self.train
         if self.use_critic and a.estimator != "ppo":
             raise ValueError(
                 f"placement.critic={p.critic!r} needs algorithm.estimator='ppo' (got {a.estimator!r}); "
@@ -259,6 +273,10 @@ class RunConfig(_Section):
                     "train.async='one_step_off' trains on samples one weight version old: set "
                     "algorithm.tis_cap (truncated importance sampling, e.g. 2.0)"
                 )
+
+    def _check_roles(self) -> None:
+        """The offload plan (ppo-lifecycle's rule) and what each role's settings need."""
+        p, t, o = self.placement, self.train, self.offload
         # Which role is resident when: ppo-lifecycle owns that rule (a shared critic needs offload,
         # or warns once with ResidentSharedCriticWarning when allowed for debugging).
         try:
@@ -289,7 +307,10 @@ class RunConfig(_Section):
                     f"train.num_critic_only_steps ({t.num_critic_only_steps}) must be below train.steps "
                     f"({t.steps}), or the actor never trains; lower it or raise train.steps"
                 )
-        # Devices and engines.
+
+    def _check_devices(self) -> None:
+        """Devices and engines."""
+        p = self.placement
         if p.colocate and p.rollout_gpus is not None and p.rollout_gpus != p.actor_gpus:
             raise ValueError(
                 f"placement.mode='colocate' runs the engines on the actor's devices, so "
@@ -303,6 +324,10 @@ class RunConfig(_Section):
             )
         if p.device == "cpu" and p.gpus_per_engine != 1:
             raise ValueError("placement.gpus_per_engine must be 1 when placement.device='cpu'")
+
+    def _check_model(self) -> None:
+        """What the model (the built-in tiny one, or a folder) allows; what the engine and backend need."""
+        p, t, r, o = self.placement, self.train, self.rollout, self.offload
         if self.model.path is None and r.task is None:
             raise ValueError(
                 "model.path is null (the built-in tiny model, whose tokenizer is made for a built-in "
@@ -341,7 +366,10 @@ class RunConfig(_Section):
                 "placement.critic='dedicated' with placement.mode='colocate': a colocated run shares "
                 "every device; use placement.critic=shared, or placement.mode=disaggregate"
             )
-        # Batch sizes: one optimizer step per rollout step, split evenly over data-parallel ranks.
+
+    def _check_batches(self) -> None:
+        """Batch sizes: one optimizer step per rollout step, split evenly over data-parallel ranks."""
+        p, a, t, r = self.placement, self.algorithm, self.train, self.rollout
         samples = self.samples_per_step
         if t.global_batch_size is not None and t.global_batch_size != samples:
             raise ValueError(
@@ -388,7 +416,6 @@ class RunConfig(_Section):
                 "algorithm.estimator='grpo' compares samples of one prompt: "
                 "set rollout.sampling.n_samples_per_prompt >= 2"
             )
-        return self
 
 
 # --- loading ----------------------------------------------------------------------------------

@@ -156,8 +156,9 @@ def check_folder(folder: Path, dtype: DType) -> CheckResult:
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    from ppo_rollout import BuiltinEngine, SamplingConfig
+    from ppo_rollout.config import SamplingConfig
     from ppo_rollout.data import PromptRenderer
+    from ppo_rollout.engine.builtin import BuiltinEngine
     from ppo_trainer.models import load_causal_lm, load_critic
 
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ppo_driver.budget import budget_rows, overhead_means, phase_tflops
+from ppo_driver.startup import StartupTable
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -244,6 +245,34 @@ def budget_table(history: list[dict[str, Any]]) -> Table:
         "bytes); TFLOP/s: a training phase's model FLOPs (6 x parameters x tokens a pass) over its own "
         "compute seconds, per GPU"
     )
+    return table
+
+
+def startup_table(startup: StartupTable, history: list[dict[str, Any]]) -> Table:
+    """Where the seconds from the command to the first step went (``startup.py``): each part, its share
+    and when it began; ``other`` is what no part covers, so the column adds up to the total. Under
+    ``roles``, each role's own parts as its workers timed them (the roles start together: not added)."""
+    table = Table(title="start-up", show_header=True)
+    table.add_column("part")
+    table.add_column("s", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("from start s", justify="right")
+    total = startup.total_s
+    for row in startup.rows:
+        share = f"{row.seconds / total:.1%}" if total > 0 else "-"
+        at = "" if row.at_s is None else f"{row.at_s:.2f}"
+        table.add_row(row.part, f"{row.seconds:.2f}", share, at, end_section=row.part == "other")
+        for name, seconds in startup.details(row.part):
+            table.add_row(f"  {name}", f"{seconds:.2f}", "", "", style="dim")
+    table.add_row("to the first step", f"{total:.2f}", "100.0%" if total > 0 else "-", "")
+    since = "the process's start (Python's own start included)" if startup.from_process_start else "the call"
+    steps = [float(r["time/step_s"]) for r in history if isinstance(r.get("time/step_s"), int | float)]
+    first = ""
+    if len(steps) > 1:
+        ratio = steps[0] / statistics.fmean(steps[1:])
+        first = f"; the first step took {steps[0]:.2f} s, {ratio:.2f}x the mean after it"
+    dim = "dim: the roles' own parts and work alongside a part, not added"
+    table.caption = f"from {since} to the first step; {dim}{first}"
     return table
 
 

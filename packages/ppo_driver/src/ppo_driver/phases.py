@@ -40,7 +40,7 @@ from typing import Any
 
 from ppo_driver.budget import StepClock, budget_role
 from ppo_driver.roles import Roles
-from ppo_lifecycle import OffloadPlan, Phase
+from ppo_lifecycle.plan import OffloadPlan, Phase
 
 log = logging.getLogger(__name__)
 

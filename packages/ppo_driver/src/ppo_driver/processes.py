@@ -25,8 +25,8 @@ def _pid(_instance: Any) -> int:
 
 
 def _handles(roles: Roles) -> dict[str, list[Any]]:
-    from ppo_rollout import RolloutManager
     from ppo_rollout.engine.handles import BuiltinEngineHandle
+    from ppo_rollout.manager import RolloutManager
     from ppo_trainer.group import TrainGroup
 
     found: dict[str, list[Any]] = {}

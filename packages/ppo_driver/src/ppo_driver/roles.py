@@ -1,33 +1,37 @@
 """What the loop drives, and how the real parts are made.
 
-``ppo_trainer.TrainGroup`` and ``ppo_rollout.RolloutManager`` satisfy the protocols below; the loop
+``ppo_trainer.TrainGroup`` and ``ppo_rollout.manager.RolloutManager`` satisfy the protocols below; the loop
 uses nothing else of them. ``create_roles`` builds the real ones on fresh placement groups.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from ppo_driver import build
 from ppo_driver.config import RunConfig
 
-
-class TrainResultLike(Protocol):
-    metrics: dict[str, float]
-    values: Any
+if TYPE_CHECKING:
+    from ppo_rollout.manager import RolloutBatch
+    from ppo_trainer.group import TrainResult
+    from ppo_value_transport import Box, Pieces
+    from ppo_weight_sync.endpoints import EngineEndpoint
 
 
 class TrainGroupLike(Protocol):
     world_size: int
 
-    def train(self, step: int, batches: Sequence[Any], values: Sequence[Any] | None = None) -> Any: ...
+    def train(
+        self, step: int, batches: Sequence[Box], values: Sequence[Pieces] | None = None
+    ) -> TrainResult: ...
     def sleep(self) -> None: ...
     def wake_up(self) -> None: ...
-    def connect_engines(self, engines: Sequence[Any]) -> None: ...
+    def connect_engines(self, engines: Sequence[EngineEndpoint]) -> None: ...
     def disconnect_engines(self) -> None: ...
     def update_weights(self, version: str) -> dict[str, float]: ...
     def save(self, folder: Path) -> None: ...
@@ -55,9 +59,9 @@ class BackgroundSaving(Protocol):
 
 
 class RolloutLike(Protocol):
-    def generate(self, step: int) -> Any: ...
+    def generate(self, step: int) -> RolloutBatch: ...
     def evaluate(self, step: int) -> dict[str, float]: ...
-    def endpoints(self) -> list[Any]: ...
+    def endpoints(self) -> list[EngineEndpoint]: ...
     def offload(self) -> None: ...
     def onload(self) -> None: ...
     def pop_metrics(self) -> dict[str, float]: ...
@@ -73,6 +77,9 @@ class Roles:
     actor: TrainGroupLike
     critic: TrainGroupLike | None
     close: Callable[[], None] = lambda: None  # releases what the factory made (placement groups)
+    # What starting them took, part by part (``ppo_lifecycle.startup``): per role, and the factory's own
+    # ("placement groups"); the driver's start-up table shows it under ``roles``.
+    startup: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 RoleFactory = Callable[[RunConfig, Path, float], Roles]
@@ -85,12 +92,14 @@ def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles
     most of a run's start-up, and one after the other they leave cores idle. On GPUs they start one
     after the other: the engines size their memory before the trainers take theirs."""
     from ppo_placement import create_placement_groups, remove_placement_groups
-    from ppo_rollout import RolloutManager
+    from ppo_rollout.manager import RolloutManager
     from ppo_trainer.group import TrainGroup
 
+    t0 = time.perf_counter()
     placements = create_placement_groups(build.placement_spec(config), timeout_s=min(timeout_s, 120.0))
+    placed_s = time.perf_counter() - t0
     actor_config = build.actor_trainer_config(config, model_path)
-    makers: dict[str, Callable[[], Any]] = {
+    makers: dict[str, Callable[[], RolloutManager | TrainGroup]] = {
         "rollout": lambda: RolloutManager(
             build.rollout_config(config, model_path),
             placements.slots.get("rollout"),
@@ -111,18 +120,29 @@ def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles
     except BaseException:
         remove_placement_groups(placements)
         raise
-    return Roles(
-        made["rollout"], made["actor"], made.get("critic"), close=lambda: remove_placement_groups(placements)
-    )
+    rollout, actor, critic = made["rollout"], made["actor"], made.get("critic")
+    assert isinstance(rollout, RolloutManager)
+    assert isinstance(actor, TrainGroup)
+    assert critic is None or isinstance(critic, TrainGroup)
+    startup = {"driver": {"placement groups": placed_s}}
+    startup.update({name: dict(part.startup) for name, part in made.items()})
+    return Roles(rollout, actor, critic, close=lambda: remove_placement_groups(placements), startup=startup)
 
 
-def _make_all(makers: dict[str, Callable[[], Any]], *, together: bool) -> dict[str, Any]:
+class _Part(Protocol):
+    def shutdown(self) -> None: ...
+
+
+_P = TypeVar("_P", bound=_Part)
+
+
+def _make_all(makers: Mapping[str, Callable[[], _P]], *, together: bool) -> dict[str, _P]:
     """Every part, in ``makers``' order or all at once; if one fails, the parts made are shut down
     (after the others finished starting) and the first failure is raised."""
-    made: dict[str, Any] = {}
+    made: dict[str, _P] = {}
     failure: BaseException | None = None
     if together:
-        futures: dict[str, Future[Any]] = {}
+        futures: dict[str, Future[_P]] = {}
         try:
             # Leaving the block waits for every part: each one's start-up waits have their timeouts.
             with ThreadPoolExecutor(len(makers), thread_name_prefix="create-role") as pool:
@@ -155,6 +175,19 @@ def critic_dp_size(config: RunConfig) -> int | None:
     if not config.use_critic:
         return None
     return p.critic_gpus if p.critic == "dedicated" and p.critic_gpus is not None else p.actor_gpus
+
+
+def role_names(config: RunConfig) -> str:
+    """What a run starts, e.g. "2 rollout engines, the actor (2 ranks), the critic (2 ranks)"."""
+
+    def ranks(n: int) -> str:
+        return f"{n} rank{'s' if n != 1 else ''}"
+
+    count = config.placement.num_engines
+    engines = "the rollout engine" if count == 1 else f"{count} rollout engines"
+    critic = critic_dp_size(config)
+    critic_part = f", the critic ({ranks(critic)})" if critic is not None else ""
+    return f"{engines}, the actor ({ranks(config.placement.actor_gpus)}){critic_part}"
 
 
 def shutdown_roles(roles: Roles) -> None:

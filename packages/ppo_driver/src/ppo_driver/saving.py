@@ -14,6 +14,11 @@ folder and decides per trainer role:
 The checkpoint is marked COMPLETE only when every role's writers have written and fsynced every
 file (``poll`` at the end of each step, ``wait`` before the next save, at the end of the run and on
 a stop). A run that fails leaves the ``.tmp-`` folder, which resume ignores and removes.
+
+The saver keeps its own schedule: the loop calls :meth:`CheckpointSaver.maybe_save` at each save
+point and the step's record (``step_record.py``) gives it its turns between phases
+(:meth:`~CheckpointSaver.between_phases`, :meth:`~CheckpointSaver.phase_entered`,
+:meth:`~CheckpointSaver.end_step`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from ppo_driver import checkpoint
 from ppo_driver.phases import PhaseTracker
 from ppo_driver.roles import BackgroundSaving, Roles, TrainGroupLike
+from ppo_driver.schedule import NEVER, Cadence
 
 TRAINER_ROLES = ("actor", "critic")
 
@@ -40,8 +46,10 @@ class CheckpointSaver:
         driver_state: Callable[[int], checkpoint.DriverState],
         *,
         keep: int | None,
+        cadence: Cadence = NEVER,
     ) -> None:
         self.root = root
+        self.cadence = cadence  # the steps after which ``maybe_save`` saves
         self.phases = phases
         self._driver_state = driver_state
         self._keep = keep
@@ -56,15 +64,47 @@ class CheckpointSaver:
         self._background = 0.0
         self._starts: dict[str, float] = {}  # per role: the save's start, and what it captured
         self.completed: list[Path] = []
+        self._last_started = -1  # the step of the latest checkpoint started
 
     @property
     def pending(self) -> bool:
         return self._pending is not None
 
+    def maybe_save(self, step: int, *, last: bool = False) -> bool:
+        """At the save point of ``step``: start its checkpoint when the cadence says so, or when the
+        run stops after ``step`` before its last step (``last``; a re-run then loses nothing).
+        Returns whether one started; a step is saved once."""
+        stops_early = last and step < self.cadence.last_step
+        if step == self._last_started or not (self.cadence.due(step) or stops_early):
+            return False
+        self.start(step)
+        return True
+
+    # -- the step's turns (step_record.py) ------------------------------------------------------
+    def between_phases(self) -> None:
+        """Complete the pending checkpoint if its writers are done; never waits. An overlapped run
+        woke a role ahead at the end of the last step, which the poll there skipped (it asks no role
+        that moves): after a phase, the roles it moved have usually settled."""
+        if self._pending is not None:
+            self.poll()
+
+    def phase_entered(self) -> None:
+        """The roles moved as the new phase needs: the ones asleep now start their writers."""
+        self.launch_ready()
+
+    def end_step(self, *, last: bool) -> None:
+        """Complete the pending checkpoint if its writers are done; ``last`` (the run ends or stops
+        after this step): wait for them, the run's last checkpoint must be complete."""
+        if last:
+            self.wait()
+        else:
+            self.poll()
+
     def start(self, step: int) -> None:
         """Save the state after ``step``'s training: the driver's and foreground roles' now, the
         background roles' once they sleep (``launch_ready``)."""
         t0 = time.perf_counter()
+        self._last_started = step
         try:
             self._wait()  # the previous save first: one pending checkpoint at a time
             pending = checkpoint.PendingCheckpoint(self.root, step)

@@ -10,17 +10,38 @@ rollout's log-probs. The engines must be idle before their weights change, so th
 Resume stays exact because no generation is in flight across a checkpoint: after a step that saves
 (and after the last step) nothing is prefetched, so the next step generates on its own from the
 checkpointed weights and data position, in an uninterrupted run and in a resumed one alike.
+
+:class:`Cadence`: the steps a periodic job (a checkpoint, an evaluation) runs after.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from ppo_rollout.manager import RolloutBatch
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Every ``interval`` steps (0: never), and after ``last_step`` when ``final``."""
+
+    interval: int
+    last_step: int
+    final: bool
+
+    def due(self, step: int) -> bool:
+        return (self.interval > 0 and step % self.interval == 0) or (self.final and step == self.last_step)
+
+
+NEVER = Cadence(0, 0, final=False)
 
 
 class Generates(Protocol):
-    def generate(self, step: int) -> Any: ...
+    def generate(self, step: int) -> RolloutBatch: ...
 
 
 class BatchSchedule:
@@ -45,9 +66,9 @@ class BatchSchedule:
             if mode == "one_step_off"
             else None
         )
-        self._pending: tuple[int, concurrent.futures.Future[Any]] | None = None
+        self._pending: tuple[int, concurrent.futures.Future[RolloutBatch]] | None = None
 
-    def batch(self, step: int) -> Any:
+    def batch(self, step: int) -> RolloutBatch:
         """Step ``step``'s batch: the prefetched one if there is one, else generated now."""
         if self._pending is not None:
             ahead, future = self._pending
@@ -80,7 +101,7 @@ class BatchSchedule:
                     f"generating step {step}'s batch in the background took more than {self.timeout_s:g} s"
                 )
 
-    def _result(self, step: int, future: concurrent.futures.Future[Any]) -> Any:
+    def _result(self, step: int, future: concurrent.futures.Future[RolloutBatch]) -> RolloutBatch:
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ppo_lifecycle.startup import role_startup
 from ppo_value_transport import Box, pack_fields
 from ppo_weight_sync import EngineEndpoint
 
@@ -118,6 +119,7 @@ class RolloutManager:
         self.reward_fn = resolve_reward(reward_spec)
         self.reward_name = reward_spec
         self.engines: list[EngineHandle] = []
+        requested_at = time.time()
         try:
             for i in range(config.num_engines):
                 self.engines.append(self._make_engine(i, slots))
@@ -125,6 +127,8 @@ class RolloutManager:
             wait = config.sglang.startup_timeout_s + 60 if config.engine == "sglang" else config.timeout_s
             for engine in self.engines:
                 engine.wait_ready(wait)
+            # The engines' start-up, part by part (the slowest engine's), for the driver's table.
+            self.startup = role_startup(requested_at, [e.startup(config.timeout_s) for e in self.engines])
         except BaseException:
             self.shutdown()
             raise

@@ -7,8 +7,6 @@ it from the model folder like any other tokenizer. A tiny vocabulary keeps a tin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
@@ -45,8 +43,3 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-
-
-def alphabet_of(texts: Sequence[str]) -> str:
-    """The sorted set of characters in ``texts`` (to size a tokenizer for a dataset)."""
-    return "".join(sorted(set("".join(texts))))

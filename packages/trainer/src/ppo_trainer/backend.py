@@ -22,6 +22,7 @@ must hold the same number of samples (checked, ``ValueError`` otherwise).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
@@ -71,6 +72,7 @@ class TorchTrainer:
         )
         self.autocast_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else None
         self.sharded = self.dp.shard_group is not None
+        started = time.perf_counter()
         self.model, self.reference = self._load_models()
         if config.pack_sequences:
             for module in self._models():
@@ -86,6 +88,7 @@ class TorchTrainer:
                 if self.reference is not None:
                     sharding.shard_model(self.reference, group, self.device.type, None)
             self._loss_scale = float(group.size())
+        built = time.perf_counter()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -98,6 +101,8 @@ class TorchTrainer:
         # the pinned one allocates host buffers for) the whole state at setup, not in the first sleep.
         with self.region(self.OPTIMIZER_TAG):
             torch_optimizer.init_adam_state(self.optimizer)
+        # What the worker reports of its start-up: loading (and sharding) the models, the optimizer.
+        self.setup_seconds = {"model": built - started, "optimizer": time.perf_counter() - built}
 
     def _load_models(self) -> tuple[nn.Module, nn.Module | None]:
         """The trained model and, when this role needs it, the frozen reference, on their device."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ppo_lifecycle import ReloadableProcessGroups
+from ppo_lifecycle.process_groups import ReloadableProcessGroups
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.backend_protocol import DataParallel, Region, TrainerBackend
 from ppo_trainer.config import TrainerConfig

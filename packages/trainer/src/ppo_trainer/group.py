@@ -14,6 +14,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ppo_lifecycle.startup import role_startup
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.worker import TrainWorker
 from ppo_value_transport import Box, Pieces, dispatch, gather, route
@@ -93,6 +94,7 @@ class TrainGroup:
         self.timeout_s = timeout_s
         self.world_size = len(bundles)
         remote_cls = ray.remote(TrainWorker)
+        requested_at = time.time()
         self.workers: list[Any] = []
         for rank, bundle in enumerate(bundles):
             options: dict[str, Any] = {"num_cpus": slots.cpu_share, "num_gpus": slots.gpu_share}
@@ -113,6 +115,8 @@ class TrainGroup:
         self.data_parallel: str = str(infos[0]["data_parallel"])
         # Whether save_async can write a checkpoint from the host copies of a sleep (every rank can).
         self.saves_asleep: bool = all(bool(i["saves_asleep"]) for i in infos)
+        # The role's start-up, part by part (the slowest rank's), for the driver's start-up table.
+        self.startup: dict[str, float] = role_startup(requested_at, [i["startup"] for i in infos])
         self._pending_save: tuple[Path, Path] | None = None  # (staging, final) of save_async
 
     # ------------------------------------------------------------------ helpers

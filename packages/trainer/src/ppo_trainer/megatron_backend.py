@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ppo_lifecycle import ReloadableProcessGroups
+from ppo_lifecycle.process_groups import ReloadableProcessGroups
 from ppo_trainer import megatron_convert as mc
 from ppo_trainer import objective
 from ppo_trainer.backend_protocol import (

@@ -1,4 +1,4 @@
-"""megatron-core's process groups, made through ``ppo_lifecycle.ReloadableProcessGroups``.
+"""megatron-core's process groups, made through ``ppo_lifecycle.process_groups.ReloadableProcessGroups``.
 
 ``parallel_state.initialize_model_parallel`` creates every group through its ``create_group``; while
 it runs, that function is replaced by one that asks ``ReloadableProcessGroups.new_group`` instead, so
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ppo_lifecycle import GroupHandle, ReloadableProcessGroups
+from ppo_lifecycle.process_groups import GroupHandle, ReloadableProcessGroups
 
 _MAX_DEPTH = 16
 # Never hold a process group inside: not walked.

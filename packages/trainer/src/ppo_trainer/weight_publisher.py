@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch
 
-from ppo_lifecycle import GroupHandle, ReloadableProcessGroups
+from ppo_lifecycle.process_groups import GroupHandle, ReloadableProcessGroups
 from ppo_trainer.addresses import peer_address
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.errors import NonFiniteWeightsError

@@ -26,21 +26,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ppo_lifecycle import (
-    GroupHandle,
+from ppo_lifecycle.lifecycle import Lifecycle, State
+from ppo_lifecycle.memory import (
     HostCopies,
     HostMemoryBackend,
-    Lifecycle,
     MemoryBackend,
     PinnedHostBackend,
-    ReloadableProcessGroups,
-    State,
     TorchMemorySaverBackend,
     default_backend,
     enable_expandable_segments,
 )
+from ppo_lifecycle.process_groups import GroupHandle, ReloadableProcessGroups
+from ppo_lifecycle.startup import SetupTimer
 from ppo_trainer import fault_injection, throughput
 from ppo_trainer.addresses import peer_address
+from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.backend_protocol import DataParallel, TrainerBackend
 from ppo_trainer.backends import make_trainer
 from ppo_trainer.batch import Samples
@@ -72,6 +72,7 @@ class TrainWorker:
     """One rank. Construct, then ``setup(init_method)`` on every rank at once (it rendezvouses)."""
 
     def __init__(self, config: TrainerConfig, rank: int, world_size: int, timeout_s: float = 600.0) -> None:
+        self._setup_timer = SetupTimer()  # the start-up the driver reports (its imports ended here)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         torch.set_num_threads(config.cpu_threads)
@@ -115,19 +116,21 @@ class TrainWorker:
         np.random.seed(seed % 2**32)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         groups = ReloadableProcessGroups()
+        timer = self._setup_timer
         # No device_id: a default group bound to a device makes torch build every later NCCL group of
         # this process by ncclCommSplit of the default communicator (``_new_process_group_helper``'s
         # split_from). The weight-update group would then be a split of this role's group, a
         # communicator without the engines: rank 0 would never publish the NCCL unique id the engines
         # wait for in the store. Unbound, the default group initialises on its first collective, on
         # the device set in __init__.
-        groups.init_default(
-            backend,
-            init_method,
-            self.world_size,
-            self.rank,
-            timedelta(seconds=self.timeout_s),
-        )
+        with timer.part("process_group"):
+            groups.init_default(
+                backend,
+                init_method,
+                self.world_size,
+                self.rank,
+                timedelta(seconds=self.timeout_s),
+            )
         self._groups = groups
         self._dp = groups.default
         memory = make_memory_backend(self.config, self.device)
@@ -147,14 +150,21 @@ class TrainWorker:
             shard_group=self._live_dp_group if shard else None,
         )
         # train.backend picks the trainer; megatron makes its model-parallel groups through `groups`.
+        t0 = time.perf_counter()
         trainer = make_trainer(self.config, dp, memory.region, groups)
+        if isinstance(trainer, TorchTrainer):
+            for part, seconds in trainer.setup_seconds.items():
+                timer.add(part, seconds)
+        else:
+            timer.add("model_and_optimizer", time.perf_counter() - t0)
         self._trainer = trainer
         if shard and isinstance(memory, HostCopies) and memory.keeps_host_copies:
             # Built now, while every rank is here: the writers of an asleep sharded role gather on it.
             host = urlparse(init_method).hostname or peer_address()
             self._checkpoints.open_save_group(groups.store, self.rank, self.world_size, host)
-        memory.track(trainer.WEIGHTS_TAG, trainer.weight_tensors)
-        memory.track(trainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
+        with timer.part("pinned_buffers"):  # a pinned backend allocates its host buffers as it tracks
+            memory.track(trainer.WEIGHTS_TAG, trainer.weight_tensors)
+            memory.track(trainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
         # Before the groups go: nothing gathered (FSDP) may stay outside the tracked tensors. After
         # they are rebuilt: FSDP and megatron must run on the new groups, not the destroyed ones
         # they hold (both hooks are no-ops for a replicated torch trainer).
@@ -171,6 +181,7 @@ class TrainWorker:
             "pid": os.getpid(),
             "data_parallel": trainer.layout,
             "saves_asleep": self.saves_asleep(),
+            "startup": timer.report(),
         }
 
     def saves_asleep(self) -> bool:

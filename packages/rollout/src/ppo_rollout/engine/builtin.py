@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 import ray
 import torch
 
-from ppo_lifecycle import TransferStats, default_backend
+from ppo_lifecycle.memory import default_backend
+from ppo_lifecycle.startup import SetupTimer
+from ppo_lifecycle.stats import TransferStats
 from ppo_weight_sync import EngineOps, EngineReply, ReceivingEngine, TensorOps, WeightReceiver, checksum
 
 from .. import fault_injection
@@ -54,6 +56,7 @@ class BuiltinEngine(ReceivingEngine):
         timeout_s: float = 300.0,
         torch_threads: int | None = None,
     ) -> None:
+        self._setup = SetupTimer()  # the start-up the driver reports (its imports ended here)
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.name = name
@@ -64,7 +67,7 @@ class BuiltinEngine(ReceivingEngine):
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self._memory = default_backend(dev)
-        with self._memory.region("weights"):
+        with self._setup.part("model"), self._memory.region("weights"):
             self._core = GenerationCore(model_path, device=dev, dtype=dtype)
         self._memory.track("weights", lambda: list(self._core.model.state_dict().values()))
         self._memory.track("kv_cache", list)
@@ -253,6 +256,10 @@ class BuiltinEngine(ReceivingEngine):
 
     def ready(self) -> bool:
         return True
+
+    def startup(self) -> dict[str, float]:
+        """This engine's start-up (``ppo_lifecycle.startup``), with the CUDA graphs captured so far."""
+        return {**self._setup.report(), "cuda_graphs_s": self._core.graph_capture_seconds}
 
 
 if TYPE_CHECKING:  # mypy checks that the engine has the engine operations' exact signatures

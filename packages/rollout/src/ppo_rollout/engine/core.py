@@ -203,6 +203,7 @@ class GenerationCore:
         )
         self.last_decode_path: str | None = None
         self.graph_failure: str | None = None
+        self.graph_capture_seconds = 0.0  # every decode graph captured so far
 
     def _pick_decoder(self, decode: str) -> LlamaStaticDecoder | None:
         if decode == "loop":
@@ -341,7 +342,11 @@ class GenerationCore:
         try:
             kept = self._graphs if own else None
             runner = kept or DecodeGraphs(decoder, use_graphs=self._use_graphs)
-            result = self._static_with(call, decoder, runner)
+            captured = runner.capture_seconds
+            try:
+                result = self._static_with(call, decoder, runner)
+            finally:
+                self.graph_capture_seconds += runner.capture_seconds - captured
             self.last_decode_path = "cuda-graphs" if runner.use_graphs else "static-eager"
             self.graph_failure = runner.graph_failure
             return result

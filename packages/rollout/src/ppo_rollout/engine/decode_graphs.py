@@ -9,6 +9,7 @@ captured right after, so later steps of that bucket, in this call and the next o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from typing import Any
 
@@ -34,6 +35,7 @@ class DecodeGraphs:
         self.use_graphs = use_graphs and decoder.device.type == "cuda"
         self.graph_failure: str | None = None  # why capture was given up, if it was
         self.captures = 0  # graphs captured over this object's life (tests, benchmarks)
+        self.capture_seconds = 0.0  # what capturing them took (the engine's start-up and step budget)
         self.buffers: DecodeBuffers | None = None
         self._weights_key: Hashable = None
         self._graphs: dict[tuple[int, Hashable], Any] = {}
@@ -83,6 +85,7 @@ class DecodeGraphs:
             self.decoder.decode_step(b, kv_len, sampler, pad_token_id)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        t0 = time.perf_counter()
         try:
             # Capture records kernels without running them: the buffers are left as the step left them.
             # thread_local: a weight receiver's thread may use the GPU meanwhile.
@@ -97,6 +100,8 @@ class DecodeGraphs:
             self.use_graphs = False
             self._graphs.clear()
             return
+        finally:
+            self.capture_seconds += time.perf_counter() - t0
         self._graphs[(kv_len, sampling_key)] = graph
         self.captures += 1
 

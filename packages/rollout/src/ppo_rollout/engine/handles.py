@@ -8,6 +8,7 @@ from typing import Any, Protocol, cast
 
 import ray
 
+from ppo_lifecycle.startup import SetupTimer
 from ppo_weight_sync import EngineEndpoint, EngineReply, RayEngineEndpoint, free_port
 
 from ..config import SamplingConfig
@@ -26,6 +27,10 @@ class EngineHandle(Protocol):
     name: str
 
     def wait_ready(self, timeout_s: float) -> None: ...
+    def startup(self, timeout_s: float) -> dict[str, float]:
+        """The engine's start-up report (``ppo_lifecycle.startup.SetupTimer.report``), once ready."""
+        ...
+
     def submit_generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
     ) -> Waiter: ...
@@ -86,6 +91,12 @@ class BuiltinEngineHandle:
     def wait_ready(self, timeout_s: float) -> None:
         _ray_get(self._ready, timeout_s, self.name, "loading the model")
 
+    def startup(self, timeout_s: float) -> dict[str, float]:
+        report: dict[str, float] = _ray_get(
+            self.actor.startup.remote(), timeout_s, self.name, "start-up report"
+        )
+        return report
+
     def submit_generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
     ) -> Waiter:
@@ -133,14 +144,19 @@ class _SGLangServerHost:
     def __init__(
         self, spec_args: dict[str, Any], startup_timeout_s: float, stop_grace_s: float, name: str
     ) -> None:
+        self._setup = SetupTimer()
         spec = _spec_on_node(spec_args)  # here, so that a free port is picked on the server's node
         self.server = SGLangServer(
             spec, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s, name=name
         )
 
     def start(self) -> str:
-        self.server.start()
+        with self._setup.part("server"):  # the SGLang process: its imports, model load, CUDA graphs
+            self.server.start()
         return self.server.url
+
+    def startup(self) -> dict[str, float]:
+        return self._setup.report()
 
     def stop(self) -> int | None:
         return self.server.stop()
@@ -184,6 +200,12 @@ class SGLangEngineHandle:
             self._client = SGLangClient(
                 url, timeout_s=self._request_timeout_s, name=self.name, num_gpus=self._gpus
             )
+
+    def startup(self, timeout_s: float) -> dict[str, float]:
+        report: dict[str, float] = _ray_get(
+            self._host_actor.startup.remote(), timeout_s, self.name, "start-up report"
+        )
+        return report
 
     @property
     def client(self) -> SGLangClient:

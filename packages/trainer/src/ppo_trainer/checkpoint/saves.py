@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ppo_lifecycle import HostCopies, HostMemoryBackend, MemoryBackend
+from ppo_lifecycle.memory.host import HostMemoryBackend
+from ppo_lifecycle.memory.protocol import HostCopies, MemoryBackend
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.backend_protocol import TrainerBackend
 from ppo_trainer.checkpoint import format as fmt

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from ppo_lifecycle import HostCopies
+from ppo_lifecycle.memory import HostCopies
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.checkpoint import format as fmt
 from ppo_trainer.checkpoint.torch_io import ShardState, whole_state

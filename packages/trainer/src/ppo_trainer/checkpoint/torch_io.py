@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PreTrainedModel
 
-from ppo_lifecycle import HostCopies
+from ppo_lifecycle.memory.protocol import HostCopies
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.backend_protocol import TrainerBackend
 from ppo_trainer.checkpoint import format as fmt

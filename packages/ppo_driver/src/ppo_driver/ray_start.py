@@ -1,0 +1,92 @@
+"""The run's Ray: join ``ray.address`` when given, else start (and at the end stop) a local instance,
+with start-up waits long enough for a loaded machine and one retry."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import ray
+from rich.console import Console
+
+from ppo_driver import children, reaper
+from ppo_driver.config import RunConfig
+from ppo_driver.resume import first_line
+
+
+@contextmanager
+def ray_session(config: RunConfig, console: Console) -> Iterator[None]:
+    """Join ``ray.address`` when given; otherwise start (and later stop) a local Ray instance."""
+    if ray.is_initialized():
+        yield
+        return
+    watchdog: reaper.Reaper | None = None
+    if config.ray.address:
+        ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
+    else:
+        # Ends the local instance's processes if this one dies without a word (reaper.py).
+        watchdog = reaper.start()
+        try:
+            start_local_ray(config, console)
+        except BaseException:
+            if watchdog is not None:
+                watchdog.stop()
+            raise
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if watchdog is not None:
+            watchdog.stop()  # whatever Ray's shutdown left running is ended now
+
+
+# Ray waits a fixed 30 s for its raylet to register; on a loaded machine (load average above 10 on
+# 2 cores) that is too short, and a worker importing torch can miss its registration window.
+LOCAL_RAY_ENV = {
+    "RAY_worker_register_timeout_seconds": "300",
+    # The raylet waits 30 s for its dashboard agent's port file, then aborts (a Python process that
+    # took longer than that to import at a load average of 20 on 2 cores).
+    "RAY_agent_register_timeout_ms": "300000",
+    "RAY_gcs_server_port_wait_time_s": "60",
+    "RAY_gcs_server_request_timeout_seconds": "180",
+}
+# The retry waits at least this long for each start-up stage, whatever the environment asked for.
+LOCAL_RAY_RETRY_ENV = {"RAY_gcs_server_port_wait_time_s": "180"}
+
+
+def start_local_ray(config: RunConfig, console: Console) -> None:
+    """Start a local Ray instance; if it does not come up, say so, end what the failed start left
+    running, and try once more with longer start-up waits."""
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    if config.ray.write_bytecode:
+        # The workers inherit this environment: with the variable set, each of them compiled torch,
+        # transformers and Ray from source at every start (a worker's imports took 11.6 CPU-s instead
+        # of 5.3 with the caches; most of a CPU run's start-up).
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    kwargs: dict[str, Any] = {
+        "num_cpus": config.ray.num_cpus,
+        "num_gpus": 0 if config.placement.device == "cpu" else None,
+        "object_store_memory": config.ray.object_store_memory_mb * 1024**2,
+        "include_dashboard": False,
+        "log_to_driver": config.logging.worker_logs,
+    }
+    before = children.child_pids()
+    try:
+        ray.init(**kwargs)
+    except Exception as exc:  # Ray raises a bare Exception for "timed out during startup"
+        console.print(
+            f"[yellow]warning:[/] the local Ray instance did not start ({first_line(exc)}); "
+            "the machine may be loaded: trying once more with longer start-up waits",
+            highlight=False,
+        )
+        ray.shutdown()
+        # A start that failed midway leaves its GCS server (and maybe a raylet) running: ray.shutdown()
+        # knows nothing of a node that never finished starting.
+        children.end_processes(children.child_pids() - before)
+        for key, value in LOCAL_RAY_RETRY_ENV.items():
+            if float(os.environ.get(key, "0")) < float(value):
+                os.environ[key] = value
+        ray.init(**kwargs)
