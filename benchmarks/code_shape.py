@@ -29,13 +29,26 @@ def module_files(root: Path) -> dict[str, Path]:
     return mods
 
 
-def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the modules of ``mods`` it imports (anywhere in its source)."""
+def _type_only(tree: ast.Module) -> set[int]:
+    """The ids of the nodes inside ``if TYPE_CHECKING:`` blocks (imports for annotations only)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return inside
+
+
+def import_graph(mods: dict[str, Path], runtime_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of ``mods`` it imports (anywhere in its source; ``runtime_only``: not
+    counting the imports under ``if TYPE_CHECKING:``)."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, f in mods.items():
         tree = ast.parse(f.read_text())
+        skipped = _type_only(tree) if runtime_only else set()
         package = m if f.name == "__init__.py" else m.rsplit(".", 1)[0]
         for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -110,6 +123,10 @@ def main() -> int:
     found = cycles(import_graph(mods))
     print(f"import cycles ({len(found)}):")
     for component in found:
+        print(len(component), component)
+    runtime = cycles(import_graph(mods, runtime_only=True))
+    print(f"of which at run time, not counting `if TYPE_CHECKING:` imports ({len(runtime)}):")
+    for component in runtime:
         print(len(component), component)
     print(f"\nlongest functions ({args.functions}):")
     for lines, where in longest_functions(mods, root, args.functions):

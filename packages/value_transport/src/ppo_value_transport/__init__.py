@@ -6,8 +6,9 @@ Inputs are torch tensors or numpy arrays; outputs are always torch tensors.
 from ppo_value_transport._box import Box
 from ppo_value_transport._codec import pack, pack_fields, unpack, unpack_fields
 from ppo_value_transport._dtypes import TORCH_DTYPES
+from ppo_value_transport._errors import MissingValuesError
 from ppo_value_transport._pairing import Pieces, Rows, pair_values, unpack_pieces
-from ppo_value_transport._routing import MissingValuesError, dispatch, gather, require_values, route
+from ppo_value_transport._routing import dispatch, gather, require_values, route
 
 __version__ = "0.1.0"
 

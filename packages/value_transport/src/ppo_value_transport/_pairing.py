@@ -16,7 +16,7 @@ import torch
 
 from ppo_value_transport._box import Box
 from ppo_value_transport._codec import DEFAULT_TIMEOUT_S, unpack_fields
-from ppo_value_transport._routing import MissingValuesError
+from ppo_value_transport._errors import MissingValuesError
 
 SampleIds = Sequence[Sequence[int]]
 

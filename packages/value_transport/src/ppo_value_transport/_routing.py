@@ -11,13 +11,11 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError
 
 from ppo_value_transport._box import Box
+from ppo_value_transport._errors import MissingValuesError
+from ppo_value_transport._pairing import Pieces
 
 T = TypeVar("T")
 V = TypeVar("V")
-
-
-class MissingValuesError(RuntimeError):
-    """A rank that needs values has none: an error, never a silent skip."""
 
 
 def route(payloads: Sequence[T], world_size: int) -> list[T]:
@@ -95,8 +93,6 @@ def require_values(rank: int, values: V | None, role: str = "actor") -> V:
             "actor's ranks"
         )
     # Pieces: the values of this rank's samples from the critic ranks (pair_values); a Box: one payload.
-    from ppo_value_transport._pairing import Pieces
-
     if not isinstance(values, Box | Pieces):
         raise MissingValuesError(
             f"{role} rank {rank} received {type(values).__name__} where a values Box or Pieces was expected"
