@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every test marked `gpu` in every package, on the machine's GPUs: each package's run alone, then one
-# pytest call over all of them (tests that interfere show only there). Exits non-zero when any run
-# fails, after running the rest. Tests that need two GPUs skip themselves on one.
+# Every test marked `gpu` in every package, on the machine's GPUs: each package's pytest run, one
+# after another in this one call (as the packages' nox sessions run them: each package's tests have
+# their own conftest, so one pytest process over all of them does not collect). Exits non-zero when
+# any run fails, after running the rest. Tests that need two GPUs skip themselves on one.
 # Run from anywhere: bash benchmarks/gpu_all.sh   (on the GPU machine: source .carry/setup.sh first)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,9 +23,5 @@ for pkg in "${packages[@]}"; do
   (cd "$ROOT/packages/$pkg" && timeout -k 10 "$PER_PACKAGE_S" "$PY" -m pytest "${ARGS[@]}" tests) \
     || { echo "FAILED: $pkg (exit $?)"; failed+=("$pkg"); }
 done
-echo "== all packages in one pytest call =="
-dirs=(); for pkg in "${packages[@]}"; do dirs+=("packages/$pkg/tests"); done
-(cd "$ROOT" && timeout -k 10 $((PER_PACKAGE_S * 3)) "$PY" -m pytest "${ARGS[@]}" --import-mode=importlib "${dirs[@]}") \
-  || { echo "FAILED: all packages in one call (exit $?)"; failed+=("all-in-one"); }
 if ((${#failed[@]})); then echo "gpu_all: FAILED: ${failed[*]}"; exit 1; fi
 echo "gpu_all: every gpu test passed (${packages[*]})"
