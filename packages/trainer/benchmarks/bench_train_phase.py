@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import gc
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -225,7 +226,15 @@ def trainer_rows(
         timings = {variant: Timing([]) for variant in variants}
         for i in range(args.warmup + args.repeats):
             for variant, trainer in trainers.items():
+                started = time.perf_counter()
                 timed_call(lambda t=trainer: run(t), device, timings[variant], keep=i >= args.warmup)
+                # Progress on stderr as each call ends: a run cut short by a time limit still says
+                # where its time went (the table comes only at the end).
+                print(
+                    f"[bench] {phase} | {variant} | call {i + 1}: {time.perf_counter() - started:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for variant, timing in timings.items():
             cost = costs[variant]
             flops = 2 * cost.trained * tokens if phase == "logprob_forward" else cost.flops(tokens)
