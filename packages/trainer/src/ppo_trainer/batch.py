@@ -120,6 +120,15 @@ class MicroBatch:
     targets: torch.Tensor  # [b, R_max] response token ids (0 on padding)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` without a host sync: a pageable host-to-GPU copy first waits for the GPU
+    to drain its queue (CUDA's rule for pageable transfers), once per tensor and micro-batch, so the
+    host could never run ahead of a small model's kernels; a pinned copy is queued behind them."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def collate(samples: Samples, rows: Sequence[int], device: torch.device) -> MicroBatch:
     """Right-pad the chosen samples' tokens; padding never affects real positions under causal attention."""
     chosen = [samples.tokens[i] for i in rows]
@@ -140,10 +149,10 @@ def collate(samples: Samples, rows: Sequence[int], device: torch.device) -> Micr
         targets[j, :r] = samples.tokens[i][start:]
     return MicroBatch(
         rows=torch.as_tensor(list(rows), dtype=torch.int64),
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        logit_positions=positions.to(device),
-        targets=targets.to(device),
+        input_ids=to_device(input_ids, device),
+        attention_mask=to_device(attention_mask, device),
+        logit_positions=to_device(positions, device),
+        targets=to_device(targets, device),
     )
 
 

@@ -24,7 +24,7 @@ import torch
 from ppo_trainer import micro_batches, packing
 from ppo_trainer import ppo_math as pm
 from ppo_trainer.backend_protocol import Batch, DataParallel, Forward, ModelBackend
-from ppo_trainer.batch import Samples, collate, split_even
+from ppo_trainer.batch import Samples, collate, split_even, to_device
 from ppo_trainer.config import AlgorithmConfig
 
 
@@ -151,7 +151,7 @@ def _critic_micro_loss(
     if values is None:
         raise RuntimeError("the critic's forward returned no values")
     loss, clipped = pm.value_loss(
-        values, old_values[rows].to(device), returns[rows].to(device), alg.value_clip
+        values, to_device(old_values[rows], device), to_device(returns[rows], device), alg.value_clip
     )
     value_loss = aggregate(alg, loss, micro.mask, micro.counts)
     return {
@@ -276,14 +276,14 @@ def _actor_micro_loss(backend: ModelBackend, targets: ActorTargets, micro: Micro
         raise RuntimeError("the actor's forward returned no log-probs or no entropy")
     terms = pm.policy_loss(
         log_probs,
-        targets.old_log_probs[rows].to(device),
-        targets.advantages[rows].to(device),
+        to_device(targets.old_log_probs[rows], device),
+        to_device(targets.advantages[rows], device),
         alg.eps_clip,
         alg.eps_clip_high,
         alg.eps_clip_c,
     )
     tis = targets.tis_weight
-    token_loss = terms.loss if tis is None else terms.loss * tis[rows].to(device)
+    token_loss = terms.loss if tis is None else terms.loss * to_device(tis[rows], device)
     pg_loss = aggregate(alg, token_loss, mask, counts)
     # Aggregated like the loss it enters (verl's entropy metric is the same term).
     entropy_mean = aggregate(alg, entropy, mask, counts)
@@ -297,7 +297,7 @@ def _actor_micro_loss(backend: ModelBackend, targets: ActorTargets, micro: Micro
     }
     if alg.use_kl_loss:
         assert targets.ref_log_probs is not None  # needs_reference holds when use_kl_loss
-        kl_term = pm.kl_estimate(log_probs, targets.ref_log_probs[rows].to(device), alg.kl_estimator)
+        kl_term = pm.kl_estimate(log_probs, to_device(targets.ref_log_probs[rows], device), alg.kl_estimator)
         kl_loss = aggregate(alg, kl_term, mask, counts)
         loss = loss + alg.kl_loss_coef * kl_loss
         terms_out["kl_loss"] = kl_loss
@@ -339,7 +339,7 @@ def _mini_batch_step(
     sums: dict[str, torch.Tensor] = {}
     for rows in micro_batches_of(backend, samples, mini):
         mb = inputs_of(backend, samples, rows)
-        terms = micro_loss(Micro(rows, mb, samples.loss_mask[rows].to(backend.device), counts))
+        terms = micro_loss(Micro(rows, mb, to_device(samples.loss_mask[rows], backend.device), counts))
         backend.backward(terms["loss"])
         # Summed where they are: one copy to the host per mini-batch, not a sync per micro-batch.
         for name, value in terms.items():

@@ -32,7 +32,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ppo_trainer import token_logprobs
-from ppo_trainer.batch import Samples
+from ppo_trainer.batch import Samples, to_device
 from ppo_trainer.config import PackedAttention
 
 VARLEN = "ppo_varlen"
@@ -97,23 +97,15 @@ def pack(samples: Samples, rows: Sequence[int], device: torch.device) -> PackedM
         targets.append(chosen[j][start:])
     return PackedMicroBatch(
         rows=torch.as_tensor(list(rows), dtype=torch.int64),
-        input_ids=_to(torch.cat(chosen).unsqueeze(0), device),
-        position_ids=_to(torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0), device),
-        cu_seqlens=_to(torch.tensor(offsets, dtype=torch.int32), device),
+        input_ids=to_device(torch.cat(chosen).unsqueeze(0), device),
+        position_ids=to_device(torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0), device),
+        cu_seqlens=to_device(torch.tensor(offsets, dtype=torch.int32), device),
         max_seqlen=max(lengths),
-        response_index=_to(torch.cat(index), device),
-        slot_index=_to(torch.cat(slots), device),
-        targets=_to(torch.cat(targets), device),
+        response_index=to_device(torch.cat(index), device),
+        slot_index=to_device(torch.cat(slots), device),
+        targets=to_device(torch.cat(targets), device),
         max_response=r_max,
     )
-
-
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """To ``device`` without a host sync: a pageable host-to-GPU copy would wait for the GPU to
-    drain its queue, once per tensor and micro-batch; a pinned one is queued behind it."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------------- forwards
