@@ -7,7 +7,8 @@
 Each ``--run`` is ``NAME=CONFIG [KEY=VALUE ...]`` (``--set`` overrides); ``--set-all`` adds overrides
 to every run. Runs sharing a GPU slow each other: the table's wall times are not solo figures, the
 rewards and accuracies are what each run learnt. Prints per run: steps done, the training reward of
-the last 5 steps, every evaluation (step: greedy accuracy), wall seconds; exits non-zero when a run
+the last 5 steps, every evaluation (step: greedy accuracy @ seconds since the command, start-up
+included, seen by polling each second), wall seconds; exits non-zero when a run
 failed or was cut by ``--timeout``.
 """
 
@@ -45,11 +46,19 @@ def _rows(metrics: Path) -> list[dict[str, float]]:
     return rows
 
 
-def _summary(name: str, run_dir: Path, wall: float, code: int | None) -> str:
+def _eval_steps(run_dir: Path) -> list[int]:
+    return [int(r["step"]) for r in _rows(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
+
+
+def _summary(name: str, run_dir: Path, wall: float, code: int | None, seen: dict[int, float]) -> str:
     rows = _rows(run_dir / "metrics.jsonl")
     rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
     last5 = sum(rewards[-5:]) / max(1, len(rewards[-5:]))
-    evals = " ".join(f"{int(r['step'])}:{r['eval/accuracy']:.3f}" for r in rows if "eval/accuracy" in r)
+    evals = " ".join(
+        f"{int(r['step'])}:{r['eval/accuracy']:.3f}@{seen.get(int(r['step']), float('nan')):.0f}s"
+        for r in rows
+        if "eval/accuracy" in r
+    )
     steps = [r["time/step_s"] for r in rows if "time/step_s" in r]
     steady = sorted(steps[1:])[len(steps[1:]) // 2] if len(steps) > 1 else float("nan")
     status = "ok" if code == 0 else f"exit {code}"
@@ -85,14 +94,18 @@ def main() -> int:
         )
     deadline = time.monotonic() + args.timeout
     walls: dict[str, float] = {}
+    # When each evaluation's row appeared, from the run's command (start-up included): 1 s resolution.
+    seen: dict[str, dict[int, float]] = {name: {} for name in procs}
     while len(walls) < len(procs) and time.monotonic() < deadline:
-        for name, (proc, _, started) in procs.items():
+        for name, (proc, run_dir, started) in procs.items():
+            for step in _eval_steps(run_dir):
+                seen[name].setdefault(step, time.monotonic() - started)
             if name not in walls and proc.poll() is not None:
                 walls[name] = time.monotonic() - started
         time.sleep(1.0)
     failed = False
     print(
-        "| run | status | steps | reward last 5 | eval greedy accuracy (step:acc) "
+        "| run | status | steps | reward last 5 | eval greedy accuracy (step:acc@s since the command) "
         "| first step s | steady step s | wall s |"
     )
     print("|---|---|---:|---:|---|---:|---:|---:|")
@@ -105,7 +118,7 @@ def main() -> int:
                 proc.kill()
             walls[name] = time.monotonic() - started
         failed |= proc.returncode != 0
-        print(_summary(name, run_dir, walls[name], proc.returncode), flush=True)
+        print(_summary(name, run_dir, walls[name], proc.returncode, seen[name]), flush=True)
     return 1 if failed else 0
 
 

@@ -58,6 +58,11 @@ def _case(tmp_path: Path, case: str, *args: str) -> dict[str, Any]:
     print(done.stdout[-4000:], done.stderr[-6000:])
     assert done.returncode == 0, f"{case} exited {done.returncode}: {done.stderr[-3000:]}"
     result: dict[str, Any] = json.loads(out.read_text())
+    keep = os.environ.get("PPO_GPU_RESULTS")  # a folder for each case's measurements (the device's $OUT)
+    if keep:
+        name = "_".join(["megatron", case, *(a.lstrip("-") for a in args)])
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        (Path(keep) / f"{name}.json").write_text(out.read_text())
     return result
 
 
@@ -125,8 +130,16 @@ def test_real_checkpoint_round_trip_and_step_0_log_probs(tmp_path: Path) -> None
     assert r["written_unequal"] == []
     assert r["reference_vs_actor_max_abs_diff"] < 1e-3
     assert abs(r["ref_kl_at_step_0"]) < 1e-6
-    assert r["log_prob_max_abs_diff"] < LOG_PROB_MAX_ABS, r
-    assert r["log_prob_mean_abs_diff"] < LOG_PROB_MEAN_ABS, r
+    # bf16 tolerance, measured on the model itself: megatron (norms, embeddings and the residual in
+    # bf16) is as far from float32 as the same model run wholly in bf16 by transformers, within 50%.
+    # On the real 30-layer SmolLM2 megatron and the torch backend differ by 0.37 at worst and 0.064
+    # on average (2026-12-02, H200): the 4-layer random model's LOG_PROB_* bounds hold there only.
+    assert r["megatron_vs_float32_mean_abs"] <= 1.5 * r["hf_bf16_vs_float32_mean_abs"], r
+    assert r["megatron_vs_float32_max_abs"] <= 1.5 * r["hf_bf16_vs_float32_max_abs"], r
+    assert r["torch_vs_float32_mean_abs"] <= r["hf_bf16_vs_float32_mean_abs"], r  # autocast: f32 norms
+    if not os.environ.get("PPO_REAL_MODEL"):
+        assert r["log_prob_max_abs_diff"] < LOG_PROB_MAX_ABS, r
+        assert r["log_prob_mean_abs_diff"] < LOG_PROB_MEAN_ABS, r
 
 
 def test_megatron_backend_matches_torch_backend_on_gpu() -> None:

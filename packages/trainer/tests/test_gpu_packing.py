@@ -112,3 +112,31 @@ def test_packed_update_matches_padded_in_bf16_with_less_memory(smol_model: Path,
         assert peaks[1] < peaks[0], (
             f"peak memory packed {peaks[1] / 1e9:.2f} GB, padded {peaks[0] / 1e9:.2f} GB"
         )
+
+
+def test_varlen_runs_the_flash_kernel_under_autocast_with_float32_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The torch backend's float32 master weights hand attention a float32 query under bf16 autocast;
+    varlen must still take the flash kernel (the per-sample SDPA fallback is 7x slower at 135M), in
+    autocast's dtype, and agree with the per-sample causal SDPA in float32 within bf16 rounding."""
+    from ppo_trainer import packing
+
+    def no_fallback(*args: object) -> torch.Tensor:
+        raise AssertionError("varlen fell back to one SDPA call per sample")
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = [17, 80, 3, 41]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 9, sum(lengths), 64, generator=generator).cuda()
+    k, v = (torch.randn(1, 3, sum(lengths), 64, generator=generator).cuda() for _ in range(2))
+    expected = packing.block_causal_sdpa(q, k, v, cu, 0.125).transpose(1, 2)
+    monkeypatch.setattr(packing, "block_causal_sdpa", no_fallback)
+    longest = max(lengths)
+    kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, _ = packing.varlen_attention(torch.nn.Module(), q, k, v, None, scaling=0.125, **kwargs)
+    assert out.dtype == torch.bfloat16
+    assert out.shape == expected.shape
+    assert (out.float() - expected).abs().max().item() < 2e-2
+    assert packing._flash_dtype(q) is None  # outside autocast, a float32 query has no flash kernel
