@@ -150,6 +150,8 @@ class TrainerBackend(Protocol):
     # True when every rank must take part in ``named_weights`` and ``hf_state_dict`` (each tensor is
     # gathered by a collective: FSDP2 shards, tensor-parallel slices).
     sharded: bool
+    # The construction's parts in seconds (``model``, ``optimizer``), for the run's start-up table.
+    setup_seconds: dict[str, float]
 
     @property
     def layout(self) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -279,6 +280,7 @@ class MegatronTrainer:
         # True with TP > 1: named_weights gathers each tensor over the TP group (every rank calls it).
         self.sharded = self.tp > 1
         self.architecture = (self.hf_config.architectures or ["LlamaForCausalLM"])[0]
+        started = time.perf_counter()
         hf_state = self._source_state()
         with self.region(self.WEIGHTS_TAG):
             # megatron's DDP (typed Any: megatron-core ships no type information).
@@ -286,6 +288,7 @@ class MegatronTrainer:
             self.model = self.ddp
             self.reference = self._build_reference()
         self._require_on_device()
+        built = time.perf_counter()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer_config = _optimizer_config(config)
         with self.region(self.OPTIMIZER_TAG):
@@ -299,6 +302,8 @@ class MegatronTrainer:
             self._scatter_optimizer_tensor(
                 "param", mc.hf_to_megatron(hf_state, self.shape, critic=self.critic)
             )
+        # What the worker reports of its start-up: the models (megatron's layout), the optimizer.
+        self.setup_seconds = {"model": built - started, "optimizer": time.perf_counter() - built}
 
     def _source_state(self) -> dict[str, torch.Tensor]:
         """The float32 weights of the transformers model the torch backend would load (same files,

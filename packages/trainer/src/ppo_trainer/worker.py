@@ -40,7 +40,6 @@ from ppo_lifecycle.process_groups import GroupHandle, ReloadableProcessGroups
 from ppo_lifecycle.startup import SetupTimer
 from ppo_trainer import fault_injection, throughput
 from ppo_trainer.addresses import peer_address
-from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.backend_protocol import DataParallel, TrainerBackend
 from ppo_trainer.backends import make_trainer
 from ppo_trainer.batch import Samples
@@ -150,13 +149,9 @@ class TrainWorker:
             shard_group=self._live_dp_group if shard else None,
         )
         # train.backend picks the trainer; megatron makes its model-parallel groups through `groups`.
-        t0 = time.perf_counter()
         trainer = make_trainer(self.config, dp, memory.region, groups)
-        if isinstance(trainer, TorchTrainer):
-            for part, seconds in trainer.setup_seconds.items():
-                timer.add(part, seconds)
-        else:
-            timer.add("model_and_optimizer", time.perf_counter() - t0)
+        for part, seconds in trainer.setup_seconds.items():
+            timer.add(part, seconds)
         self._trainer = trainer
         if shard and isinstance(memory, HostCopies) and memory.keeps_host_copies:
             # Built now, while every rank is here: the writers of an asleep sharded role gather on it.
