@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from ppo_driver import build
 from ppo_driver.config import RunConfig
@@ -85,20 +85,40 @@ class Roles:
 RoleFactory = Callable[[RunConfig, Path, float], Roles]
 
 
-def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles:
+TrainerRole = Literal["actor", "critic"]
+
+
+def create_roles(
+    config: RunConfig, model_path: Path, timeout_s: float, *, together: bool | None = None
+) -> Roles:
     """Placement groups, then the rollout manager and engines, the actor and the critic groups.
 
-    On CPU the three are started together: each role's processes import torch and load the model,
-    most of a run's start-up, and one after the other they leave cores idle. On GPUs they start one
-    after the other: the engines size their memory before the trainers take theirs."""
+    On CPU (``together`` None: from ``placement.device``) the three are started together: each role's
+    processes import torch and load the model, most of a run's start-up, and one after the other they
+    leave cores idle. On GPUs the trainers' processes start (and import) while the engines start, and
+    are set up after them: the engines size their memory before the trainers take theirs (a trainer
+    makes no CUDA context before setup)."""
     from ppo_placement import create_placement_groups, remove_placement_groups
     from ppo_rollout.manager import RolloutManager
-    from ppo_trainer.group import TrainGroup
+    from ppo_trainer.group import SpawnedWorkers, TrainGroup, spawn_workers
 
     t0 = time.perf_counter()
     placements = create_placement_groups(build.placement_spec(config), timeout_s=min(timeout_s, 120.0))
     placed_s = time.perf_counter() - t0
     actor_config = build.actor_trainer_config(config, model_path)
+    trainer_configs = {"actor": actor_config}
+    if config.use_critic:
+        trainer_configs["critic"] = build.critic_trainer_config(actor_config, config)
+    trainer_roles: tuple[Literal["actor", "critic"], ...] = (
+        ("actor", "critic") if config.use_critic else ("actor",)
+    )
+    together = config.placement.device == "cpu" if together is None else together
+    spawned: dict[str, SpawnedWorkers] = {}
+
+    def trainer(role: TrainerRole) -> Callable[[], TrainGroup]:
+        slots, trainer_config = placements.slots[role], trainer_configs[role]
+        return lambda: TrainGroup(role, slots, trainer_config, timeout_s=timeout_s, spawned=spawned.get(role))
+
     makers: dict[str, Callable[[], RolloutManager | TrainGroup]] = {
         "rollout": lambda: RolloutManager(
             build.rollout_config(config, model_path),
@@ -106,18 +126,16 @@ def create_roles(config: RunConfig, model_path: Path, timeout_s: float) -> Roles
             dp_size=config.placement.actor_gpus,
             critic_dp_size=critic_dp_size(config),
         ),
-        "actor": lambda: TrainGroup("actor", placements.slots["actor"], actor_config, timeout_s=timeout_s),
+        **{role: trainer(role) for role in trainer_roles},
     }
-    if config.use_critic:
-        makers["critic"] = lambda: TrainGroup(
-            "critic",
-            placements.slots["critic"],
-            build.critic_trainer_config(actor_config, config),
-            timeout_s=timeout_s,
-        )
     try:
-        made = _make_all(makers, together=config.placement.device == "cpu")
+        if not together:  # their imports overlap the engines' start; set up in order below
+            for role in trainer_roles:
+                spawned[role] = spawn_workers(role, placements.slots[role], trainer_configs[role], timeout_s)
+        made = _make_all(makers, together=together)
     except BaseException:
+        for workers in spawned.values():
+            workers.kill()  # those no group adopted (a group's own failure killed its workers)
         remove_placement_groups(placements)
         raise
     rollout, actor, critic = made["rollout"], made["actor"], made.get("critic")

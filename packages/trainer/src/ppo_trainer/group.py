@@ -63,6 +63,45 @@ class TrainResult:
     values: list[Box] | None
 
 
+@dataclass(frozen=True)
+class SpawnedWorkers:
+    """A role's TrainWorkers, started (their processes importing) but not set up: no process group,
+    no model and no CUDA context yet, so they may start while the engines size their GPU memory."""
+
+    role: str
+    workers: tuple[Any, ...]
+    requested_at: float  # when they were asked for (epoch seconds), for the start-up table
+
+    def kill(self) -> None:
+        """Kill workers that no TrainGroup adopted (a start-up that failed elsewhere); safe twice."""
+        for worker in self.workers:
+            ray.kill(worker)
+
+
+def spawn_workers(
+    role: Literal["actor", "critic"], slots: Slots, config: TrainerConfig, timeout_s: float = 600.0
+) -> SpawnedWorkers:
+    """One TrainWorker per slot, placed; returns at once (the processes start and import meanwhile)."""
+    if role != config.role:
+        raise ValueError(f"TrainGroup role={role!r} but config.role={config.role!r}; make them agree")
+    bundles = tuple(slots.bundle_indices)
+    if not bundles:
+        raise ValueError(f"{role}: slots hold no bundles; the placement gave this role no slots")
+    if config.device == "cuda" and not slots.gpu_share > 0:
+        raise ValueError(f"{role}: device='cuda' but slots.gpu_share={slots.gpu_share}; give the role GPUs")
+    remote_cls = ray.remote(TrainWorker)
+    requested_at = time.time()
+    workers = []
+    for rank, bundle in enumerate(bundles):
+        options: dict[str, Any] = {"num_cpus": slots.cpu_share, "num_gpus": slots.gpu_share}
+        if slots.placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=slots.placement_group, placement_group_bundle_index=bundle
+            )
+        workers.append(remote_cls.options(**options).remote(config, rank, len(bundles), timeout_s))
+    return SpawnedWorkers(role, tuple(workers), requested_at)
+
+
 class TrainGroup:
     """One role (actor or critic) over ``len(slots.bundle_indices)`` data-parallel ranks.
 
@@ -77,34 +116,21 @@ class TrainGroup:
         config: TrainerConfig,
         *,
         timeout_s: float = 600.0,
+        spawned: SpawnedWorkers | None = None,
     ) -> None:
-        if role != config.role:
-            raise ValueError(f"TrainGroup role={role!r} but config.role={config.role!r}; make them agree")
+        """Start the role's workers (or adopt ``spawned``, started earlier by :func:`spawn_workers`)
+        and set them up: process group, model, optimizer. On failure every worker is killed."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
-        bundles = tuple(slots.bundle_indices)
-        if not bundles:
-            raise ValueError(f"{role}: slots hold no bundles; the placement gave this role no slots")
-        if config.device == "cuda" and not slots.gpu_share > 0:
-            raise ValueError(
-                f"{role}: device='cuda' but slots.gpu_share={slots.gpu_share}; give the role GPUs"
-            )
+        spawned = spawned or spawn_workers(role, slots, config, timeout_s)
+        if spawned.role != role:
+            raise ValueError(f"TrainGroup role={role!r} was handed the workers of {spawned.role!r}")
         self.role = role
         self.config = config
         self.timeout_s = timeout_s
-        self.world_size = len(bundles)
-        remote_cls = ray.remote(TrainWorker)
-        requested_at = time.time()
-        self.workers: list[Any] = []
-        for rank, bundle in enumerate(bundles):
-            options: dict[str, Any] = {"num_cpus": slots.cpu_share, "num_gpus": slots.gpu_share}
-            if slots.placement_group is not None:
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=slots.placement_group, placement_group_bundle_index=bundle
-                )
-            self.workers.append(
-                remote_cls.options(**options).remote(config, rank, self.world_size, timeout_s)
-            )
+        self.world_size = len(spawned.workers)
+        self.workers: list[Any] = list(spawned.workers)
+        requested_at = spawned.requested_at
         try:
             init_method = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous address")[0]
             infos = self._all("setup", init_method)

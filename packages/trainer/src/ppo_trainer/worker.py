@@ -85,8 +85,9 @@ class TrainWorker:
                 raise ValueError(
                     "device='cuda' but this worker sees no CUDA device; give it a GPU or use 'cpu'"
                 )
-            torch.cuda.set_device(0)  # Ray narrows CUDA_VISIBLE_DEVICES to this worker's GPU
-            self.device = torch.device("cuda", 0)
+            # No CUDA context before setup (torch.cuda.set_device makes one there): the driver may
+            # start this process while the engines size their GPU memory.
+            self.device = torch.device("cuda", 0)  # Ray narrows CUDA_VISIBLE_DEVICES to this worker's GPU
         else:
             self.device = torch.device("cpu")
         self._trainer: TrainerBackend | None = None
@@ -109,6 +110,8 @@ class TrainWorker:
 
     def setup(self, init_method: str) -> dict[str, Any]:
         """Process group, lifecycle, model and optimizer. Collective over the role's ranks."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this process's CUDA context starts here
         seed = self.config.seed + self.rank
         torch.manual_seed(seed)
         random.seed(seed)
