@@ -109,9 +109,7 @@ def create_roles(
     trainer_configs = {"actor": actor_config}
     if config.use_critic:
         trainer_configs["critic"] = build.critic_trainer_config(actor_config, config)
-    trainer_roles: tuple[Literal["actor", "critic"], ...] = (
-        ("actor", "critic") if config.use_critic else ("actor",)
-    )
+    trainer_roles: tuple[TrainerRole, ...] = ("actor", "critic") if config.use_critic else ("actor",)
     together = config.placement.device == "cpu" if together is None else together
     spawned: dict[str, SpawnedWorkers] = {}
 
