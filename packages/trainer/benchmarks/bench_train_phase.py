@@ -9,8 +9,9 @@ For one model size, on one device, in one run:
 - ``plain HF``: ``model(input_ids, attention_mask, labels).loss.backward()`` and AdamW over the same
   tokens in padded micro-batches of the same sample count (6 N FLOPs a token): what transformers does.
 
-Each phase runs padded (``micro_batch_size`` samples, today's path), packed with the same micro-batches,
-and packed with a ``max_tokens_per_micro_batch`` budget for each packed attention asked for, the
+Each phase runs padded (``micro_batch_size`` samples, today's path), padded with the token budget
+(larger micro-batches alone), packed with the same micro-batches, and packed with a
+``max_tokens_per_micro_batch`` budget for each packed attention asked for, the
 variants taking turns call by call (all of a phase's trainers are resident at once). Rows: seconds
 (median),
 tokens/s, achieved TFLOP/s (model FLOPs, ``ppo_trainer.throughput``: what the run's metrics log), its
@@ -357,7 +358,10 @@ def main() -> None:
             f"{args.repeats} after {args.warmup} warm-up, variants interleaved"
         )
         variants: dict[str, dict[str, object]] = {
-            f"padded, {size.micro_batch} samples": {"micro_batch_size": size.micro_batch}
+            f"padded, {size.micro_batch} samples": {"micro_batch_size": size.micro_batch},
+            # The same token budget without packing (samples x longest within it): how much of the
+            # packed budget's gain is the larger micro-batches alone.
+            f"padded, {budget} tokens": {"max_tokens_per_micro_batch": budget},
         }
         # Packing alone (the padded micro-batches' samples), then with the token budget.
         variants[f"packed {attentions[0]}, {size.micro_batch} samples"] = {
