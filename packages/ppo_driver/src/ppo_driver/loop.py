@@ -515,6 +515,10 @@ def _timed(make: Callable[[RunConfig, Path], Path], config: RunConfig, run_dir: 
 
 def _model_path(config: RunConfig, run_dir: Path) -> Path:
     if config.model.path is not None:
+        # The rollout manager loads the model's tokenizer in this process: transformers' import (about
+        # 3 s of CPU) goes here, alongside Ray's start, instead of on the roles' start.
+        from transformers import AutoTokenizer  # noqa: F401
+
         local = Path(config.model.path).expanduser()
         return local.resolve() if local.exists() else local  # else a name the workers resolve
     if config.rollout.task is None:
