@@ -12,7 +12,8 @@
    (``--config`` picks others), each timed from the command's start (start-up included);
 4. a table: accuracy before and after (greedy and sampled), steps, wall seconds, the first evaluated
    step at or above ``--goal`` and when it was reached (start-up included), written to
-   ``$OUT/real_model.md`` too.
+   ``$OUT/real_model.md`` too; each run's log as ``$OUT/<config>.log``, its ``summary.json`` and
+   ``metrics.jsonl`` under ``$OUT/<config>/``.
 
 Exits non-zero when anything fails: the import, a run (its exit status, non-finite values, engines'
 weights that differ from the actor's) or a run missing its final evaluation. ``--require-goal`` also
@@ -267,11 +268,15 @@ def main() -> int:
     text = table(before, rows, args.goal)
     print(text)
     (out / "real_model.md").write_text(text + "\n")
-    for row in rows:
-        for suffix in ("log",):
-            src = work / f"{row.config}.{suffix}"
+    for row in rows:  # each run's log, and its summary (start-up table) and metrics beside it
+        log = work / f"{row.config}.log"
+        if log.is_file():
+            shutil.copy(log, out / log.name)
+        for name in ("summary.json", "metrics.jsonl"):
+            src = work / row.config / name
             if src.is_file():
-                shutil.copy(src, out / src.name)
+                (out / row.config).mkdir(exist_ok=True)
+                shutil.copy(src, out / row.config / name)
     failed = [r for r in rows if not r.ok]
     if args.require_goal:
         failed += [

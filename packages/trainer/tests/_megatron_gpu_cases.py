@@ -14,6 +14,10 @@ Cases:
 * ``resume``: N steps, a megatron checkpoint, M more steps; a fresh trainer loads the checkpoint and
   takes the same M steps: the weights (float32 main and bf16), Adam's state, the log-probs bit for bit.
   Adam's state exists at setup and the pinned backend pins all of it at ``track()``.
+* ``packed_parity``: ``train.pack_sequences`` against padded micro-batches, both megatron, same checkpoint
+  and batch (ragged prompts and responses): the actor's log-probs, the reference's, the critic's values,
+  and the first PPO step's metrics within bf16's rounding; the packed forwards take the varlen flash
+  kernel (its per-sample SDPA fallback raises in this process).
 * ``round_trip_parity``: the checkpoint into the megatron actor and back out (``named_weights``,
   ``hf_state_dict``, a written checkpoint's ``hf/model.safetensors``) bit for bit; log-probs at step 0
   of megatron against the torch backend on the same batch.
@@ -120,10 +124,13 @@ def init_groups() -> Any:
     return groups
 
 
-def config(model: Path, backend: Any, memory_backend: Any = "auto", role: Any = "actor") -> Any:
+def config(
+    model: Path, backend: Any, memory_backend: Any = "auto", role: Any = "actor", packed: bool = False
+) -> Any:
     from ppo_trainer.config import AlgorithmConfig, TrainerConfig
 
     return TrainerConfig(
+        pack_sequences=packed,
         role=role,
         model_path=str(model),
         device="cuda",
@@ -139,11 +146,79 @@ def config(model: Path, backend: Any, memory_backend: Any = "auto", role: Any = 
     )
 
 
-def plain_trainer(model: Path, backend: str, groups: Any) -> Any:
+def plain_trainer(model: Path, backend: str, groups: Any, role: str = "actor", packed: bool = False) -> Any:
     from ppo_trainer.backend_protocol import DataParallel
     from ppo_trainer.backends import make_trainer
 
-    return make_trainer(config(model, backend), DataParallel(), lambda tag: contextlib.nullcontext(), groups)
+    made = config(model, backend, role=role, packed=packed)
+    return make_trainer(made, DataParallel(), lambda tag: contextlib.nullcontext(), groups)
+
+
+def ragged_batch(n: int, vocab: int, seed: int) -> Any:
+    """Prompts of 8-64 tokens and responses of 4-64: what packing removes the padding of."""
+    from ppo_trainer.batch import Samples
+
+    g = torch.Generator().manual_seed(seed)
+    fields: dict[str, list[torch.Tensor]] = {
+        k: []
+        for k in ("tokens", "response_length", "loss_mask", "reward", "rollout_log_probs", "prompt_index")
+    }
+    for i in range(n):
+        prompt, response = (int(torch.randint(lo, 65, (1,), generator=g)) for lo in (8, 4))
+        tokens = torch.randint(0, vocab, (prompt + response,), generator=g)
+        fields["tokens"].append(tokens)
+        fields["response_length"].append(torch.tensor([response]))
+        fields["loss_mask"].append(torch.ones(response))
+        fields["reward"].append(torch.tensor([float(int(tokens[prompt]) % 2)]))
+        fields["rollout_log_probs"].append(torch.full((response,), -10.0))
+        fields["prompt_index"].append(torch.tensor([i // 4]))
+    return Samples.from_fields(fields)
+
+
+def packed_parity(tmp: Path) -> dict[str, Any]:
+    from ppo_trainer import objective, packing
+
+    def no_fallback(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("packed attention fell back to one SDPA call per sample on the GPU")
+
+    packing.block_causal_sdpa = no_fallback  # the varlen kernel or nothing
+    model = model_folder(tmp)
+    groups = init_groups()
+    samples = ragged_batch(64, vocab_of(model), seed=11)
+    mask = samples.response_mask
+    out: dict[str, Any] = {
+        "tokens": int(sum(t.numel() for t in samples.tokens)),
+        "response_tokens": int(mask.sum()),
+    }
+    results: dict[bool, dict[str, Any]] = {}
+    for packed in (False, True):
+        actor = plain_trainer(model, "megatron", groups, packed=packed)
+        log_probs = actor.compute_log_probs(samples).float().cpu()
+        reference = objective.score(actor, samples, reference=True).float().cpu()
+        metrics = actor.train_actor(samples, zeros(samples))
+        del actor
+        torch.cuda.empty_cache()
+        critic = plain_trainer(model, "megatron", groups, role="critic", packed=packed)
+        values = critic.compute_values(samples).float().cpu()
+        del critic
+        torch.cuda.empty_cache()
+        results[packed] = {
+            "log_probs": log_probs,
+            "reference": reference,
+            "values": values,
+            "metrics": metrics,
+        }
+    padded, packed_ = results[False], results[True]
+    for key in ("log_probs", "reference", "values"):
+        diff = (padded[key] - packed_[key]).abs() * mask
+        out[f"{key}_max_abs_diff"] = float(diff.max())
+        out[f"{key}_mean_abs_diff"] = float(diff.sum() / mask.sum())
+        out[f"{key}_zero_on_padding"] = bool((packed_[key] * (1 - mask)).abs().max() == 0)
+    out["log_prob_mean"] = float((padded["log_probs"] * mask).sum() / mask.sum())
+    out["metrics_padded"] = {k: float(v) for k, v in padded["metrics"].items()}
+    out["metrics_packed"] = {k: float(v) for k, v in packed_["metrics"].items()}
+    groups.destroy()
+    return out
 
 
 def zeros(samples: Any) -> torch.Tensor:
@@ -406,7 +481,7 @@ def round_trip_parity(tmp: Path) -> dict[str, Any]:
     return out
 
 
-CASES = {"kl_sleep_wake", "resume", "round_trip_parity"}
+CASES = {"kl_sleep_wake", "resume", "round_trip_parity", "packed_parity"}
 
 
 @contextlib.contextmanager
@@ -427,6 +502,8 @@ def main() -> int:
             result = kl_sleep_wake(tmp, args.memory_backend)
         elif args.case == "resume":
             result = resume(tmp)
+        elif args.case == "packed_parity":
+            result = packed_parity(tmp)
         else:
             result = round_trip_parity(tmp)
     result["seconds"] = time.perf_counter() - start

@@ -269,3 +269,80 @@ def test_smollm2_layout_logits_match_transformers(megatron_groups: Any) -> None:
         theirs = hf(input_ids=tokens).logits
     diff = (ours - theirs).abs().max().item()
     assert diff < 1e-4, f"max abs logit difference {diff}"
+
+
+def _packed_params(lengths: list[int]) -> Any:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=offsets,
+        cu_seqlens_kv=offsets,
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
+    )
+
+
+@pytest.mark.parametrize("critic", [False, True])
+def test_packed_samples_compute_what_each_sample_computes_alone(megatron_groups: Any, critic: bool) -> None:
+    """train.pack_sequences with the megatron backend: samples back to back in one thd row (positions
+    restarting, attention within each sample, 9/3 grouped-query heads) give each sample's own logits
+    or values, and the same gradients, as the samples run one by one (float32)."""
+    hf = _smollm2_shaped()
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    cpu = torch.device("cpu")
+    gpt = build_gpt(hf.config, shape, tp=1, critic=critic, dtype=torch.float32, device=cpu, packed=True)
+    # the critic: the policy's trunk and a value head of its own (strict_value_head=False keeps it)
+    load_hf_into(gpt, hf.state_dict(), shape, tp=1, tp_rank=0, critic=critic, strict_value_head=False)
+    if critic:
+        with torch.no_grad():
+            gpt.output_layer.weight.normal_(std=0.05, generator=torch.Generator().manual_seed(7))
+    gpt.eval()
+    lengths = [5, 13, 1, 8]
+    tokens = torch.randint(0, 499, (sum(lengths),), generator=torch.Generator().manual_seed(6))
+    samples = tokens.split(lengths)
+    weights = torch.randn(sum(lengths), gpt.output_layer.weight.shape[0] if critic else 499)
+
+    def grads() -> dict[str, torch.Tensor]:
+        out = {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None}
+        gpt.zero_grad(set_to_none=True)
+        return out
+
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    packed = gpt(tokens.unsqueeze(0), positions, None, packed_seq_params=_packed_params(lengths))[0]
+    (packed * weights).sum().backward()
+    packed_grads = grads()
+    alone = []
+    for sample, w in zip(samples, weights.split(lengths), strict=True):
+        n = sample.numel()
+        out = gpt(sample.unsqueeze(0), torch.arange(n).unsqueeze(0), _causal(n))[0]
+        (out * w).sum().backward()
+        alone.append(out.detach())
+    alone_grads = grads()
+    assert packed.shape == torch.cat(alone).shape
+    diff = (packed.detach() - torch.cat(alone)).abs().max().item()
+    assert diff < 1e-4, f"max abs output difference {diff}"
+    assert packed_grads
+    assert packed_grads.keys() == alone_grads.keys()
+    for name, grad in packed_grads.items():
+        scale = alone_grads[name].abs().max().item()
+        assert (grad - alone_grads[name]).abs().max().item() <= 1e-4 * max(1.0, scale), name
+
+
+def test_packed_attention_refuses_dropout_and_other_formats(megatron_groups: Any) -> None:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    hf = _smollm2_shaped()
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    cpu = torch.device("cpu")
+    gpt = build_gpt(hf.config, shape, tp=1, critic=False, dtype=torch.float32, device=cpu, packed=True)
+    attention = gpt.decoder.layers[0].self_attention.core_attention
+    q = torch.zeros(4, 9, 64)
+    kv = torch.zeros(4, 3, 64)
+    with pytest.raises(ValueError, match="thd format, got 'sbhd'"):
+        attention(q, kv, kv, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+    attention.attention_dropout.p = 0.1
+    attention.train()
+    with pytest.raises(ValueError, match="train with attention_dropout=0"):
+        attention(q, kv, kv, None, packed_seq_params=_packed_params([4]))

@@ -209,8 +209,16 @@ def test_packed_fsdp2_trains_like_packed_replication(
 
 
 def test_packing_config_is_checked() -> None:
-    with pytest.raises(ValueError, match="pack_sequences"):
-        TrainerConfig(role="actor", model_path="m", backend="megatron", device="cuda", pack_sequences=True)
+    megatron = {
+        "role": "actor",
+        "model_path": "m",
+        "backend": "megatron",
+        "device": "cuda",
+        "pack_sequences": True,
+    }
+    assert TrainerConfig(**megatron).packed_attention == "varlen"  # megatron packs with its own varlen
+    with pytest.raises(ValueError, match="packed_attention='sdpa' is a transformers attention"):
+        TrainerConfig(**megatron, packed_attention="sdpa")
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
         TrainerConfig(role="actor", model_path="m", max_tokens_per_micro_batch=0)
     with pytest.raises(ValueError, match="packed_attention"):

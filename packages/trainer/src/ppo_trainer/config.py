@@ -192,15 +192,16 @@ class TrainSettings:
     )
     pack_sequences: bool = Field(
         default=False,
-        description="torch backend: run each micro-batch as its samples back to back in one row (positions "
+        description="run each micro-batch as its samples back to back in one row (positions "
         "restart at each sample, attention stays within it): no compute on padding, and log-probs from "
-        "the response positions' hidden states in chunks (no [tokens, vocabulary] logits)",
+        "the response positions' hidden states in chunks (torch backend: no [tokens, vocabulary] logits; "
+        "megatron: its own thd format, the attention of packed_attention=varlen)",
     )
     packed_attention: PackedAttention = Field(
         default="varlen",
         description="pack_sequences: varlen (torch's variable-length flash kernel on CUDA in bf16, a causal "
         "SDPA call per sample elsewhere), sdpa (transformers' dense block-diagonal mask) or "
-        "flex_attention (transformers' FlexAttention block mask)",
+        "flex_attention (transformers' FlexAttention block mask; torch backend only)",
     )
     logprob_chunk_tokens: int = Field(
         default=4096,
@@ -254,10 +255,10 @@ class TrainSettings:
                 f"train.tensor_parallel={self.tensor_parallel} needs train.backend='megatron' "
                 "(the torch backend is data parallel only); set the backend or tensor_parallel=1"
             )
-        if self.pack_sequences and self.backend == "megatron":
+        if self.pack_sequences and self.backend == "megatron" and self.packed_attention != "varlen":
             raise ValueError(
-                "train.pack_sequences=true needs train.backend='torch' (the megatron backend's local layer "
-                "spec has no packed attention); set pack_sequences=false or use the torch backend"
+                f"train.packed_attention={self.packed_attention!r} is a transformers attention; the megatron "
+                "backend packs with varlen (its own core attention): set packed_attention=varlen"
             )
 
     def backend_problems(self, device: str, role_gpus: dict[str, int]) -> list[str]:

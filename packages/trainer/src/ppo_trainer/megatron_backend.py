@@ -38,7 +38,7 @@ from torch import nn
 
 from ppo_lifecycle.process_groups import ReloadableProcessGroups
 from ppo_trainer import megatron_convert as mc
-from ppo_trainer import objective
+from ppo_trainer import objective, token_logprobs
 from ppo_trainer.backend_protocol import (
     Batch,
     DataParallel,
@@ -49,13 +49,14 @@ from ppo_trainer.backend_protocol import (
     policy_forward,
     scored_model,
 )
-from ppo_trainer.batch import MicroBatch, Samples
+from ppo_trainer.batch import Samples
 from ppo_trainer.checkpoint import optimizer_format as of
 from ppo_trainer.checkpoint.torch_optimizer import init_adam_state
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.lr_schedule import set_scheduled_lr
 from ppo_trainer.megatron_groups import MegatronGroups
 from ppo_trainer.models import load_causal_lm, load_critic
+from ppo_trainer.packing import PackedMicroBatch
 
 # One MegatronGroups per process: megatron's parallel_state is process-global, so a second trainer
 # in the same process (a reference, a test) reuses the groups the first one made.
@@ -138,19 +139,25 @@ def build_gpt(
     critic: bool,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | None = None,
+    packed: bool = False,
 ) -> nn.Module:
     """GPTModel for a Hugging Face config, weights uninitialised (load them with ``load_hf_into``).
 
-    ``device`` None: the current CUDA device; CPU builds (float32) serve the layout tests."""
+    ``device`` None: the current CUDA device; CPU builds (float32) serve the layout tests. ``packed``:
+    its attention also takes samples packed back to back (``megatron_packing``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from ppo_trainer.megatron_packing import packed_layer_spec
 
     where = device if device is not None else torch.device("cuda", torch.cuda.current_device())
     on_cpu = where.type == "cpu"
     config = _transformer_config(hf, shape, tp, dtype, on_cpu)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=(
+            packed_layer_spec() if packed else get_gpt_layer_local_spec(normalization="RMSNorm")
+        ),
         vocab_size=shape.padded_vocab(tp),
         max_sequence_length=int(hf.max_position_embeddings),
         pre_process=True,
@@ -322,7 +329,7 @@ class MegatronTrainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.transformer.module import Float16Module
 
-        gpt = build_gpt(self.hf_config, self.shape, self.tp, self.critic)
+        gpt = build_gpt(self.hf_config, self.shape, self.tp, self.critic, packed=self.config.pack_sequences)
         module = Float16Module(gpt.config, gpt)
         self._load_into(module, hf_state, strict_value_head=True)
         ddp_config = DistributedDataParallelConfig(
@@ -342,7 +349,7 @@ class MegatronTrainer:
         ref_state = {
             k: v.detach() for k, v in load_causal_lm(config.model_path, config.seed).state_dict().items()
         }
-        gpt = build_gpt(self.hf_config, self.shape, self.tp, critic=False)
+        gpt = build_gpt(self.hf_config, self.shape, self.tp, critic=False, packed=self.config.pack_sequences)
         ref = Float16Module(gpt.config, gpt)
         self._load_into(ref, ref_state, strict_value_head=False, critic=False)
         ref.eval()
@@ -598,10 +605,8 @@ class MegatronTrainer:
 
     def forward(self, mb: Batch, *, reference: bool = False, entropy: bool = False) -> Forward:
         """The actor's (or the reference's) log-probs and entropy, or the critic's values, over ``mb``."""
-        if not isinstance(mb, MicroBatch):
-            # TrainSettings refuses pack_sequences with this backend: the local layer spec's
-            # DotProductAttention takes no PackedSeqParams (THD needs Transformer Engine's).
-            raise ValueError("the megatron backend runs padded micro-batches; set train.pack_sequences=false")
+        if isinstance(mb, PackedMicroBatch):
+            return self._packed_forward(mb, reference, entropy)
         model = self._scored(reference)
         length = mb.input_ids.shape[1]
         position_ids = torch.arange(length, device=self.device).unsqueeze(0).expand_as(mb.input_ids)
@@ -612,6 +617,25 @@ class MegatronTrainer:
         # the TP vocabulary padding dropped; the float32 softmax a chunk of positions at a time
         return policy_forward(
             out[..., : self.shape.vocab_size], mb, entropy, self.config.logprob_chunk_tokens
+        )
+
+    def _packed_forward(self, mb: PackedMicroBatch, reference: bool, entropy: bool) -> Forward:
+        """``forward`` over samples packed back to back (megatron's thd format): no compute on padding.
+        The output layer still makes the row's whole bf16 logits (GPTModel computes them itself); the
+        float32 softmax runs on the response positions' rows, a chunk at a time."""
+        from ppo_trainer.megatron_packing import packed_seq_params
+
+        out = self._scored(reference)(
+            mb.input_ids, mb.position_ids, None, packed_seq_params=packed_seq_params(mb)
+        )
+        picked = out[0].index_select(0, mb.response_index)  # [K, V padded] (or [K, 1]: values)
+        if self.critic and not reference:
+            return Forward(values=mb.scatter(picked[:, 0].float()))
+        log_probs, entropies = token_logprobs.chunked_logit_stats(
+            picked[:, : self.shape.vocab_size], mb.targets, entropy, self.config.logprob_chunk_tokens
+        )
+        return Forward(
+            log_probs=mb.scatter(log_probs), entropy=None if entropies is None else mb.scatter(entropies)
         )
 
     @contextlib.contextmanager

@@ -184,28 +184,36 @@ def varlen_attention(
         raise ValueError(f"packed attention takes one row of packed samples, got a batch of {query.shape[0]}")
     if dropout:
         raise ValueError("packed attention has no dropout; train with attention_dropout=0")
-    half = _flash_dtype(query)
-    if half is not None:
-        from torch.nn.attention.varlen import varlen_attn
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, dim]
+    out = causal_within_samples(q, k, v, cu_seqlens, int(kwargs["max_length_q"]), scaling)
+    return out.unsqueeze(0), None
 
-        max_len = int(kwargs["max_length_q"])
-        q, k, v = (x[0].transpose(0, 1).to(half).contiguous() for x in (query, key, value))  # [T, heads, dim]
-        if k.shape[1] != q.shape[1]:  # grouped-query: torch 2.11's varlen_attn has no enable_gqa
-            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-        out = varlen_attn(
-            q,
-            k,
-            v,
-            cu_seqlens,
-            cu_seqlens,
-            max_len,
-            max_len,
-            scale=scaling,
-            window_size=(-1, 0),
-        )
-        assert isinstance(out, torch.Tensor)  # no auxiliary outputs asked for
-        return out.unsqueeze(0), None
-    return block_causal_sdpa(query, key, value, cu_seqlens, scaling).transpose(1, 2), None
+
+def causal_within_samples(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """Causal attention within each packed sample, ``[T, heads, dim]`` in (key and value may have fewer,
+    grouped heads) and out: torch's varlen flash kernel on CUDA in a half dtype (``_flash_dtype``),
+    else one causal SDPA call per sample. The transformers models' and megatron's packed attention."""
+    half = _flash_dtype(query)
+    if half is None:
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, T, dim]
+        return block_causal_sdpa(q, k, v, cu_seqlens, scale)[0].transpose(0, 1)
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (x.to(half).contiguous() for x in (query, key, value))
+    if k.shape[1] != q.shape[1]:  # grouped-query: torch 2.11's varlen_attn has no enable_gqa
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    out = varlen_attn(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0)
+    )
+    assert isinstance(out, torch.Tensor)  # no auxiliary outputs asked for
+    return out
 
 
 def _flash_dtype(query: torch.Tensor) -> torch.dtype | None:
