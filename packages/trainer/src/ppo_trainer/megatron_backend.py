@@ -610,8 +610,10 @@ class MegatronTrainer:
         model = self._scored(reference)
         length = mb.input_ids.shape[1]
         position_ids = torch.arange(length, device=self.device).unsqueeze(0).expand_as(mb.input_ids)
-        # Right padding: the causal mask alone keeps padding out of every real position.
-        out = model(mb.input_ids, position_ids, None)
+        # Right padding: the causal mask alone keeps padding out of every real position. The logits
+        # stay bf16 (Float16Module's fp32_output=False): the float32 softmax runs on the response
+        # positions a chunk at a time, never on a float32 copy of all of them (the cast is exact).
+        out = model(mb.input_ids, position_ids, None, fp32_output=False)
         if self.critic and not reference:
             return Forward(values=out.squeeze(-1).float().gather(1, mb.logit_positions))
         # the TP vocabulary padding dropped; the float32 softmax a chunk of positions at a time
@@ -621,12 +623,12 @@ class MegatronTrainer:
 
     def _packed_forward(self, mb: PackedMicroBatch, reference: bool, entropy: bool) -> Forward:
         """``forward`` over samples packed back to back (megatron's thd format): no compute on padding.
-        The output layer still makes the row's whole bf16 logits (GPTModel computes them itself); the
-        float32 softmax runs on the response positions' rows, a chunk at a time."""
+        The output layer still makes the row's whole logits, in bf16 (GPTModel computes them itself);
+        the float32 softmax runs on the response positions' rows, a chunk at a time."""
         from ppo_trainer.megatron_packing import packed_seq_params
 
         out = self._scored(reference)(
-            mb.input_ids, mb.position_ids, None, packed_seq_params=packed_seq_params(mb)
+            mb.input_ids, mb.position_ids, None, packed_seq_params=packed_seq_params(mb), fp32_output=False
         )
         picked = out[0].index_select(0, mb.response_index)  # [K, V padded] (or [K, 1]: values)
         if self.critic and not reference:
