@@ -14,6 +14,9 @@ Exits non-zero when anything fails: a check below, or the CUDA-graph path not be
    - sampled (temperature 1) against the decode loop, same seed: the share of identical samples is
      printed (not checked: in bf16 a rounding difference anywhere changes every later draw);
    - both decode attentions, "matmul" (the default) and "sdpa".
+   - the memory-bandwidth bound: the bytes decoding must read (every weight once per token step, each
+     sample's keys and values over its context) over a device-to-device copy's bytes a second, measured
+     in the same run, and the engine's time over it;
    - tokens/s: our engine (best of 2, graphs already captured by a warm-up call; the first call, which
      captures them, is printed too), ``generate`` and the old decode loop (both after a full-size
      warm-up of the loop).
@@ -121,6 +124,27 @@ def timed(fn: Any) -> tuple[float, Any]:
     out = fn()
     sync()
     return time.perf_counter() - t0, out
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes a second one device-to-device copy moves (its read plus its write), best of 5 over 1 GiB:
+    the memory's practical limit, measured in the same run as the engine."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(timed(lambda: dst.copy_(src))[0] for _ in range(5))
+    return 2 * src.numel() / best
+
+
+def decode_bytes(size: Size, params: int, prompts: list[list[int]], dtype_bytes: int) -> int:
+    """What decoding must read from memory at least: ``params`` weights once per step, and each sample's
+    keys and values over its context so far (prompt plus tokens made), every layer. Prefill's compute
+    and the logits' and activations' traffic come on top: a lower bound on the bytes."""
+    head_dim = size.hidden // size.heads
+    kv_per_token = 2 * size.layers * size.heads * head_dim * dtype_bytes  # keys and values, every layer
+    new = size.new_tokens
+    contexts = sum(size.samples * (new * len(p) + new * (new - 1) // 2) for p in prompts)
+    return new * params * dtype_bytes + contexts * kv_per_token
 
 
 def hf_generate(
@@ -313,6 +337,10 @@ def bench(name: str, size: Size, folder: Path, device: str) -> list[tuple[str, .
     check(again == loop_out, f"{name}: the decode loop gives the same samples twice")
     loop_greedy = loop.generate(prompts, greedy)
 
+    # a step reads the input embedding's rows of its tokens only (the LM head whole: untied here)
+    read = params - core.model.get_input_embeddings().weight.numel()
+    bound_s = decode_bytes(size, read, prompts, core.model.dtype.itemsize) / copy_bandwidth(device)
+    print(f"info  {name}: memory-bandwidth bound of the decode {bound_s:.3f} s", flush=True)
     table = []
     for attention in ("sdpa", "matmul"):
         set_attention(core, attention)
@@ -352,6 +380,7 @@ def bench(name: str, size: Size, folder: Path, device: str) -> list[tuple[str, .
                 f"{ours_tps / hf_tps:.2f}x",
                 f"{loop_tps:,.0f} ({ours_tps / loop_tps:.2f}x)",
                 f"{first:.2f} s",
+                f"{bound_s:.3f} s ({ours_s / bound_s:.1f}x)",
             )
         )
     return table
@@ -387,9 +416,10 @@ def main() -> int:
     print(f"\n{machine}, torch {torch.__version__}, bfloat16 on CUDA, tokens/s of generated tokens\n")
     print(
         "| size | model | samples x tokens | decode attention | built-in engine | transformers generate "
-        "| ratio | decode loop before (engine's speed-up) | first call (graph capture) |"
+        "| ratio | decode loop before (engine's speed-up) | first call (graph capture) "
+        "| memory-bandwidth bound (engine's time over it) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         print("| " + " | ".join(row) + " |")
     return 0
