@@ -36,7 +36,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -92,9 +92,15 @@ def vocab_of(model: Path) -> int:
 
 def batch(n: int, prompt: int, response: int, vocab: int, seed: int) -> Any:
     """Random tokens; rewards by a token's parity; rollout log-probs near the model's."""
+    return samples_of([(prompt, response)] * n, vocab, torch.Generator().manual_seed(seed))
+
+
+def samples_of(lengths: Iterable[tuple[int, int]], vocab: int, g: torch.Generator) -> Any:
+    """A sample per (prompt, response) length pair: random tokens, a reward by a token's parity,
+    rollout log-probs of -10, four samples per prompt index. ``lengths`` is read one pair at a time,
+    between the samples' token draws (a lazy iterable may draw its pairs from ``g`` too)."""
     from ppo_trainer.batch import Samples
 
-    g = torch.Generator().manual_seed(seed)
     fields: dict[str, list[torch.Tensor]] = {
         "tokens": [],
         "response_length": [],
@@ -103,7 +109,7 @@ def batch(n: int, prompt: int, response: int, vocab: int, seed: int) -> Any:
         "rollout_log_probs": [],
         "prompt_index": [],
     }
-    for i in range(n):
+    for i, (prompt, response) in enumerate(lengths):
         tokens = torch.randint(0, vocab, (prompt + response,), generator=g)
         fields["tokens"].append(tokens)
         fields["response_length"].append(torch.tensor([response]))
@@ -156,23 +162,12 @@ def plain_trainer(model: Path, backend: str, groups: Any, role: str = "actor", p
 
 def ragged_batch(n: int, vocab: int, seed: int) -> Any:
     """Prompts of 8-64 tokens and responses of 4-64: what packing removes the padding of."""
-    from ppo_trainer.batch import Samples
-
     g = torch.Generator().manual_seed(seed)
-    fields: dict[str, list[torch.Tensor]] = {
-        k: []
-        for k in ("tokens", "response_length", "loss_mask", "reward", "rollout_log_probs", "prompt_index")
-    }
-    for i in range(n):
-        prompt, response = (int(torch.randint(lo, 65, (1,), generator=g)) for lo in (8, 4))
-        tokens = torch.randint(0, vocab, (prompt + response,), generator=g)
-        fields["tokens"].append(tokens)
-        fields["response_length"].append(torch.tensor([response]))
-        fields["loss_mask"].append(torch.ones(response))
-        fields["reward"].append(torch.tensor([float(int(tokens[prompt]) % 2)]))
-        fields["rollout_log_probs"].append(torch.full((response,), -10.0))
-        fields["prompt_index"].append(torch.tensor([i // 4]))
-    return Samples.from_fields(fields)
+
+    def draw(low: int) -> int:
+        return int(torch.randint(low, 65, (1,), generator=g))
+
+    return samples_of(((draw(8), draw(4)) for _ in range(n)), vocab, g)
 
 
 def packed_parity(tmp: Path) -> dict[str, Any]:
