@@ -8,6 +8,7 @@ the end of the module.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -272,27 +273,29 @@ def test_smollm2_layout_logits_match_transformers(megatron_groups: Any) -> None:
 
 
 def _packed_params(lengths: list[int]) -> Any:
-    from megatron.core.packed_seq_params import PackedSeqParams
+    """What the backend hands GPTModel for samples of these lengths (``megatron_packing.thd_params``)."""
+    from ppo_trainer.megatron_packing import thd_params
 
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=offsets,
-        cu_seqlens_kv=offsets,
-        max_seqlen_q=max(lengths),
-        max_seqlen_kv=max(lengths),
-    )
+    return thd_params(offsets, offsets, max(lengths))
 
 
+@pytest.mark.parametrize("per_token_rotary", [True, False])
 @pytest.mark.parametrize("critic", [False, True])
-def test_packed_samples_compute_what_each_sample_computes_alone(megatron_groups: Any, critic: bool) -> None:
+def test_packed_samples_compute_what_each_sample_computes_alone(
+    megatron_groups: Any, critic: bool, per_token_rotary: bool
+) -> None:
     """train.pack_sequences with the megatron backend: samples back to back in one thd row (positions
     restarting, attention within each sample, 9/3 grouped-query heads) give each sample's own logits
-    or values, and the same gradients, as the samples run one by one (float32)."""
+    or values, and the same gradients, as the samples run one by one (float32). Both RoPE paths:
+    the per-token table the backend serves (``packed_positions``), and megatron's per-sample loop."""
+    from ppo_trainer.megatron_packing import PackedRotaryEmbedding, packed_positions
+
     hf = _smollm2_shaped()
     shape = mc.ModelShape.from_hf_config(hf.config)
     cpu = torch.device("cpu")
     gpt = build_gpt(hf.config, shape, tp=1, critic=critic, dtype=torch.float32, device=cpu, packed=True)
+    assert isinstance(gpt.rotary_pos_emb, PackedRotaryEmbedding)
     # the critic: the policy's trunk and a value head of its own (strict_value_head=False keeps it)
     load_hf_into(gpt, hf.state_dict(), shape, tp=1, tp_rank=0, critic=critic, strict_value_head=False)
     if critic:
@@ -310,7 +313,10 @@ def test_packed_samples_compute_what_each_sample_computes_alone(megatron_groups:
         return out
 
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-    packed = gpt(tokens.unsqueeze(0), positions, None, packed_seq_params=_packed_params(lengths))[0]
+    rotary = packed_positions(gpt, positions[0]) if per_token_rotary else contextlib.nullcontext()
+    with rotary:
+        packed = gpt(tokens.unsqueeze(0), positions, None, packed_seq_params=_packed_params(lengths))[0]
+    assert gpt.rotary_pos_emb.positions is None  # served only within the block
     (packed * weights).sum().backward()
     packed_grads = grads()
     alone = []
@@ -328,6 +334,40 @@ def test_packed_samples_compute_what_each_sample_computes_alone(megatron_groups:
     for name, grad in packed_grads.items():
         scale = alone_grads[name].abs().max().item()
         assert (grad - alone_grads[name]).abs().max().item() <= 1e-4 * max(1.0, scale), name
+
+
+def test_per_token_rotary_table_takes_megatrons_whole_row_path(
+    megatron_groups: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the per-token table megatron rotates the packed row in one call, not once per sample."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from ppo_trainer.megatron_packing import packed_positions
+
+    calls: list[int] = []
+    original = rope_utils._apply_rotary_pos_emb_bshd
+
+    def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(t.shape[0])
+        return original(t, *args, **kwargs)
+
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_bshd", counted)
+    hf = _smollm2_shaped(layers=1)
+    shape = mc.ModelShape.from_hf_config(hf.config)
+    gpt = build_gpt(
+        hf.config, shape, tp=1, critic=False, dtype=torch.float32, device=torch.device("cpu"), packed=True
+    )
+    load_hf_into(gpt, hf.state_dict(), shape, tp=1, tp_rank=0, critic=False)
+    lengths = [5, 13, 1, 8]
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    tokens = torch.randint(0, 499, (1, sum(lengths)))
+    with torch.no_grad():
+        with packed_positions(gpt, positions):
+            gpt(tokens, positions.unsqueeze(0), None, packed_seq_params=_packed_params(lengths))
+        assert calls == [27, 27]  # queries and keys, the whole row each
+        calls.clear()
+        gpt(tokens, positions.unsqueeze(0), None, packed_seq_params=_packed_params(lengths))
+        assert calls == lengths * 2  # megatron's loop: each sample, queries then keys
 
 
 def test_packed_attention_refuses_dropout_and_other_formats(megatron_groups: Any) -> None:

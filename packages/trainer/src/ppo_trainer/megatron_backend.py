@@ -148,7 +148,7 @@ def build_gpt(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from ppo_trainer.megatron_packing import packed_layer_spec
+    from ppo_trainer.megatron_packing import PackedRotaryEmbedding, packed_layer_spec
 
     where = device if device is not None else torch.device("cuda", torch.cuda.current_device())
     on_cpu = where.type == "cpu"
@@ -170,6 +170,8 @@ def build_gpt(
     )
     if critic:
         model.output_layer = ValueHead(shape.hidden_size, 1, dtype=dtype, device=where)
+    if packed:
+        model.rotary_pos_emb = PackedRotaryEmbedding(model.rotary_pos_emb)
     # The local spec's norms are torch.nn.RMSNorm (megatron's WrappedTorchNorm), made without a device:
     # on the CPU, whatever use_cpu_initialization says. megatron's DDP copies a trained model's
     # parameters into its device buffers and so hid it; the reference is not wrapped in DDP and kept
@@ -625,11 +627,17 @@ class MegatronTrainer:
         """``forward`` over samples packed back to back (megatron's thd format): no compute on padding.
         The output layer still makes the row's whole logits, in bf16 (GPTModel computes them itself);
         the float32 softmax runs on the response positions' rows, a chunk at a time."""
-        from ppo_trainer.megatron_packing import packed_seq_params
+        from ppo_trainer.megatron_packing import packed_positions, packed_seq_params
 
-        out = self._scored(reference)(
-            mb.input_ids, mb.position_ids, None, packed_seq_params=packed_seq_params(mb), fp32_output=False
-        )
+        model = self._scored(reference)
+        with packed_positions(model, mb.position_ids[0]):
+            out = model(
+                mb.input_ids,
+                mb.position_ids,
+                None,
+                packed_seq_params=packed_seq_params(mb),
+                fp32_output=False,
+            )
         picked = out[0].index_select(0, mb.response_index)  # [K, V padded] (or [K, 1]: values)
         if self.critic and not reference:
             return Forward(values=mb.scatter(picked[:, 0].float()))

@@ -50,6 +50,7 @@ class PackedMicroBatch:
     input_ids: torch.Tensor  # [1, T] the samples' tokens back to back
     position_ids: torch.Tensor  # [1, T] 0, 1, ... restarting at each sample
     cu_seqlens: torch.Tensor  # [b + 1] int32: sample j is positions cu_seqlens[j] .. cu_seqlens[j + 1] - 1
+    cu_seqlens_host: torch.Tensor  # the same offsets on the CPU (what host code reads without a sync)
     max_seqlen: int
     response_index: torch.Tensor  # [K] the position whose output predicts each real response token
     slot_index: torch.Tensor  # [K] where each of them goes in the flattened [b, R_max] response space
@@ -101,6 +102,7 @@ def pack(samples: Samples, rows: Sequence[int], device: torch.device) -> PackedM
         input_ids=to_device(torch.cat(chosen).unsqueeze(0), device),
         position_ids=to_device(torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0), device),
         cu_seqlens=to_device(torch.tensor(offsets, dtype=torch.int32), device),
+        cu_seqlens_host=torch.tensor(offsets, dtype=torch.int32),
         max_seqlen=max(lengths),
         response_index=to_device(torch.cat(index), device),
         slot_index=to_device(torch.cat(slots), device),
