@@ -52,6 +52,7 @@ from ppo_trainer import AlgorithmConfig, TrainerConfig
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.models import load_causal_lm
+from ppo_trainer.sharding import decoder_blocks
 from ppo_trainer.throughput import PhaseCost, matmul_parameters
 
 
@@ -185,6 +186,20 @@ def free(device: torch.device) -> None:
 
 
 PHASES = (("logprob_forward", "actor"), ("actor_train", "actor"), ("critic_train", "critic"))
+COMPILED = ", torch.compile"
+"""The suffix of a variant whose decoder layers run compiled (``--compile``)."""
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """``torch.compile`` each decoder layer in place (``dynamic=True``: packed rows change length with
+    every micro-batch); the embeddings, the head and the chunked log-softmax stay eager. Returns how
+    many layers (``sharding.decoder_blocks``: the ones FSDP2 shards one by one)."""
+    layers = decoder_blocks(model)
+    for layer in layers:
+        layer.compile(dynamic=True)
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found to compile")
+    return len(layers)
 
 
 def trainer_rows(
@@ -215,6 +230,8 @@ def trainer_rows(
                 **settings,  # type: ignore[arg-type]
             )
             trainers[variant], costs[variant] = TorchTrainer(config), PhaseCost.for_config(config)
+            if variant.endswith(COMPILED):
+                compile_decoder_layers(trainers[variant].model)
 
         def run(trainer: TorchTrainer, phase: str = phase) -> float | None:
             if phase == "logprob_forward":
@@ -335,6 +352,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the packed token-budget variant with torch.compile'd decoder layers (compiling is in "
+        "the warm-up calls; raise --warmup to 2 or more, a new packed length may recompile)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -375,6 +398,10 @@ def main() -> None:
                 "packed_attention": attention,
                 "max_tokens_per_micro_batch": budget,
             }
+        if args.compile:  # the best variant again, its decoder layers compiled (after the warm-up)
+            variants[f"packed {attentions[0]}, {budget} tokens{COMPILED}"] = dict(
+                variants[f"packed {attentions[0]}, {budget} tokens"]
+            )
         rows = trainer_rows(path, samples, device, variants, args)
         rows.sort(key=lambda r: r.phase)
         rows.append(plain_row(path, samples, size, device, args))

@@ -45,3 +45,21 @@ def test_fsdp_on_nccl_survives_sleep_and_wake(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     check_records(fsdp_ranks(tmp_path, "nccl"))
+
+
+def test_decoder_blocks_are_the_decoder_layers_of_policy_and_critic() -> None:
+    """What FSDP2 shards one by one (and the throughput benchmark compiles): each decoder layer, in the
+    causal LM and in the critic that wraps its backbone; never the model itself."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ppo_trainer.models import CriticModel
+    from ppo_trainer.sharding import decoder_blocks
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=50
+    )
+    policy = LlamaForCausalLM(config)
+    assert decoder_blocks(policy) == list(policy.model.layers)
+    critic = CriticModel(policy.model, seed=1)
+    assert decoder_blocks(critic) == list(policy.model.layers)
+    assert decoder_blocks(torch.nn.Linear(2, 2)) == []

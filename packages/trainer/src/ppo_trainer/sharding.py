@@ -45,21 +45,21 @@ def shard_model(
     """
     mesh = DeviceMesh.from_group(group, device_type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    block_names = _block_class_names(model)
-    for module in list(model.modules()):
-        if module is not model and type(module).__name__ in block_names:
-            fully_shard(module, mesh=mesh, mp_policy=policy)
+    for module in decoder_blocks(model):
+        fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return mesh
 
 
-def _block_class_names(model: nn.Module) -> set[str]:
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks below ``model``: modules whose class a Hugging Face model found in it
+    names in ``_no_split_modules`` (the decoder layers); ``model`` itself is never one of them."""
     names: set[str] = set()
     for module in model.modules():
         declared = getattr(module, "_no_split_modules", None)  # a transformers PreTrainedModel attribute
         if declared:
             names.update(declared)
-    return names
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
 
 
 def _fsdp_param_groups(model: nn.Module) -> Iterator[object]:
