@@ -97,12 +97,13 @@ def pack(samples: Samples, rows: Sequence[int], device: torch.device) -> PackedM
         index.append(torch.arange(offsets[j] + start - 1, offsets[j] + lengths[j] - 1))
         slots.append(torch.arange(j * r_max, j * r_max + r))
         targets.append(chosen[j][start:])
+    cu_seqlens_host = torch.tensor(offsets, dtype=torch.int32)
     return PackedMicroBatch(
         rows=torch.as_tensor(list(rows), dtype=torch.int64),
         input_ids=to_device(torch.cat(chosen).unsqueeze(0), device),
         position_ids=to_device(torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0), device),
-        cu_seqlens=to_device(torch.tensor(offsets, dtype=torch.int32), device),
-        cu_seqlens_host=torch.tensor(offsets, dtype=torch.int32),
+        cu_seqlens=to_device(cu_seqlens_host, device),
+        cu_seqlens_host=cu_seqlens_host,
         max_seqlen=max(lengths),
         response_index=to_device(torch.cat(index), device),
         slot_index=to_device(torch.cat(slots), device),
