@@ -195,10 +195,10 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     every micro-batch); the embeddings, the head and the chunked log-softmax stay eager. Returns how
     many layers (``sharding.decoder_blocks``: the ones FSDP2 shards one by one)."""
     layers = decoder_blocks(model)
-    for layer in layers:
-        layer.compile(dynamic=True)
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
     return len(layers)
 
 
