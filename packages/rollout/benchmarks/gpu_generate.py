@@ -2,10 +2,10 @@
 
 Exits non-zero when anything fails: a check below, or the CUDA-graph path not being taken.
 
-1. Exactness, float32 (a 4-layer model, ragged prompts, a batch that is padded into its bucket):
-   greedy tokens equal ``generate``'s token for token; sampled tokens (temperature, top-k/top-p, stop
-   tokens) equal the pre-graph decode loop's (``decode="loop"``) for the same seed; log-probs within
-   1e-4.
+1. Exactness, float32 (a 4-layer model, ragged prompts, a batch that is padded into its bucket), for
+   each decoder variant (attention sdpa/matmul, fused; matmul unfused): greedy tokens equal
+   ``generate``'s token for token; sampled tokens (temperature, top-k/top-p, stop tokens) equal the
+   pre-graph decode loop's (``decode="loop"``) for the same seed; log-probs within 1e-4.
 2. Per size, bfloat16, 256 samples (32 prompts x 8) of 256 tokens, no stop token:
    - greedy against the decode loop (the engine before the static path): every sample equal token for
      token, or its first difference at a near-tie: a forward pass over the common prefix puts the two
@@ -13,13 +13,17 @@ Exits non-zero when anything fails: a check below, or the CUDA-graph path not be
      computations; the teacher-forced log-prob difference is printed as a measure of it);
    - sampled (temperature 1) against the decode loop, same seed: the share of identical samples is
      printed (not checked: in bf16 a rounding difference anywhere changes every later draw);
-   - both decode attentions, "matmul" (the default) and "sdpa".
+   - both decode attentions, "matmul" (the default) and "sdpa", with the fused decoder (the default:
+     fused RMSNorm, rolled rotary, joint q/k; see ``static_decode``), and "matmul" with the unfused
+     one (``fused=False``, the forward before it), for the fused decoder's speed-up in the same run;
    - the memory-bandwidth bound: the bytes decoding must read (every weight once per token step, each
      sample's keys and values over its context) over a device-to-device copy's bytes a second, measured
      in the same run, and the engine's time over it;
    - tokens/s: our engine (best of 2, graphs already captured by a warm-up call; the first call, which
      captures them, is printed too), ``generate`` and the old decode loop (both after a full-size
-     warm-up of the loop).
+     warm-up of the loop); the fused decoder's tokens/s over the unfused one's (matmul attention);
+   - on CUDA, milliseconds per decode-graph replay by KV bucket, for each variant, and the fused
+     decoder's step time over the unfused one's, bucket by bucket.
 
     python packages/rollout/benchmarks/gpu_generate.py             # both sizes
     python packages/rollout/benchmarks/gpu_generate.py --sizes tiny --device cpu   # a local dry run
@@ -69,6 +73,24 @@ EXACT = Size(256, 4, 4, 704, 1000, 10, 5, 48, (4, 20))  # 50 rows: padded to a 6
 
 class CheckFailed(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A static-decoder setting: decode attention and fused (the default) or not."""
+
+    attention: str
+    fused: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.attention}, {'fused' if self.fused else 'unfused'}"
+
+
+# The unfused row is the fused matmul row's baseline: the same attention, the forward before fusing.
+UNFUSED = Variant("matmul", fused=False)
+FUSED = Variant("matmul", fused=True)
+VARIANTS = (Variant("sdpa", fused=True), FUSED, UNFUSED)
 
 
 def decode_mode(device: str) -> tuple[str, str]:
@@ -241,18 +263,19 @@ def exactness(folder: Path, device: str) -> None:
     rows = [p for p in prompts for _ in range(n)]
     ref, _ = hf_generate(core.model, rows, new, greedy=True)
     looped = {}
-    for attention in ("sdpa", "matmul"):
-        set_attention(core, attention)
+    for variant in VARIANTS:
+        set_variant(core, variant)
+        what = variant.label
         greedy = core.generate(
             prompts, SamplingConfig(temperature=0.0, max_new_tokens=new, n_samples_per_prompt=n)
         )
         check(
             core.last_decode_path == expected,
-            f"exact, {attention}: decode path {core.last_decode_path} (graph failure: {core.graph_failure})",
+            f"exact, {what}: decode path {core.last_decode_path} (graph failure: {core.graph_failure})",
         )
         check(
             [list(o.token_ids) for o in greedy] == ref,
-            f"exact (float32), {attention}: greedy tokens equal transformers generate's for all 50 samples",
+            f"exact (float32), {what}: greedy tokens equal transformers generate's for all 50 samples",
         )
         for s in (
             SamplingConfig(temperature=1.0, max_new_tokens=new, n_samples_per_prompt=n, seed=7),
@@ -274,27 +297,29 @@ def exactness(folder: Path, device: str) -> None:
                 for x, y in zip(a, b, strict=True)
                 if x.token_ids == y.token_ids
             )
-            label = f"{attention}, T={s.temperature} top_k={s.top_k} top_p={s.top_p} stop={s.stop_token_ids}"
+            label = f"{what}, T={s.temperature} top_k={s.top_k} top_p={s.top_p} stop={s.stop_token_ids}"
             check(all(same), f"exact (float32), {label}: {sum(same)}/{len(same)} samples equal the loop's")
             check(err < 1e-4, f"exact (float32), {label}: log-probs within {err:.2e} of the loop's")
 
 
-def set_attention(core: GenerationCore, attention: str) -> None:
-    """Switches the static decoder's attention (a benchmark-only knob; graphs are recaptured)."""
+def set_variant(core: GenerationCore, variant: Variant) -> None:
+    """Switches the static decoder's attention and fusing (benchmark-only knobs; graphs are recaptured)."""
     if core._decoder is not None:
         core.drop_decode_state()
-        core._decoder.attention = attention
+        core._decoder.attention = variant.attention
+        core._decoder.fused = variant.fused
 
 
 @torch.inference_mode()
-def step_ms(core: GenerationCore) -> str:
-    """Milliseconds per replay of each kept decode graph (by KV bucket): where a step's time goes as
-    the attended cache grows. Diagnostic only: it rewinds the kept buffers to column 0 first."""
+def step_ms(core: GenerationCore) -> dict[str, float]:
+    """Milliseconds per replay of each kept decode graph, by "T=<temperature> kv <KV bucket>": where a
+    step's time goes as the attended cache grows. Diagnostic only: it rewinds the kept buffers to
+    column 0 first."""
     graphs = core._graphs
     if graphs is None or graphs.buffers is None or not graphs._graphs:
-        return "no graphs"
+        return {}
     b = graphs.buffers
-    parts = []
+    times = {}
     for (kv_len, key), graph in sorted(graphs._graphs.items(), key=lambda kv: (str(kv[0][1]), kv[0][0])):
         b.col.zero_()
         b.step.zero_()
@@ -303,8 +328,18 @@ def step_ms(core: GenerationCore) -> str:
         for _ in range(10):
             graph.replay()
         sync()
-        parts.append(f"T={key[0]} kv {kv_len}: {(time.perf_counter() - t0) * 100:.2f} ms")
-    return ", ".join(parts)
+        times[f"T={key[0]} kv {kv_len}"] = (time.perf_counter() - t0) * 100
+    return times
+
+
+def step_ratios(fused: dict[str, float], unfused: dict[str, float]) -> str:
+    """The fused decoder's step time over the unfused one's, per KV bucket both captured."""
+    common = [k for k in fused if k in unfused]
+    if not common:
+        return "no graphs to compare"
+    return ", ".join(
+        f"{k}: {fused[k]:.2f} vs {unfused[k]:.2f} ms ({fused[k] / unfused[k]:.2f}x)" for k in common
+    )
 
 
 def bench(name: str, size: Size, folder: Path, device: str) -> list[tuple[str, ...]]:
@@ -341,10 +376,12 @@ def bench(name: str, size: Size, folder: Path, device: str) -> list[tuple[str, .
     read = params - core.model.get_input_embeddings().weight.numel()
     bound_s = decode_bytes(size, read, prompts, core.model.dtype.itemsize) / copy_bandwidth(device)
     print(f"info  {name}: memory-bandwidth bound of the decode {bound_s:.3f} s", flush=True)
-    table = []
-    for attention in ("sdpa", "matmul"):
-        set_attention(core, attention)
-        what = f"{name}, {attention}"
+    rows_by_variant: dict[Variant, tuple[str, ...]] = {}
+    tps: dict[Variant, float] = {}
+    steps: dict[Variant, dict[str, float]] = {}
+    for variant in VARIANTS:
+        set_variant(core, variant)
+        what = f"{name}, {variant.label}"
         first, _ = timed(lambda: core.generate(prompts, sample))  # captures the graphs
         check(
             core.last_decode_path == expected,
@@ -358,32 +395,37 @@ def bench(name: str, size: Size, folder: Path, device: str) -> list[tuple[str, .
         same = sum(a.token_ids == b.token_ids for a, b in zip(ours_out, loop_out, strict=True))
         print(f"info  {what}: sampled, same seed: {same}/{len(rows)} samples identical to the loop's")
         if device == "cuda":
-            print(f"info  {what}: decode step per KV bucket: {step_ms(core)}", flush=True)
+            steps[variant] = step_ms(core)
+            per_bucket = ", ".join(f"{k}: {ms:.2f} ms" for k, ms in steps[variant].items()) or "no graphs"
+            print(f"info  {what}: decode step per KV bucket: {per_bucket}", flush=True)
         mine = core.generate(prompts, greedy)
         verdict = greedy_vs_loop(core, prompts, mine, loop_greedy, n, what)
         print(f"ok     {what}: greedy vs the decode loop: {verdict}", flush=True)
         print(f"info  {what}: log-prob noise vs a full forward: {logp_noise(core, prompts, mine, n):.4f}")
         ours_tps, hf_tps, loop_tps = tokens / ours_s, tokens / hf_s, tokens / loop_s
+        tps[variant] = ours_tps
         print(
             f"{what}: ours {ours_s:.2f} s (first call {first:.2f} s), generate {hf_s:.2f} s, "
             f"loop {loop_s:.2f} s",
             flush=True,
         )
-        table.append(
-            (
-                name,
-                f"{params / 1e9:.2f}B, hidden {size.hidden}, {size.layers} layers, vocab {vocab}",
-                f"{len(rows)} x {new}",
-                attention,
-                f"{ours_tps:,.0f}",
-                f"{hf_tps:,.0f}",
-                f"{ours_tps / hf_tps:.2f}x",
-                f"{loop_tps:,.0f} ({ours_tps / loop_tps:.2f}x)",
-                f"{first:.2f} s",
-                f"{bound_s:.3f} s ({ours_s / bound_s:.1f}x)",
-            )
+        rows_by_variant[variant] = (
+            name,
+            f"{params / 1e9:.2f}B, hidden {size.hidden}, {size.layers} layers, vocab {vocab}",
+            f"{len(rows)} x {new}",
+            variant.label,
+            f"{ours_tps:,.0f}",
+            f"{hf_tps:,.0f}",
+            f"{ours_tps / hf_tps:.2f}x",
+            f"{loop_tps:,.0f} ({ours_tps / loop_tps:.2f}x)",
+            f"{first:.2f} s",
+            f"{bound_s:.3f} s ({ours_s / bound_s:.1f}x)",
         )
-    return table
+    speedup = tps[FUSED] / tps[UNFUSED]
+    print(f"info  {name}: fused decoder over unfused (matmul): {speedup:.2f}x tokens/s", flush=True)
+    if device == "cuda":
+        print(f"info  {name}: decode step, fused vs unfused: {step_ratios(steps[FUSED], steps[UNFUSED])}")
+    return [(*row, f"{tps[v] / tps[UNFUSED]:.2f}x") for v, row in rows_by_variant.items()]
 
 
 def main() -> int:
@@ -415,11 +457,12 @@ def main() -> int:
         return 1
     print(f"\n{machine}, torch {torch.__version__}, bfloat16 on CUDA, tokens/s of generated tokens\n")
     print(
-        "| size | model | samples x tokens | decode attention | built-in engine | transformers generate "
-        "| ratio | decode loop before (engine's speed-up) | first call (graph capture) "
-        "| memory-bandwidth bound (engine's time over it) |"
+        "| size | model | samples x tokens | decoder (attention, fused) | built-in engine "
+        "| transformers generate | ratio | decode loop before (engine's speed-up) "
+        "| first call (graph capture) | memory-bandwidth bound (engine's time over it) "
+        "| over unfused (matmul) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         print("| " + " | ".join(row) + " |")
     return 0

@@ -1,13 +1,19 @@
 """The static-KV-cache decode path on CPU (eager; CUDA graphs are in test_gpu.py): the same tokens as the
-decode loop, bucketing, stop checks, cache indexing, and what is kept between calls."""
+decode loop, bucketing, stop checks, cache indexing, and what is kept between calls; the fused forward
+(fused RMSNorm, rolled rotary, joint q/k) against the earlier one: the same logits, fewer operations."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -16,10 +22,16 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.core import GenerationCore, make_sampler, pick_with_noise, sampling_distribution
 from ppo_rollout.engine.static_decode import (
+    LlamaStaticDecoder,
+    _Norm,
+    _QKProjections,
+    _rotate_rolled,
+    _signed_sin,
     batch_bucket,
     kv_bucket,
     round_up,
@@ -270,3 +282,227 @@ def test_sdpa_decode_attention_gives_the_loops_tokens(tiny_model: Path) -> None:
         SamplingConfig(temperature=1.0, max_new_tokens=30, n_samples_per_prompt=3, seed=4),
     ):
         _same(static.generate(PROMPTS, s), loop.generate(PROMPTS, s))
+
+
+# -- the fused forward against the earlier one ---------------------------------------------------------
+
+SMALL: dict[str, Any] = {
+    "vocab_size": 40,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # grouped-query attention
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+
+
+def _small_model(kind: str, layers: int = 2) -> Any:
+    """A float32 Llama (GQA, no biases) or Qwen2 (GQA, q/k/v biases) with non-trivial norm weights and
+    biases (fresh ones are ones and zeros, which would hide a weight or bias applied in the wrong place)."""
+    torch.manual_seed(0)
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[kind]
+    model = model_class(config_class(**SMALL, num_hidden_layers=layers)).eval().requires_grad_(False)
+    for name, param in model.named_parameters():
+        if "norm" in name or name.endswith("bias"):
+            param.normal_()
+    if kind == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    return model
+
+
+def _ragged_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, valid and positions [3, 7] of left-padded rows, as GenerationCore sets them up."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 40, (3, 7), generator=g)
+    valid = torch.ones((3, 7), dtype=torch.bool)
+    valid[0, :3] = False
+    valid[2, :5] = False
+    return ids, valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _prefill_then_decode(decoder: LlamaStaticDecoder) -> tuple[torch.Tensor, ...]:
+    """Prefill logits, two decode steps' logits (each step feeding the last one's greedy token), and
+    the cache after them."""
+    ids, valid, positions = _ragged_batch()
+    rows, width = ids.shape
+    capacity = 64
+    b = decoder.allocate(rows, capacity, 4)
+    with torch.inference_mode():
+        prefill = decoder.forward(ids, positions, b, decoder.prefill_bias(valid), width, col=None)
+        b.valid[:, :width] = valid
+        b.tok.copy_(prefill.argmax(-1))
+        b.pos.copy_(positions[:, -1] + 1)
+        b.col.fill_(width)
+        steps = []
+        for _ in range(2):
+            b.valid.index_fill_(1, b.col, True)
+            bias = decoder._bias(b.valid[:, None, None, :capacity])
+            logits = decoder.forward(b.tok[:, None], b.pos[:, None], b, bias, capacity, b.col)
+            steps.append(logits)
+            b.tok.copy_(logits.argmax(-1))
+            b.pos.add_(1)
+            b.col.add_(1)
+    return (prefill, *steps, *b.keys, *b.values)
+
+
+OUTPUTS = ["prefill logits", "decode 1 logits", "decode 2 logits", "keys 0", "keys 1", "values 0", "values 1"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_forward_gives_the_earlier_forwards_logits(kind: str) -> None:
+    model = _small_model(kind)
+    fused, plain = LlamaStaticDecoder(model), LlamaStaticDecoder(model, fused=False)
+    assert fused.fused  # the default
+    assert not plain.fused
+    # The fused paths are the ones taken: every norm computed by F.rms_norm, q/k projected jointly.
+    assert all(n.eps == 1e-6 for n in [*fused._input_norms, *fused._post_norms, fused._final_norm])
+    assert all(p is not None for p in fused._joint_qk)
+    ours, theirs = _prefill_then_decode(fused), _prefill_then_decode(plain)
+    for name, a, b in zip(OUTPUTS, ours, theirs, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), f"{kind} {name}: {(a - b).abs().max():.3g}"
+    # Both are transformers' forward: its last-position logits for the same rows.
+    ids, valid, positions = _ragged_batch()
+    with torch.inference_mode():
+        ref = model(input_ids=ids, attention_mask=valid.long(), position_ids=positions).logits[:, -1]
+    assert torch.allclose(ours[0], ref, rtol=0, atol=1e-5), (ours[0] - ref).abs().max()
+
+
+class _OtherNorm(LlamaRMSNorm):
+    """An RMSNorm subclass with another formula: the decoder must call it, not fuse it."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden_states) + 0.5
+
+
+class _OtherLinear(torch.nn.Linear):
+    """A Linear subclass (as LoRA or a quantised layer would be): its forward may differ, so no joint q/k."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 2.0
+
+
+def test_norms_and_projections_of_other_classes_are_called_as_they_are() -> None:
+    model = _small_model("llama")
+    layer = model.model.layers[1]
+    other = _OtherNorm(SMALL["hidden_size"])
+    other.weight.data.copy_(layer.input_layernorm.weight)
+    layer.input_layernorm = other
+    q = layer.self_attn.q_proj
+    layer.self_attn.q_proj = _OtherLinear(q.in_features, q.out_features, bias=False)
+    layer.self_attn.q_proj.weight.data.copy_(q.weight)
+    fused, plain = LlamaStaticDecoder(model), LlamaStaticDecoder(model, fused=False)
+    assert fused._input_norms[1].eps is None
+    assert fused._input_norms[0].eps is not None
+    assert fused._joint_qk[1] is None
+    assert fused._joint_qk[0] is not None
+    ours, theirs = _prefill_then_decode(fused), _prefill_then_decode(plain)
+    for name, a, b in zip(OUTPUTS, ours, theirs, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), f"{name}: {(a - b).abs().max():.3g}"
+    assert _Norm.of(other).eps is None
+    assert _QKProjections.of(model.model.layers[0].self_attn) is not None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    half=st.integers(1, 32),
+    heads=st.integers(1, 4),
+    width=st.integers(1, 5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_rolled_rotary_is_transformers_rotary_exactly(
+    half: int, heads: int, width: int, dtype: torch.dtype, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn((2, h, width, 2 * half), generator=g).to(dtype) for h in (heads, 1))
+    angles = torch.randn((2, width, half), generator=g) * 10
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    cos, sin_signed = cos[:, None], _signed_sin(sin[:, None])
+    assert torch.equal(_rotate_rolled(q, cos, sin_signed), q_ref)
+    assert torch.equal(_rotate_rolled(k, cos, sin_signed), k_ref)
+
+
+# -- operations per layer of a decode step ----------------------------------------------------------
+
+_ALLOCATIONS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default"}
+
+
+class _CountOps(TorchDispatchMode):
+    """The aten operations that produce data: those writing into an argument (``index_copy_``,
+    ``mm.out``) or returning new storage. Views, no-op casts (``x.float()`` of a float32 ``x``) and bare
+    allocations are left out. Under inference mode, as the engine runs, operations that are one fused
+    kernel on CUDA (``rms_norm``, ``linear``, ``softmax``) arrive undecomposed: each counts once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        if name not in _ALLOCATIONS and (writes or not _storages(out) & _storages((args, kwargs))):
+            self.ops[name] += 1
+        return out
+
+
+def _storages(tree: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+
+
+def _decode_step_ops(kind: str, layers: int, fused: bool) -> Counter[str]:
+    decoder = LlamaStaticDecoder(_small_model(kind, layers), fused=fused)
+    b = decoder.allocate(4, 64, 8)
+    b.valid[:, :3] = True
+    b.col.fill_(3)
+    b.pos.fill_(3)
+    sampler = make_sampler(SamplingConfig(temperature=0.0))
+    with torch.inference_mode(), _CountOps() as count:
+        decoder.decode_step(b, 64, sampler, pad_token_id=0)
+    return count.ops
+
+
+def _per_layer(kind: str, fused: bool) -> Counter[str]:
+    """What one more layer adds to a decode step (2 layers against 1: the rest cancels out)."""
+    return _decode_step_ops(kind, 2, fused) - _decode_step_ops(kind, 1, fused)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_decode_step_runs_fewer_operations_per_layer(kind: str) -> None:
+    earlier, fused = _per_layer(kind, fused=False), _per_layer(kind, fused=True)
+    assert earlier == {
+        # two RMSNorms: pow, mean, add eps, rsqrt, mul, mul weight (the float32 casts are no-ops here)
+        "aten.pow.Tensor_Scalar": 2,
+        "aten.mean.dim": 2,
+        "aten.rsqrt.default": 2,
+        # rotary for q and for k: neg, cat, 2 mul, add, each
+        "aten.neg.default": 2,
+        "aten.cat.default": 2,
+        "aten.mul.Tensor": 2 * 2 + 2 * 2 + 1 + 1,  # norms, rotary, attention scale, MLP gate * up
+        "aten.add.Tensor": 2 + 2 + 1 + 2,  # eps, rotary, attention mask, residuals
+        "aten.linear.default": 7,  # q, k, v, o, gate, up, down
+        "aten.index_copy_.default": 2,  # the cache's keys and values
+        "aten.matmul.default": 2,
+        "aten.softmax.int": 1,
+        "aten.silu.default": 1,
+    }, earlier
+    qk_matmul = "aten.mm.out" if kind == "llama" else "aten.addmm.out"  # Qwen2's q/k have biases
+    assert fused == {
+        "aten.rms_norm.default": 2,
+        "aten.roll.default": 1,  # one rotation for q and k together
+        "aten.mul.Tensor": 2 + 2 + 1 + 1,  # norm weights, rotary, attention scale, MLP
+        "aten.add.Tensor": 1 + 1 + 2,  # rotary, attention mask, residuals
+        qk_matmul: 2,  # q and k into one buffer
+        "aten.linear.default": 5,  # v, o, gate, up, down
+        "aten.index_copy_.default": 2,
+        "aten.matmul.default": 2,
+        "aten.softmax.int": 1,
+        "aten.silu.default": 1,
+    }, fused
+    assert (sum(earlier.values()), sum(fused.values())) == (40, 26)

@@ -52,7 +52,6 @@ from ppo_trainer import AlgorithmConfig, TrainerConfig
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.models import load_causal_lm
-from ppo_trainer.sharding import decoder_blocks
 from ppo_trainer.throughput import PhaseCost, matmul_parameters
 
 
@@ -187,19 +186,7 @@ def free(device: torch.device) -> None:
 
 PHASES = (("logprob_forward", "actor"), ("actor_train", "actor"), ("critic_train", "critic"))
 COMPILED = ", torch.compile"
-"""The suffix of a variant whose decoder layers run compiled (``--compile``)."""
-
-
-def compile_decoder_layers(model: torch.nn.Module) -> int:
-    """``torch.compile`` each decoder layer in place (``dynamic=True``: packed rows change length with
-    every micro-batch); the embeddings, the head and the chunked log-softmax stay eager. Returns how
-    many layers (``sharding.decoder_blocks``: the ones FSDP2 shards one by one)."""
-    layers = decoder_blocks(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found to compile")
-    for layer in layers:
-        layer.compile(dynamic=True)
-    return len(layers)
+"""The suffix of a variant whose decoder layers run compiled (``--compile``: ``train.compile_layers``)."""
 
 
 def trainer_rows(
@@ -230,8 +217,6 @@ def trainer_rows(
                 **settings,  # type: ignore[arg-type]
             )
             trainers[variant], costs[variant] = TorchTrainer(config), PhaseCost.for_config(config)
-            if variant.endswith(COMPILED):
-                compile_decoder_layers(trainers[variant].model)
 
         def run(trainer: TorchTrainer, phase: str = phase) -> float | None:
             if phase == "logprob_forward":
@@ -399,9 +384,10 @@ def main() -> None:
                 "max_tokens_per_micro_batch": budget,
             }
         if args.compile:  # the best variant again, its decoder layers compiled (after the warm-up)
-            variants[f"packed {attentions[0]}, {budget} tokens{COMPILED}"] = dict(
-                variants[f"packed {attentions[0]}, {budget} tokens"]
-            )
+            variants[f"packed {attentions[0]}, {budget} tokens{COMPILED}"] = {
+                **variants[f"packed {attentions[0]}, {budget} tokens"],
+                "compile_layers": True,  # train.compile_layers: what a run sets
+            }
         rows = trainer_rows(path, samples, device, variants, args)
         rows.sort(key=lambda r: r.phase)
         rows.append(plain_row(path, samples, size, device, args))

@@ -44,6 +44,7 @@ from ppo_trainer.backend_protocol import (
 )
 from ppo_trainer.batch import Samples
 from ppo_trainer.checkpoint import torch_optimizer
+from ppo_trainer.compiled import compile_decoder_layers
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.lr_schedule import set_scheduled_lr
 from ppo_trainer.models import (
@@ -79,6 +80,9 @@ class TorchTrainer:
                 packing.use_attention(module, config.packed_attention)
         # The class transformers writes into config.json; FSDP renames the class it wraps.
         self.architecture = type(self.model).__name__
+        if config.compile_layers:  # before sharding, as torchtitan does: FSDP2 wraps the compiled blocks
+            for module in self._models():
+                compile_decoder_layers(module)
         # FSDP averages gradients over its group; the losses are already divided by the global count.
         self._loss_scale = 1.0
         if self.dp.shard_group is not None:

@@ -203,6 +203,13 @@ class TrainSettings:
         "SDPA call per sample elsewhere), sdpa (transformers' dense block-diagonal mask) or "
         "flex_attention (transformers' FlexAttention block mask; torch backend only)",
     )
+    compile_layers: bool = Field(
+        default=False,
+        description="torch backend: run each decoder layer through torch.compile (dynamic shapes; inductor "
+        "fuses the norms, rotary and activations around the matmuls). With pack_sequences and a token "
+        "budget on an H200 it made the train phases 1.35-1.6x faster at 135M and 0.82B; each phase's first "
+        "call pays the compile (about 13 s per role at 0.82B)",
+    )
     logprob_chunk_tokens: int = Field(
         default=4096,
         ge=1,
@@ -254,6 +261,11 @@ class TrainSettings:
             raise ValueError(
                 f"train.tensor_parallel={self.tensor_parallel} needs train.backend='megatron' "
                 "(the torch backend is data parallel only); set the backend or tensor_parallel=1"
+            )
+        if self.compile_layers and self.backend == "megatron":
+            raise ValueError(
+                "train.compile_layers=true is a torch-backend option (it compiles transformers' decoder "
+                "layers); the megatron backend has its own fused kernels: set compile_layers=false"
             )
         if self.pack_sequences and self.backend == "megatron" and self.packed_attention != "varlen":
             raise ValueError(

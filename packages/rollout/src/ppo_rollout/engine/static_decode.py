@@ -17,6 +17,27 @@ same tensors, so weight updates and memory release need nothing new) with attent
 The sampling noise is drawn outside the graph, in eager mode, with the call's generator and the shape
 ``torch.multinomial`` uses, so a seed gives the same noise as the plain loop (see
 :func:`ppo_rollout.engine.core.pick_with_noise`).
+
+A decode step is several hundred small kernels whose launches, not their work, set its time (about
+3.5 ms at 0.82B on an H200, whatever the KV length), so the forward is written in fewer of them
+(``fused=True``, the default; ``fused=False`` is the earlier form, kept for comparison):
+
+- the RMSNorms as ``F.rms_norm`` (one fused kernel on CUDA) on float32, cast back, times the weight:
+  transformers' ``LlamaRMSNorm``/``Qwen2RMSNorm`` formula, in that order of roundings (a norm of any
+  other class is called as it is);
+- rotary embeddings as ``x * cos + roll(x, D/2) * sin_signed``, ``sin_signed`` the sine with its first
+  half negated (made once per forward): the same products as ``x * cos + rotate_half(x) * sin``, as
+  ``-a * b == a * -b`` exactly, without the negation and concatenation per tensor;
+- in a decode step, the q and k projections write into one buffer (two matmuls with ``out=``: no
+  copy) and one rotation covers both, against cos/sin tables laid out row for row (one row per
+  token and head, made once per step; a prefill rotates q and k apart rather than hold such tables
+  the size of its q and k).
+
+On CPU both forms give the same logits (tests/test_static_decode.py: float32 within 1e-6; with
+torch 2.15 bit for bit, float32 and bfloat16, as CPU's ``F.rms_norm`` is the same composite of
+operations). On CUDA the fused norm kernel sums the squares in its own order, so the logits differ by
+rounding: in float32 benchmarks/gpu_generate.py checks that the tokens stay ``generate``'s and the
+decode loop's; in bfloat16 that every greedy difference is a near-tie.
 """
 
 from __future__ import annotations
@@ -151,10 +172,123 @@ Sampler = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tenso
 """(logits [B, V], noise [B, V]) -> (tokens [B] int64, log-probs [B] float32)."""
 
 
+def _llama_rms_norm_classes() -> tuple[type[torch.nn.Module], ...]:
+    """The RMSNorm classes whose forward is the formula :class:`_Norm` fuses (read from transformers'
+    modeling_llama / modeling_qwen2: float32, ``x * rsqrt(mean(x^2) + eps)``, cast back, times weight)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    return (LlamaRMSNorm, Qwen2RMSNorm)
+
+
+def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """``module.<name>``, read at call time (a weight update may replace what the module holds)."""
+    value = getattr(module, name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name} is {type(value).__name__}, not a tensor")
+    return value
+
+
+@dataclass(frozen=True)
+class _Norm:
+    """One of the model's RMSNorms. ``eps`` is set when the module is transformers' Llama/Qwen2 RMSNorm,
+    whose formula :meth:`__call__` computes with ``F.rms_norm`` (one kernel on CUDA instead of about
+    seven); None for any other class, which is called as it is."""
+
+    module: torch.nn.Module
+    eps: float | None
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> _Norm:
+        if type(module) not in _llama_rms_norm_classes():
+            return cls(module, None)
+        eps: object = module.variance_epsilon  # a plain attribute (torch's stubs type it as a tensor)
+        if not isinstance(eps, float | int):
+            raise TypeError(f"{type(module).__name__}.variance_epsilon is {type(eps).__name__}, not a number")
+        return cls(module, float(eps))
+
+    def __call__(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        if not fused or self.eps is None:
+            return self.module(x)
+        weight = _parameter(self.module, "weight")
+        # transformers' order of roundings: normalise in float32, cast to the input's dtype, then
+        # multiply by the weight (F.rms_norm's own weight argument would multiply before the cast).
+        normed = F.rms_norm(x.float(), (weight.shape[-1],), eps=self.eps)
+        return normed.to(x.dtype) * weight
+
+
+@dataclass(frozen=True)
+class _QKProjections:
+    """A layer's q and k projections when both are plain ``nn.Linear``: their matmuls can then write
+    into one buffer (``out=``), so one rotation covers q and k."""
+
+    q: torch.nn.Linear
+    k: torch.nn.Linear
+
+    @classmethod
+    def of(cls, attn: torch.nn.Module) -> _QKProjections | None:
+        q, k = attn.get_submodule("q_proj"), attn.get_submodule("k_proj")
+        # A subclass (LoRA, quantised) may compute something else than weight @ x + bias.
+        if type(q) is not torch.nn.Linear or type(k) is not torch.nn.Linear:
+            return None
+        return cls(q, k)
+
+
+def _linear_into(out: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear) -> None:
+    """``linear(x)`` for a 2-D ``x``, written into the contiguous ``out``: the matmul ``F.linear`` runs
+    for it (``mm``, or ``addmm`` with the bias), so the same result."""
+    if linear.bias is None:
+        torch.mm(x, linear.weight.t(), out=out)
+    else:
+        torch.addmm(linear.bias, x, linear.weight.t(), out=out)
+
+
+def _rotate_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` as ``x * cos + roll(x, D/2) * sin_signed``.
+
+    ``rotate_half(x) = cat(-x2, x1)`` and ``roll(x, D/2) = cat(x2, x1)``, so with ``sin_signed =
+    cat(-s1, s2)`` the products are ``x2 * -s1`` against ``-x2 * s1`` (equal: rounding is symmetric in
+    the sign) and ``x1 * s2`` against the same: the same values, one kernel (the roll) instead of a
+    negation and a concatenation."""
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return (x * cos) + (rolled * sin_signed)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+@dataclass(frozen=True)
+class _RopeTables:
+    """One forward's rotary tables.
+
+    ``cos``/``sin`` [B, 1, T, D] broadcast over the heads; ``sin_signed`` (fused) as
+    :func:`_rotate_rolled` takes it. ``joint_cos``/``joint_sin`` (fused, one-position forwards such as
+    decode steps): the same values laid out as q and k sit in the joint projection buffer, one row per
+    (token, q head), then one per (token, k head), so the buffer is rotated in one go."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    sin_signed: torch.Tensor | None
+    joint_cos: torch.Tensor | None
+    joint_sin: torch.Tensor | None
+
+
+def _joint_rows(table: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """[B, 1, T, D] -> [B * T * (heads + kv_heads), D]: each token's row once per q head (all tokens),
+    then once per k head, the order of the joint q/k buffer."""
+    b, _, t, d = table.shape
+    per_token = table[:, 0, :, None, :]
+    return torch.cat(
+        (per_token.expand(b, t, heads, d).reshape(-1, d), per_token.expand(b, t, kv_heads, d).reshape(-1, d))
+    )
+
+
 class LlamaStaticDecoder:
     """The forward pass of a Llama-family ``*ForCausalLM`` over a :class:`DecodeBuffers` cache."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, fused: bool = True) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static decoder does not support this model: {reason}")
@@ -176,6 +310,13 @@ class LlamaStaticDecoder:
         # an additive mask: the memory-efficient kernel). On an H200 at batch 256 the matmuls read the
         # cache faster: 2.16x generate's tokens/s against 1.65x at 0.82B (benchmarks/gpu_generate.py).
         self.attention = "matmul"
+        # Fewer kernels per step (see the module docstring); False: the earlier form, for comparison.
+        # Read at every forward: switching it needs the decode graphs dropped (they hold the old form).
+        self.fused = fused
+        self._input_norms = [_Norm.of(layer.input_layernorm) for layer in self.layers]
+        self._post_norms = [_Norm.of(layer.post_attention_layernorm) for layer in self.layers]
+        self._final_norm = _Norm.of(self.norm)
+        self._joint_qk = [_QKProjections.of(layer.self_attn) for layer in self.layers]
 
     # -- buffers ------------------------------------------------------------------------------------
     def allocate(self, batch: int, capacity: int, max_new: int) -> DecodeBuffers:
@@ -218,6 +359,52 @@ class LlamaStaticDecoder:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos) + (rotated * sin)
 
+    def _rope_tables(self, positions: torch.Tensor) -> _RopeTables:
+        """The rotary tables of one forward over ``positions`` [B, T] (see :class:`_RopeTables`)."""
+        cos, sin = self._rope(positions)
+        cos, sin = cos[:, None], sin[:, None]
+        if not self.fused:
+            return _RopeTables(cos, sin, None, None, None)
+        sin_signed = _signed_sin(sin)
+        # Joint tables for one-position forwards (every decode step) only: a prefill's would be as
+        # large as its q and k.
+        if positions.shape[1] != 1 or not any(self._joint_qk):
+            return _RopeTables(cos, sin, sin_signed, None, None)
+        heads, kv_heads = self.heads, self.kv_heads
+        joint_cos, joint_sin = _joint_rows(cos, heads, kv_heads), _joint_rows(sin_signed, heads, kv_heads)
+        return _RopeTables(cos, sin, sin_signed, joint_cos, joint_sin)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, heads * D] -> [B, heads, T, D] (a view)."""
+        return x.view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
+
+    def _qk(self, i: int, attn: Any, x: torch.Tensor, rope: _RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s rotated queries and keys [B, heads or kv_heads, T, D]."""
+        joint = self._joint_qk[i]
+        if rope.joint_cos is not None and rope.joint_sin is not None and joint is not None:
+            return self._qk_joint(joint, x, rope.joint_cos, rope.joint_sin)
+        q, k = self._split_heads(attn.q_proj(x)), self._split_heads(attn.k_proj(x))
+        if rope.sin_signed is None:
+            return self._rotate(q, rope.cos, rope.sin), self._rotate(k, rope.cos, rope.sin)
+        return _rotate_rolled(q, rope.cos, rope.sin_signed), _rotate_rolled(k, rope.cos, rope.sin_signed)
+
+    def _qk_joint(
+        self, proj: _QKProjections, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k projected into one buffer [tokens * (heads + kv_heads), D] (q's rows, then k's: each
+        part is laid out as its own projection would be) and rotated together."""
+        rows, width = x.shape[0], x.shape[1]
+        tokens = rows * width
+        flat = x.reshape(tokens, -1)
+        buffer = torch.empty(cos.shape, dtype=x.dtype, device=x.device)
+        q_rows = tokens * self.heads
+        _linear_into(buffer[:q_rows].view(tokens, -1), flat, proj.q)
+        _linear_into(buffer[q_rows:].view(tokens, -1), flat, proj.k)
+        rotated = _rotate_rolled(buffer, cos, sin_signed)
+        q = rotated[:q_rows].view(rows, width, self.heads, self.head_dim).transpose(1, 2)
+        k = rotated[q_rows:].view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        return q, k
+
     def forward(
         self,
         ids: torch.Tensor,
@@ -234,18 +421,16 @@ class LlamaStaticDecoder:
         additive attention mask over the first ``kv_len`` columns.
         """
         rows, width = ids.shape
-        cos, sin = self._rope(positions)
-        cos, sin = cos[:, None], sin[:, None]
+        fused = self.fused
+        rope = self._rope_tables(positions)
         gqa = self.kv_heads != self.heads
         hidden = self.embed(ids)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             residual = hidden
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(rows, width, -1, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(rows, width, -1, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(rows, width, -1, self.head_dim).transpose(1, 2)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            x = self._input_norms[i](hidden, fused)
+            q, k = self._qk(i, attn, x, rope)
+            v = self._split_heads(attn.v_proj(x))
             keys, values = buffers.keys[i], buffers.values[i]
             if col is None:
                 keys[:rows, :, :width].copy_(k)
@@ -267,8 +452,8 @@ class LlamaStaticDecoder:
             out = attn.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
             hidden = residual + out
             residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.lm_head(self.norm(hidden[:, -1:, :]))[:, 0, :]
+            hidden = residual + layer.mlp(self._post_norms[i](hidden, fused))
+        return self.lm_head(self._final_norm(hidden[:, -1:, :], fused))[:, 0, :]
 
     def _attend_matmul(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
