@@ -26,12 +26,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.core import GenerationCore, make_sampler, pick_with_noise, sampling_distribution
+from ppo_rollout.engine.decode_fusions import QKProjections, RmsNorm, rotate_rolled, signed_sin
 from ppo_rollout.engine.static_decode import (
     LlamaStaticDecoder,
-    _Norm,
-    _QKProjections,
-    _rotate_rolled,
-    _signed_sin,
     batch_bucket,
     kv_bucket,
     round_up,
@@ -402,8 +399,8 @@ def test_norms_and_projections_of_other_classes_are_called_as_they_are() -> None
     ours, theirs = _prefill_then_decode(fused), _prefill_then_decode(plain)
     for name, a, b in zip(OUTPUTS, ours, theirs, strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-6), f"{name}: {(a - b).abs().max():.3g}"
-    assert _Norm.of(other).eps is None
-    assert _QKProjections.of(model.model.layers[0].self_attn) is not None
+    assert RmsNorm.of(other).eps is None
+    assert QKProjections.of(model.model.layers[0].self_attn) is not None
 
 
 @settings(max_examples=40, deadline=None)
@@ -423,9 +420,9 @@ def test_rolled_rotary_is_transformers_rotary_exactly(
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
-    cos, sin_signed = cos[:, None], _signed_sin(sin[:, None])
-    assert torch.equal(_rotate_rolled(q, cos, sin_signed), q_ref)
-    assert torch.equal(_rotate_rolled(k, cos, sin_signed), k_ref)
+    cos, sin_signed = cos[:, None], signed_sin(sin[:, None])
+    assert torch.equal(rotate_rolled(q, cos, sin_signed), q_ref)
+    assert torch.equal(rotate_rolled(k, cos, sin_signed), k_ref)
 
 
 # -- operations per layer of a decode step ----------------------------------------------------------

@@ -49,6 +49,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ppo_rollout.engine.decode_fusions import (
+    QKProjections,
+    RmsNorm,
+    RopeTables,
+    joint_rows,
+    linear_into,
+    rotate_rolled,
+    signed_sin,
+)
+
 __all__ = [
     "KV_BLOCK",
     "STOP_CHECK_EVERY",
@@ -172,119 +182,6 @@ Sampler = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tenso
 """(logits [B, V], noise [B, V]) -> (tokens [B] int64, log-probs [B] float32)."""
 
 
-def _llama_rms_norm_classes() -> tuple[type[torch.nn.Module], ...]:
-    """The RMSNorm classes whose forward is the formula :class:`_Norm` fuses (read from transformers'
-    modeling_llama / modeling_qwen2: float32, ``x * rsqrt(mean(x^2) + eps)``, cast back, times weight)."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-
-    return (LlamaRMSNorm, Qwen2RMSNorm)
-
-
-def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor:
-    """``module.<name>``, read at call time (a weight update may replace what the module holds)."""
-    value = getattr(module, name)
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{type(module).__name__}.{name} is {type(value).__name__}, not a tensor")
-    return value
-
-
-@dataclass(frozen=True)
-class _Norm:
-    """One of the model's RMSNorms. ``eps`` is set when the module is transformers' Llama/Qwen2 RMSNorm,
-    whose formula :meth:`__call__` computes with ``F.rms_norm`` (one kernel on CUDA instead of about
-    seven); None for any other class, which is called as it is."""
-
-    module: torch.nn.Module
-    eps: float | None
-
-    @classmethod
-    def of(cls, module: torch.nn.Module) -> _Norm:
-        if type(module) not in _llama_rms_norm_classes():
-            return cls(module, None)
-        eps: object = module.variance_epsilon  # a plain attribute (torch's stubs type it as a tensor)
-        if not isinstance(eps, float | int):
-            raise TypeError(f"{type(module).__name__}.variance_epsilon is {type(eps).__name__}, not a number")
-        return cls(module, float(eps))
-
-    def __call__(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
-        if not fused or self.eps is None:
-            return self.module(x)
-        weight = _parameter(self.module, "weight")
-        # transformers' order of roundings: normalise in float32, cast to the input's dtype, then
-        # multiply by the weight (F.rms_norm's own weight argument would multiply before the cast).
-        normed = F.rms_norm(x.float(), (weight.shape[-1],), eps=self.eps)
-        return normed.to(x.dtype) * weight
-
-
-@dataclass(frozen=True)
-class _QKProjections:
-    """A layer's q and k projections when both are plain ``nn.Linear``: their matmuls can then write
-    into one buffer (``out=``), so one rotation covers q and k."""
-
-    q: torch.nn.Linear
-    k: torch.nn.Linear
-
-    @classmethod
-    def of(cls, attn: torch.nn.Module) -> _QKProjections | None:
-        q, k = attn.get_submodule("q_proj"), attn.get_submodule("k_proj")
-        # A subclass (LoRA, quantised) may compute something else than weight @ x + bias.
-        if type(q) is not torch.nn.Linear or type(k) is not torch.nn.Linear:
-            return None
-        return cls(q, k)
-
-
-def _linear_into(out: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear) -> None:
-    """``linear(x)`` for a 2-D ``x``, written into the contiguous ``out``: the matmul ``F.linear`` runs
-    for it (``mm``, or ``addmm`` with the bias), so the same result."""
-    if linear.bias is None:
-        torch.mm(x, linear.weight.t(), out=out)
-    else:
-        torch.addmm(linear.bias, x, linear.weight.t(), out=out)
-
-
-def _rotate_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` as ``x * cos + roll(x, D/2) * sin_signed``.
-
-    ``rotate_half(x) = cat(-x2, x1)`` and ``roll(x, D/2) = cat(x2, x1)``, so with ``sin_signed =
-    cat(-s1, s2)`` the products are ``x2 * -s1`` against ``-x2 * s1`` (equal: rounding is symmetric in
-    the sign) and ``x1 * s2`` against the same: the same values, one kernel (the roll) instead of a
-    negation and a concatenation."""
-    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
-    return (x * cos) + (rolled * sin_signed)
-
-
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-@dataclass(frozen=True)
-class _RopeTables:
-    """One forward's rotary tables.
-
-    ``cos``/``sin`` [B, 1, T, D] broadcast over the heads; ``sin_signed`` (fused) as
-    :func:`_rotate_rolled` takes it. ``joint_cos``/``joint_sin`` (fused, one-position forwards such as
-    decode steps): the same values laid out as q and k sit in the joint projection buffer, one row per
-    (token, q head), then one per (token, k head), so the buffer is rotated in one go."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    sin_signed: torch.Tensor | None
-    joint_cos: torch.Tensor | None
-    joint_sin: torch.Tensor | None
-
-
-def _joint_rows(table: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """[B, 1, T, D] -> [B * T * (heads + kv_heads), D]: each token's row once per q head (all tokens),
-    then once per k head, the order of the joint q/k buffer."""
-    b, _, t, d = table.shape
-    per_token = table[:, 0, :, None, :]
-    return torch.cat(
-        (per_token.expand(b, t, heads, d).reshape(-1, d), per_token.expand(b, t, kv_heads, d).reshape(-1, d))
-    )
-
-
 class LlamaStaticDecoder:
     """The forward pass of a Llama-family ``*ForCausalLM`` over a :class:`DecodeBuffers` cache."""
 
@@ -313,10 +210,10 @@ class LlamaStaticDecoder:
         # Fewer kernels per step (see the module docstring); False: the earlier form, for comparison.
         # Read at every forward: switching it needs the decode graphs dropped (they hold the old form).
         self.fused = fused
-        self._input_norms = [_Norm.of(layer.input_layernorm) for layer in self.layers]
-        self._post_norms = [_Norm.of(layer.post_attention_layernorm) for layer in self.layers]
-        self._final_norm = _Norm.of(self.norm)
-        self._joint_qk = [_QKProjections.of(layer.self_attn) for layer in self.layers]
+        self._input_norms = [RmsNorm.of(layer.input_layernorm) for layer in self.layers]
+        self._post_norms = [RmsNorm.of(layer.post_attention_layernorm) for layer in self.layers]
+        self._final_norm = RmsNorm.of(self.norm)
+        self._joint_qk = [QKProjections.of(layer.self_attn) for layer in self.layers]
 
     # -- buffers ------------------------------------------------------------------------------------
     def allocate(self, batch: int, capacity: int, max_new: int) -> DecodeBuffers:
@@ -359,26 +256,26 @@ class LlamaStaticDecoder:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos) + (rotated * sin)
 
-    def _rope_tables(self, positions: torch.Tensor) -> _RopeTables:
-        """The rotary tables of one forward over ``positions`` [B, T] (see :class:`_RopeTables`)."""
+    def _rope_tables(self, positions: torch.Tensor) -> RopeTables:
+        """The rotary tables of one forward over ``positions`` [B, T] (see :class:`RopeTables`)."""
         cos, sin = self._rope(positions)
         cos, sin = cos[:, None], sin[:, None]
         if not self.fused:
-            return _RopeTables(cos, sin, None, None, None)
-        sin_signed = _signed_sin(sin)
+            return RopeTables(cos, sin, None, None, None)
+        sin_signed = signed_sin(sin)
         # Joint tables for one-position forwards (every decode step) only: a prefill's would be as
         # large as its q and k.
         if positions.shape[1] != 1 or not any(self._joint_qk):
-            return _RopeTables(cos, sin, sin_signed, None, None)
+            return RopeTables(cos, sin, sin_signed, None, None)
         heads, kv_heads = self.heads, self.kv_heads
-        joint_cos, joint_sin = _joint_rows(cos, heads, kv_heads), _joint_rows(sin_signed, heads, kv_heads)
-        return _RopeTables(cos, sin, sin_signed, joint_cos, joint_sin)
+        joint_cos, joint_sin = joint_rows(cos, heads, kv_heads), joint_rows(sin_signed, heads, kv_heads)
+        return RopeTables(cos, sin, sin_signed, joint_cos, joint_sin)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, heads * D] -> [B, heads, T, D] (a view)."""
         return x.view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
 
-    def _qk(self, i: int, attn: Any, x: torch.Tensor, rope: _RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+    def _qk(self, i: int, attn: Any, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s rotated queries and keys [B, heads or kv_heads, T, D]."""
         joint = self._joint_qk[i]
         if rope.joint_cos is not None and rope.joint_sin is not None and joint is not None:
@@ -386,10 +283,10 @@ class LlamaStaticDecoder:
         q, k = self._split_heads(attn.q_proj(x)), self._split_heads(attn.k_proj(x))
         if rope.sin_signed is None:
             return self._rotate(q, rope.cos, rope.sin), self._rotate(k, rope.cos, rope.sin)
-        return _rotate_rolled(q, rope.cos, rope.sin_signed), _rotate_rolled(k, rope.cos, rope.sin_signed)
+        return rotate_rolled(q, rope.cos, rope.sin_signed), rotate_rolled(k, rope.cos, rope.sin_signed)
 
     def _qk_joint(
-        self, proj: _QKProjections, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+        self, proj: QKProjections, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k projected into one buffer [tokens * (heads + kv_heads), D] (q's rows, then k's: each
         part is laid out as its own projection would be) and rotated together."""
@@ -398,9 +295,9 @@ class LlamaStaticDecoder:
         flat = x.reshape(tokens, -1)
         buffer = torch.empty(cos.shape, dtype=x.dtype, device=x.device)
         q_rows = tokens * self.heads
-        _linear_into(buffer[:q_rows].view(tokens, -1), flat, proj.q)
-        _linear_into(buffer[q_rows:].view(tokens, -1), flat, proj.k)
-        rotated = _rotate_rolled(buffer, cos, sin_signed)
+        linear_into(buffer[:q_rows].view(tokens, -1), flat, proj.q)
+        linear_into(buffer[q_rows:].view(tokens, -1), flat, proj.k)
+        rotated = rotate_rolled(buffer, cos, sin_signed)
         q = rotated[:q_rows].view(rows, width, self.heads, self.head_dim).transpose(1, 2)
         k = rotated[q_rows:].view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
         return q, k
