@@ -15,4 +15,4 @@ so that the offload plan costs no torch (``ppo-driver validate`` reads it):
   ``group_timeout``
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

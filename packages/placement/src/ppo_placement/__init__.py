@@ -15,7 +15,7 @@ from ppo_placement.layout import ROLES, SHARED_FRACTION, Layout, RoleLayout, pla
 from ppo_placement.order import bundle_sort_key, node_key, sort_bundles
 from ppo_placement.spec import CriticMode, PlacementSpec
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ROLES",

@@ -13,7 +13,7 @@ from ppo_testsupport.gpu import skip_gpu_tests_without_cuda
 from ppo_testsupport.ranks import RankFailure, free_port, run_ranks
 from ppo_testsupport.sockets import listening_addresses
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "RankFailure",

@@ -10,7 +10,7 @@ from ppo_value_transport._errors import MissingValuesError
 from ppo_value_transport._pairing import Pieces, Rows, pair_values, unpack_pieces
 from ppo_value_transport._routing import dispatch, gather, require_values, route
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(TORCH_DTYPES)
 
