@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 import threading
@@ -47,7 +48,8 @@ print("OK", ppo_weight_sync.__version__)
 def test_import_and_construct_without_ray() -> None:
     out = subprocess.run([sys.executable, "-c", BLOCK_RAY], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "OK 0.1.0"
+    # __version__ agrees with the installed distribution's metadata
+    assert out.stdout.strip() == f"OK {importlib.metadata.version('ppo-weight-sync')}"
 
 
 def test_thread_lock_times_out_naming_itself_and_releases() -> None:
