@@ -19,13 +19,17 @@ every transition that buy nothing.
 
 For a ``tcp://host:port`` init method, rank 0 hosts the store on a socket bound to ``host`` alone (the
 address every rank was given): torch's own tcp:// rendezvous would listen on every interface, and the
-store has no authentication.
+store has no authentication. A gloo group's own sockets listen on the interface of that address too
+(``bind_gloo_to``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import socket
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -242,6 +246,8 @@ class ReloadableProcessGroups:
         spec = self._require_default()
         assert self._store is not None  # set together with _default
         if not self._default_built:
+            if "gloo" in spec.backend:
+                bind_gloo_to(spec.init_method)
             kwargs: dict[str, Any] = {}
             if spec.pg_options is not None:
                 kwargs["pg_options"] = spec.pg_options
@@ -292,6 +298,41 @@ class ReloadableProcessGroups:
         if self._default is None:
             raise RuntimeError("init_default() was never called")
         return self._default
+
+
+# Linux's ioctl that reads an interface's IPv4 address (<linux/sockios.h>).
+_SIOCGIFADDR = 0x8915
+
+
+def bind_gloo_to(init_method: str) -> None:
+    """Make this process's gloo groups listen on the interface of the store's address (``tcp://HOST``
+    with an IPv4 HOST): ``GLOO_SOCKET_IFNAME``, which gloo reads when it creates a group's device.
+    Without it gloo binds to whatever the host name resolves to, a LAN address on many machines, so a
+    one-machine run's unauthenticated group would listen beyond loopback. A name the user exported
+    stays; an address on no interface here (another host's) changes nothing."""
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.hostname or "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    try:
+        address = socket.gethostbyname(url.hostname)
+    except OSError:
+        return
+    name = interface_of(address)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds IPv4 ``address`` (``lo`` for 127.0.0.1), None if none does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                info = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # an interface without an IPv4 address
+                continue
+            if socket.inet_ntoa(info[20:24]) == address:
+                return name
+    return None
 
 
 def _rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
