@@ -147,7 +147,7 @@ def critic_pieces(fields_per_rank: list[Fields], values_per_rank: list[list[torc
     boxes, ids, start = [], [], 0
     for fields, values in zip(fields_per_rank, values_per_rank, strict=True):
         samples = Samples.from_fields(fields)
-        rewards = samples.unpad(pm.token_rewards(samples.reward, samples.response_mask))
+        rewards = samples.unpad(pm.token_rewards(samples.reward, samples.loss_mask))
         boxes.append(pack_fields({"values": list(values), "token_rewards": rewards}))
         ids.append(list(range(start, start + len(values))))
         start += len(values)

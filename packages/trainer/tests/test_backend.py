@@ -195,7 +195,8 @@ def test_grpo_trains_on_the_group_advantages_as_they_are(
     std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std().item() if norm_by_std else 1.0
     eps = 1e-6 if norm_by_std else 0.0
     expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + eps)
-    torch.testing.assert_close(advantages[4:], expected[:, None] * samples.response_mask[4:])
+    # broadcast over the generated (loss-mask) tokens only
+    torch.testing.assert_close(advantages[4:], expected[:, None] * samples.loss_mask[4:])
 
 
 def test_ppo_actor_moves_towards_rewarded_responses(tiny_model: Path, fields_factory: Callable) -> None:
@@ -233,9 +234,9 @@ def test_critic_targets_include_the_kl_penalty(tiny_model: Path, fields_factory:
     alg = AlgorithmConfig(lam=1.0, gamma=1.0, kl_coef=0.5, kl_estimator="k1", num_mini_batches=1)
     critic = trainer(tiny_model, role="critic", algorithm=alg, micro_batch_size=3)
     assert critic.reference is not None
-    mask = samples.response_mask
+    mask = samples.loss_mask  # rewards and their KL live on the generated tokens only
     kl = (samples.rollout_log_probs - _reference_log_probs(tiny_model, samples)) * mask
-    last = mask.cumsum(1).eq(mask.sum(1, keepdim=True)) * mask  # each sample's last response token
+    last = mask.cumsum(1).eq(mask.sum(1, keepdim=True)) * mask  # each sample's last generated token
     expected = samples.reward[:, None] * last - 0.5 * kl
     rewards, reward_metrics = critic.token_rewards(samples)
     torch.testing.assert_close(rewards, expected, atol=1e-5, rtol=1e-5)

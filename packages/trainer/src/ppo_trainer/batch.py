@@ -5,6 +5,11 @@ token ``t`` of a sample of length ``L`` with response length ``R`` sits at posit
 ``P = L - R``; it is predicted by the logits at position ``P + t - 1``, and the critic's value ``t`` (the
 estimate before token ``t``) is read at that same position. Response-space tensors are ``[N, R_max]``,
 right-padded with zeros and ``response_mask`` marking the real tokens.
+
+Multi-turn samples: the response is every turn's generated tokens and the observation tokens between
+turns, in order. ``loss_mask`` is 1 exactly on generated tokens; the optional ``turn_rewards`` (nonzero
+on generated tokens only) and ``turn_ids`` (each token's 0-based turn, non-decreasing) default to zeros,
+which is the single-turn case.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 REQUIRED_FIELDS = ("tokens", "response_length", "loss_mask", "reward", "rollout_log_probs", "prompt_index")
+OPTIONAL_FIELDS = ("turn_rewards", "turn_ids")
 
 
 def pad_right(rows: Sequence[torch.Tensor], width: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -36,6 +42,8 @@ class Samples:
     reward: torch.Tensor  # [N] float32
     rollout_log_probs: torch.Tensor  # [N, R_max] float32
     prompt_index: torch.Tensor  # [N] int64
+    turn_rewards: torch.Tensor  # [N, R_max] float32, per-turn rewards on generated tokens (0: none)
+    turn_ids: torch.Tensor  # [N, R_max] int64, each token's 0-based turn (0 on padding)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -53,7 +61,8 @@ class Samples:
         n = len(fields["tokens"])
         if n == 0:
             raise ValueError("training batch is empty (field 'tokens' has no samples)")
-        for name in REQUIRED_FIELDS:
+        present = REQUIRED_FIELDS + tuple(f for f in OPTIONAL_FIELDS if f in fields)
+        for name in present:
             if len(fields[name]) != n:
                 raise ValueError(f"field {name!r} has {len(fields[name])} samples but 'tokens' has {n}")
         tokens = tuple(t.reshape(-1).to(torch.int64).cpu() for t in fields["tokens"])
@@ -65,7 +74,7 @@ class Samples:
                     f"sample {i}: response_length={r} must be >= 0 and shorter than its "
                     f"{tokens[i].numel()} tokens (at least one prompt token precedes the response)"
                 )
-            for name in ("loss_mask", "rollout_log_probs"):
+            for name in ("loss_mask", "rollout_log_probs", *present[len(REQUIRED_FIELDS) :]):
                 if fields[name][i].numel() != r:
                     raise ValueError(
                         f"sample {i}: field {name!r} has {fields[name][i].numel()} entries but "
@@ -77,11 +86,13 @@ class Samples:
         loss_mask = pad_right(
             [m.reshape(-1).float().cpu() for m in fields["loss_mask"]], width, torch.float32
         )
+        loss_mask = loss_mask * response_mask
+        turn_rewards, turn_ids = _turn_fields(fields, n, width, loss_mask)
         return cls(
             tokens=tokens,
             response_lengths=torch.tensor(lengths, dtype=torch.int64),
             response_mask=response_mask,
-            loss_mask=loss_mask * response_mask,
+            loss_mask=loss_mask,
             reward=torch.stack([r.reshape(-1)[0].float().cpu() for r in fields["reward"]]),
             rollout_log_probs=pad_right(
                 [x.reshape(-1).float().cpu() for x in fields["rollout_log_probs"]], width, torch.float32
@@ -89,6 +100,8 @@ class Samples:
             prompt_index=torch.stack(
                 [p.reshape(-1)[0].to(torch.int64).cpu() for p in fields["prompt_index"]]
             ),
+            turn_rewards=turn_rewards,
+            turn_ids=turn_ids,
         )
 
     def pad_values(self, values: Sequence[torch.Tensor], what: str = "values") -> torch.Tensor:
@@ -107,6 +120,37 @@ class Samples:
         """``[N, R_max]`` back to one ``[R_i]`` float32 CPU tensor per sample."""
         x = x.detach().float().cpu()
         return [x[i, : int(r)].clone() for i, r in enumerate(self.response_lengths.tolist())]
+
+
+def _turn_fields(
+    fields: Mapping[str, Sequence[torch.Tensor]], n: int, width: int, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optional ``turn_rewards`` and ``turn_ids``, padded (zeros where absent), validated: a turn
+    reward on an observation token would be dropped by GAE, and turns only move forward."""
+    turn_rewards = torch.zeros(n, width)
+    if "turn_rewards" in fields:
+        turn_rewards = pad_right([x.reshape(-1).float().cpu() for x in fields["turn_rewards"]], width)
+        stray = (turn_rewards != 0) & (loss_mask == 0)
+        if stray.any():
+            i, t = (int(v) for v in stray.nonzero()[0])
+            raise ValueError(
+                f"sample {i}: field 'turn_rewards' is {float(turn_rewards[i, t])} at response token {t}, "
+                "where loss_mask is 0; put each turn's reward on its last generated token"
+            )
+    turn_ids = torch.zeros(n, width, dtype=torch.int64)
+    if "turn_ids" in fields:
+        rows = [x.reshape(-1).cpu() for x in fields["turn_ids"]]
+        for i, row in enumerate(rows):
+            if row.is_floating_point() and not torch.equal(row, row.round()):
+                raise ValueError(f"sample {i}: field 'turn_ids' holds non-integers; send int64 turn numbers")
+            ids = row.to(torch.int64)
+            if ids.numel() and (int(ids.min()) < 0 or bool((ids.diff() < 0).any())):
+                raise ValueError(
+                    f"sample {i}: field 'turn_ids' must be >= 0 and non-decreasing along the response "
+                    f"(got {ids.tolist()[:16]}...)"
+                )
+            turn_ids[i, : ids.numel()] = ids
+    return turn_rewards, turn_ids
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ WeightSyncDType = Literal["float32", "bfloat16", "float16"]
 Backend = Literal["torch", "megatron"]
 PackedAttention = Literal["varlen", "sdpa", "flex_attention"]
 LrSchedule = Literal["constant", "cosine"]
+GaeUnit = Literal["token", "turn"]
 
 # Shared by every config of this package (and the ones that extend them): unknown keys are errors,
 # and defaults are validated like any input.
@@ -63,6 +64,18 @@ class AlgorithmConfig:
     )
     gamma: float = Field(default=1.0, ge=0, le=1, description="GAE discount")
     lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda (trace decay)")
+    gae_unit: GaeUnit = Field(
+        default="token",
+        description="token: GAE steps over the generated tokens, skipping observation tokens (no decay "
+        "through them); turn: one step per turn, its value read at the turn's first generated token, "
+        "its reward the sum over the turn's tokens, the advantage and return broadcast over the turn's "
+        "generated tokens (AReaL's gae_timestep_unit)",
+    )
+    gae_through_observations: bool = Field(
+        default=False,
+        description="the ablation of OpenRLHF and slime: values and rewards are zeroed on observation "
+        "tokens but gamma * lam still decays across them (gae_unit=token only)",
+    )
     eps_clip: float = Field(
         default=0.2, gt=0, lt=1, description="the ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]"
     )
@@ -148,6 +161,16 @@ class AlgorithmConfig:
                 f"algorithm.loss_scale_factor={self.loss_scale_factor} only applies to "
                 f"algorithm.loss_aggregation='seq_mean_token_sum_norm' (got {self.loss_aggregation!r}); "
                 "remove loss_scale_factor or set that aggregation"
+            )
+        if self.gae_unit == "turn" and self.gae_through_observations:
+            raise ValueError(
+                "algorithm.gae_through_observations=true decays GAE per token through observations; "
+                "algorithm.gae_unit='turn' takes one step per turn: set one of them back to its default"
+            )
+        if self.estimator != "ppo" and (self.gae_unit != "token" or self.gae_through_observations):
+            raise ValueError(
+                f"algorithm.gae_unit / gae_through_observations shape GAE, which "
+                f"algorithm.estimator={self.estimator!r} does not run; remove them or use estimator='ppo'"
             )
         if self.estimator == "grpo" and self.kl_coef > 0.0:
             raise ValueError(

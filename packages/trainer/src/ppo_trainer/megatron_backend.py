@@ -805,6 +805,8 @@ def concat_samples(parts: list[Samples]) -> Samples:
         reward=torch.cat([p.reward for p in parts]),
         rollout_log_probs=cat("rollout_log_probs"),
         prompt_index=torch.cat([p.prompt_index for p in parts]),
+        turn_rewards=cat("turn_rewards"),
+        turn_ids=cat("turn_ids"),
     )
 
 

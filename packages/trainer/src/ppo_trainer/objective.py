@@ -98,8 +98,9 @@ def _scores(forward: Forward) -> torch.Tensor:
 
 
 def token_rewards(backend: ModelBackend, samples: Samples) -> tuple[torch.Tensor, dict[str, float]]:
-    """The step's per-token rewards, ``[N, R_max]``: the outcome reward on the last token minus
-    ``kl_coef`` times the KL of the rollout policy to the reference on every token.
+    """The step's per-token rewards, ``[N, R_max]``, on the loss-mask (generated) tokens only: the
+    outcome reward on the last generated token, the per-turn rewards, minus ``kl_coef`` times the KL
+    of the rollout policy to the reference.
 
     The KL is estimated from the rollout's log-probs (the policy that drew the tokens) and the
     reference's, so it is known before any role trains; the critic computes it once and the
@@ -116,8 +117,8 @@ def token_rewards(backend: ModelBackend, samples: Samples) -> tuple[torch.Tensor
             )
         ref_log_probs = score(backend, samples, reference=True)
         kl = pm.kl_estimate(samples.rollout_log_probs, ref_log_probs, alg.kl_estimator)
-        metrics["reward_kl"] = masked_global_mean(backend.dp, kl, samples.response_mask)
-    rewards = pm.token_rewards(samples.reward, samples.response_mask, kl, alg.kl_coef)
+        metrics["reward_kl"] = masked_global_mean(backend.dp, kl, samples.loss_mask)
+    rewards = pm.token_rewards(samples.reward, samples.loss_mask, kl, alg.kl_coef, samples.turn_rewards)
     metrics["token_reward_sum_mean"] = sample_mean(backend.dp, rewards.sum(dim=1))
     return rewards, metrics
 
@@ -135,7 +136,7 @@ def train_critic(
     alg = backend.config.algorithm
     rewards, reward_metrics = token_rewards(backend, samples)
     old_values = score(backend, samples)
-    _, returns = pm.compute_gae(rewards, old_values, samples.response_mask, alg.gamma, alg.lam)
+    _, returns = gae(alg, rewards, old_values, samples)
     loss = functools.partial(_critic_micro_loss, backend, old_values, returns)
     metrics = run_epochs(backend, samples, loss)
     metrics["values_mean"] = masked_global_mean(backend.dp, old_values, samples.loss_mask)
@@ -216,19 +217,33 @@ def advantages_of(
                     f"kl_coef={alg.kl_coef}: the actor trains on the critic's KL-shaped token rewards; "
                     "pass the rewards train_critic returned"
                 )
-            rewards = pm.token_rewards(samples.reward, samples.response_mask)
-        metrics["token_reward_sum_mean"] = sample_mean(dp, (rewards * samples.response_mask).sum(1))
-        advantages, _ = pm.compute_gae(rewards, values, samples.response_mask, alg.gamma, alg.lam)
+            rewards = pm.token_rewards(samples.reward, samples.loss_mask, turn_rewards=samples.turn_rewards)
+        metrics["token_reward_sum_mean"] = sample_mean(dp, (rewards * samples.loss_mask).sum(1))
+        advantages, _ = gae(alg, rewards, values, samples)
     else:
         per_sample = pm.grpo_advantages(
             samples.reward, samples.prompt_index, norm_by_std=alg.norm_adv_by_std_in_grpo
         )
-        advantages = per_sample[:, None] * samples.response_mask
+        advantages = per_sample[:, None] * samples.loss_mask
     metrics["advantages_mean"] = masked_global_mean(dp, advantages, samples.loss_mask)
     # GRPO's advantages are normalised per group already (AlgorithmConfig.whiten_advantages).
     if alg.whiten_advantages:
         advantages = pm.whiten(advantages, samples.loss_mask, dp.all_reduce)
     return advantages, metrics
+
+
+def gae(
+    alg: AlgorithmConfig, rewards: torch.Tensor, values: torch.Tensor, samples: Samples
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and critic targets over the generated (loss-mask) tokens, ``[N, R_max]`` each:
+    per token skipping observations (the default), per turn (``gae_unit: turn``), or decaying
+    through observations (``gae_through_observations``, the ablation)."""
+    mask = samples.loss_mask
+    if alg.gae_unit == "turn":
+        return pm.compute_turn_gae(rewards, values, mask, samples.turn_ids, alg.gamma, alg.lam)
+    if alg.gae_through_observations:
+        return pm.compute_gae_through_observations(rewards, values, mask, alg.gamma, alg.lam)
+    return pm.compute_gae(rewards, values, mask, alg.gamma, alg.lam)
 
 
 def _policy_drift(
@@ -259,7 +274,7 @@ def _tis_weight(
     cap = backend.config.algorithm.tis_cap
     if cap is None:
         return None, {}
-    raw = torch.exp(old_log_probs - samples.rollout_log_probs) * samples.response_mask
+    raw = pm.masked(torch.exp(old_log_probs - samples.rollout_log_probs), samples.loss_mask)
     weight = raw.clamp(max=cap)
     return weight, {
         "tis_weight_mean": masked_global_mean(backend.dp, weight, samples.loss_mask),

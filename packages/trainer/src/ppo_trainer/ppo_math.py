@@ -83,17 +83,107 @@ def compute_gae(
     return advantages, returns
 
 
+def compute_gae_through_observations(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE that decays through observation tokens (OpenRLHF's ``get_advantages_and_returns``, slime's):
+    the ablation beside :func:`compute_gae`, which skips them.
+
+    Values and rewards are zeroed where ``loss_mask = 0`` and the recursion runs over every position::
+
+        delta_t = m_t r_t + gamma * m_{t+1} V_{t+1} - m_t V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        R_t     = A_t + m_t V_t
+
+    so an observation token of the middle costs the advantage a factor ``gamma * lam`` and the last
+    generated token of a turn sees a next value of 0 (the observation's zeroed one). The results are
+    returned on the ``loss_mask`` tokens (0 elsewhere): only those train. Trailing padding holds zero
+    values and rewards, so it changes nothing.
+    """
+    if not rewards.shape == values.shape == loss_mask.shape:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and loss_mask "
+            f"{tuple(loss_mask.shape)} must have the same [batch, time] shape"
+        )
+    mask = loss_mask.float()
+    rewards, values = masked(rewards.float(), mask), masked(values.float(), mask)
+    batch, time = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(batch)
+    next_adv = rewards.new_zeros(batch)
+    for t in reversed(range(time)):
+        next_adv = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_adv
+        next_value = values[:, t]
+        advantages[:, t] = next_adv
+    return masked(advantages, mask), masked(advantages + values, mask)
+
+
+def compute_turn_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    turn_ids: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level GAE: each turn of generated tokens is one time step (AReaL's
+    ``gae_timestep_unit: turn``).
+
+    For the turns ``u = 0 .. U-1`` of a sample that hold at least one ``loss_mask`` token, in order::
+
+        r_u = sum of r_t over turn u's loss-mask tokens       (its outcome, turn reward and KL terms)
+        V_u = V_t at turn u's first loss-mask token            (the state after the last observation)
+        delta_u = r_u + gamma * V_{u+1} - V_u                  (V_U = 0)
+        A_u     = delta_u + gamma * lam * A_{u+1}              (A_U = 0)
+        R_u     = A_u + V_u
+
+    and every loss-mask token of turn ``u`` gets ``A_u`` and the critic target ``R_u``; other tokens get
+    0. A turn is the run of tokens sharing a ``turn_ids`` value (non-decreasing along the response);
+    one without a generated token is skipped. ``gamma`` discounts per turn here, not per token.
+    """
+    if not rewards.shape == values.shape == loss_mask.shape == turn_ids.shape:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)}, loss_mask "
+            f"{tuple(loss_mask.shape)} and turn_ids {tuple(turn_ids.shape)} must have one [batch, time] shape"
+        )
+    mask = loss_mask.float()
+    batch, time = mask.shape
+    if time == 0:
+        return torch.zeros_like(mask), torch.zeros_like(mask)
+    ids = turn_ids.long()
+    # Dense turn numbers 0, 1, ... (a change of id starts a turn), so a gap in the ids costs nothing.
+    dense = torch.cat([ids.new_zeros(batch, 1), (ids.diff(dim=1) != 0).long().cumsum(dim=1)], dim=1)
+    turns = int(dense.max()) + 1
+    keep = mask != 0
+    turn_rewards = mask.new_zeros(batch, turns).scatter_add_(1, dense, masked(rewards.float(), mask))
+    positions = torch.arange(time, device=mask.device).expand(batch, time)
+    first = torch.full((batch, turns), time, dtype=torch.long, device=mask.device)
+    first = first.scatter_reduce(1, dense, torch.where(keep, positions, time), "amin", include_self=True)
+    has_tokens = first < time
+    turn_values = values.float().gather(1, first.clamp(max=time - 1))
+    turn_values = torch.where(has_tokens, turn_values, torch.zeros_like(turn_values))
+    turn_adv, turn_returns = compute_gae(turn_rewards, turn_values, has_tokens.float(), gamma, lam)
+    return masked(turn_adv.gather(1, dense), mask), masked(turn_returns.gather(1, dense), mask)
+
+
 def token_rewards(
     reward: torch.Tensor,
     mask: torch.Tensor,
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    turn_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token rewards: the sample's scalar reward on its last masked-in token, minus a KL penalty.
+    """Per-token rewards: the sample's scalar reward on its last masked-in token, plus the per-turn
+    rewards, minus a KL penalty.
 
-    ``r_t = reward * [t == last] - kl_coef * kl_t`` for masked-in tokens, 0 elsewhere.
-    ``reward`` is ``[B]``, ``mask`` and ``kl`` are ``[B, T]``. A sample without any masked-in token
-    gets no reward.
+    ``r_t = reward * [t == last] + turn_reward_t - kl_coef * kl_t`` for masked-in tokens, 0 elsewhere.
+    ``reward`` is ``[B]``, ``mask``, ``kl`` and ``turn_rewards`` are ``[B, T]``. With the loss mask as
+    ``mask`` the outcome lands on the last generated token, also when observation tokens follow it. A
+    sample without any masked-in token gets no reward.
     """
     mask = mask.float()
     batch, time = mask.shape
@@ -103,6 +193,8 @@ def token_rewards(
     has_token = last >= 0
     rows = torch.arange(batch, device=mask.device)[has_token]
     out[rows, last[has_token]] = reward.float()[has_token]
+    if turn_rewards is not None:
+        out = out + masked(turn_rewards.float(), mask)
     if kl is not None and kl_coef != 0.0:
         out = out - kl_coef * masked(kl.float(), mask)
     return out
