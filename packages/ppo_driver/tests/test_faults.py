@@ -294,3 +294,22 @@ def test_starting_over_moves_the_earlier_run_aside(tmp_path: Path) -> None:
     # The new run's checkpoints are its own: nothing of the earlier run is pruned into or resumed from.
     ck.write_checkpoint(root, 2, _write, keep=1)
     assert ck.latest_complete(root) == (2, root / "step_000002")
+
+
+def test_the_first_signal_is_echoed(capfd: pytest.CaptureFixture[str]) -> None:
+    with StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert signals.requested == signal.SIGINT
+    assert (
+        capfd.readouterr().err == "SIGINT: stopping after this step (saved there); Ctrl-C again to stop now\n"
+    )
+    seen = threading.Event()
+    with StopSignals(on_second=lambda signum: None) as signals:  # the counting thread's path
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):
+            if "SIGTERM again" in (text := capfd.readouterr().err):
+                seen.set()
+                break
+            time.sleep(0.05)
+    assert seen.is_set()
+    assert text == "SIGTERM: stopping after this step (saved there); SIGTERM again to stop now\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -34,7 +35,9 @@ def test_reward_import_and_function(tmp_path: Path) -> None:
 
 
 def test_model_path(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"model.path='/no/model' does not exist; set it to a local"):
+    with pytest.raises(
+        ConfigError, match=r"model.path='/no/model' does not exist \(no folder /no/model\); make it"
+    ):
         _check("model.path=/no/model")
     with pytest.raises(ConfigError, match=r"hf download someorg/nomodel-xyz --local-dir DIR"):
         _check("model.path=someorg/nomodel-xyz")
@@ -136,3 +139,175 @@ def test_megatron_backend_rules(tmp_path: Path) -> None:
     # The torch backend has no tensor parallelism: the config itself refuses the combination.
     with pytest.raises(ConfigError, match=r"train.tensor_parallel=2 needs train.backend='megatron'"):
         _check("train.tensor_parallel=2")
+
+
+# --- what a user meets in the first hour ---------------------------------------------------------
+
+CHAT = (
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+def _chat_model(folder: Path) -> Path:
+    """The tiny model's folder with a chat template in its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ppo_rollout.tasks import make_tiny_model
+
+    make_tiny_model("copy", folder, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _chat_rows(path: Path, n: int = 6) -> Path:
+    rows = [{"prompt": [{"role": "user", "content": f"{i}{i}"}], "label": f"{i}{i}"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_chat_dataset_passes_with_chat_template(tmp_path: Path) -> None:
+    """A prompt field holding a list of {role, content} messages, with rollout.chat_template=true."""
+    model = _chat_model(tmp_path / "m")
+    data = _chat_rows(tmp_path / "chat.jsonl")
+    base = [
+        "rollout.task=null",
+        f"model.path={model}",
+        "rollout.reward=exact_match",
+        f"rollout.dataset={data}",
+    ]
+    _check(*base, "rollout.chat_template=true")
+    report = preflight.check_dataset(load_config(None, [*base, "rollout.chat_template=true"]))
+    assert report is not None and report.startswith("6 prompts")
+    with pytest.raises(ConfigError, match=r"a list of messages needs rollout.chat_template=true"):
+        _check(*base)
+
+
+def test_a_damaged_model_folder_is_named_under_model_path(tmp_path: Path) -> None:
+    from ppo_rollout.tasks import make_tiny_model
+
+    model = make_tiny_model("copy", tmp_path / "m", seed=0)
+    _check(f"model.path={model}")
+    weights = model / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ConfigError) as info:
+        _check(f"model.path={model}")
+    text = str(info.value)
+    assert (
+        f"model.path='{model}': {weights} is truncated or damaged ({len(whole) // 2} of {len(whole)} bytes)"
+        in text
+    )
+    assert len(text.splitlines()) == 2  # the heading and one line
+    weights.write_bytes(whole)
+    (model / "config.json").write_text('{"hidden_size": 64,')
+    with pytest.raises(ConfigError, match=r"model.path=.*config.json is not valid JSON"):
+        _check(f"model.path={model}")
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"model.path=.*: the folder has no tokenizer \(tokenizer.json"):
+        _check(f"model.path={model}")
+
+
+def test_a_missing_local_model_path_says_how_to_make_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ConfigError) as info:
+        _check("model.path=models/smollm2-135m-instruct")
+    text = str(info.value)
+    assert "`ppo-driver import-model SRC models/smollm2-135m-instruct`" in text
+    assert "hf download" not in text
+    with pytest.raises(ConfigError, match=r"hf download someorg/nomodel-xyz"):  # no such local folder
+        _check("model.path=someorg/nomodel-xyz")
+
+
+def test_paths_starting_with_a_tilde_are_the_home_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1"}\n')
+    (tmp_path / "e.jsonl").write_text('{"prompt": "2"}\n')
+    sets = [
+        "rollout.task=null",
+        "model.path=~/m",
+        "rollout.reward=exact_match",
+        "rollout.dataset=~/d.jsonl",
+        "rollout.eval_dataset=~/e.jsonl",
+        "logging.run_dir=~/runs/x",
+        "checkpoint.dir=~/ck",
+    ]
+    config = load_config(None, sets)
+    assert config.rollout.dataset == str(tmp_path / "d.jsonl")
+    assert config.rollout.eval_dataset == str(tmp_path / "e.jsonl")
+    assert config.logging.run_dir == str(tmp_path / "runs" / "x")
+    assert config.checkpoint.dir == str(tmp_path / "ck")
+    assert config.model.path == str(tmp_path / "m")
+    preflight.check(config, run_dir=Path(config.logging.run_dir))
+
+
+def test_an_eval_file_sharing_prompts_with_the_training_file_is_counted(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    train = tmp_path / "t.jsonl"
+    train.write_text("".join(json.dumps({"prompt": str(i)}) + "\n" for i in range(10)))
+    held = tmp_path / "e.jsonl"
+    held.write_text("".join(json.dumps({"prompt": str(i)}) + "\n" for i in range(7, 13)))
+    base = ["rollout.task=null", f"model.path={tmp_path / 'm'}", "rollout.reward=exact_match"]
+    config = load_config(None, [*base, f"rollout.dataset={train}", f"rollout.eval_dataset={held}"])
+    assert preflight.check(config) == [
+        f"rollout.eval_dataset: 3 of the 6 evaluation prompts are also in rollout.dataset ({train}), so "
+        "the evaluation is not held out; remove them from one of the two files"
+    ]
+    config = load_config(None, [*base, f"rollout.dataset={train}", f"rollout.eval_dataset={train}"])
+    assert "10 of the 10 evaluation prompts" in preflight.check(config)[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1]\n")
+    with pytest.raises(ConfigError, match=r"rollout.eval_dataset=.*bad.jsonl:1: a list"):
+        _check(*base, f"rollout.dataset={train}", f"rollout.eval_dataset={bad}")
+
+
+def test_a_local_cuda_run_counts_its_gpus_before_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = load_config(REPO / "configs" / "2gpu-disaggregate.yaml")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError, match=r"placement needs 2 GPUs but CUDA_VISIBLE_DEVICES shows 0; set "):
+        preflight.check_devices(config)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    preflight.check_devices(config)
+    preflight.check_devices(load_config(REPO / "configs" / "2gpu-disaggregate.yaml", ["ray.address=auto"]))
+
+
+def test_the_object_store_floor_is_rays() -> None:
+    with pytest.raises(
+        ConfigError, match=r"ray.object_store_memory_mb: Input should be greater than or equal to 75"
+    ):
+        load_config(None, ["ray.object_store_memory_mb=64"])
+    load_config(None, ["ray.object_store_memory_mb=75"])
+
+
+def test_a_ray_address_where_nothing_listens_is_refused_at_once() -> None:
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens
+    config = load_config(None, [f"ray.address=127.0.0.1:{port}"])
+    start = time.monotonic()
+    with pytest.raises(
+        ConfigError,
+        match=rf"ray.address='127.0.0.1:{port}': nothing answers at 127.0.0.1:{port} \(Connection refused",
+    ):
+        preflight.check_ray_address(config)
+    assert time.monotonic() - start < 5
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        preflight.check_ray_address(
+            load_config(None, [f"ray.address=ray://127.0.0.1:{server.getsockname()[1]}"])
+        )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
 from ppo_rollout.config import RolloutConfig
+from ppo_rollout.data import NEXT_EPOCH, DatasetChangedError, JsonlPrompts
 from ppo_rollout.prompts import check_dataset
 
 # The tiny model's char tokenizer: one token per character plus <bos>; 64 positions.
@@ -58,3 +60,49 @@ def test_a_prompt_past_the_models_positions_is_named_by_line(tiny_model: Path, t
         "model's max_position_embeddings 64",
     ):
         check_dataset(_config(tiny_model, dataset))
+
+
+def _rows(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"prompt": str(i)}) + "\n" for i in range(n)))
+    return path
+
+
+def test_a_saved_position_holds_the_files_row_count_and_hash(tmp_path: Path) -> None:
+    data = _rows(tmp_path / "d.jsonl", 128)
+    source = JsonlPrompts(data, "prompt", 3)
+    source.next_rows(90)
+    state = source.state_dict()
+    assert (state["rows"], state["epoch"], state["offset"]) == (128, 0, 90)
+    assert state["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    again = JsonlPrompts(data, "prompt", 3)
+    again.load_state_dict(state)
+    assert again.next_rows(5) == source.next_rows(5)  # the same file: the same prompts follow
+
+
+@pytest.mark.parametrize("rows", [64, 129])  # cut below the position; longer (reshuffled silently before)
+def test_a_changed_file_refuses_the_saved_position(tmp_path: Path, rows: int) -> None:
+    data = _rows(tmp_path / "d.jsonl", 128)
+    source = JsonlPrompts(data, "prompt", 3)
+    source.next_rows(90)
+    state = source.state_dict()
+    _rows(data, rows)
+    changed = JsonlPrompts(data, "prompt", 3)
+    with pytest.raises(
+        DatasetChangedError, match=rf"the file changed since the checkpoint \(128 rows, .*; {rows} rows"
+    ):
+        changed.load_state_dict(state)
+    changed.load_state_dict({**state, "on_change": NEXT_EPOCH})  # accepted: a new epoch of the new file
+    assert (changed.epoch, changed.offset) == (1, 0)
+    assert len(changed.next_rows(rows)) == rows
+
+
+def test_a_position_saved_without_a_fingerprint_is_held_to_the_row_count(tmp_path: Path) -> None:
+    data = _rows(tmp_path / "d.jsonl", 10)
+    source = JsonlPrompts(data, "prompt", 3)
+    old = {"kind": "jsonl", "path": str(data), "epoch": 0, "offset": 8}
+    source.load_state_dict(old)
+    _rows(data, 5)
+    with pytest.raises(
+        DatasetChangedError, match=r"the saved position \(epoch 0, row 8\) is past its 5 rows"
+    ):
+        JsonlPrompts(data, "prompt", 3).load_state_dict(old)

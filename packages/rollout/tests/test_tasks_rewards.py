@@ -149,3 +149,31 @@ def test_good_reward_results_are_floats() -> None:
     assert out == [1.0, 0.25]
     assert compute_rewards(lambda s: [3.4e38, -3.4e38], [_inp("1", "1"), _inp("2", "2")]) == [3.4e38, -3.4e38]
     assert all(type(x) is float for x in out)
+
+
+def test_a_reward_that_never_returns_is_stopped_at_its_timeout() -> None:
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def hangs(samples: object) -> list[float]:
+        release.wait(60)  # a judge service that stopped answering
+        return [0.0, 0.0]
+
+    samples = [
+        RewardInput("p", "r", (1,), "stop", {}, prompt_index=3),
+        RewardInput("q", "r", (1,), "stop", {}, prompt_index=5),
+    ]
+    start = time.monotonic()
+    with pytest.raises(RewardError) as info:
+        compute_rewards(hangs, samples, timeout_s=0.3)
+    release.set()
+    assert time.monotonic() - start < 5
+    text = str(info.value)
+    assert "\n" not in text
+    assert (
+        "hangs (rollout.reward) did not return within rollout.reward_timeout_s=0.3 s for 2 samples " in text
+    )
+    assert "(prompt_index 3 to 5)" in text
+    assert compute_rewards(lambda s: [1.0] * len(s), samples, timeout_s=5) == [1.0, 1.0]

@@ -11,13 +11,22 @@ from ppo_placement.groups import (
     describe_cluster,
     remove_placement_groups,
 )
-from ppo_placement.layout import ROLES, SHARED_FRACTION, Layout, RoleLayout, plan_layout
+from ppo_placement.layout import (
+    NODE_RESOURCE_SHARE,
+    ROLES,
+    SHARED_FRACTION,
+    Layout,
+    RoleLayout,
+    bundle_resources,
+    plan_layout,
+)
 from ppo_placement.order import bundle_sort_key, node_key, sort_bundles
 from ppo_placement.spec import CriticMode, PlacementSpec
 
 __version__ = "0.2.0"
 
 __all__ = [
+    "NODE_RESOURCE_SHARE",
     "ROLES",
     "SHARED_FRACTION",
     "CriticMode",
@@ -28,6 +37,7 @@ __all__ = [
     "RoleLayout",
     "RoleSlots",
     "__version__",
+    "bundle_resources",
     "bundle_sort_key",
     "create_placement_groups",
     "describe_cluster",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from ppo_placement.layout import Layout, plan_layout
+from ppo_placement.layout import Layout, bundle_resources, plan_layout
 from ppo_placement.order import Resolver, sort_bundles
 from ppo_placement.spec import PlacementSpec
 
@@ -83,10 +83,13 @@ def describe_cluster() -> str:
     return "\n".join(lines)
 
 
-def _asked(layout: Layout) -> str:
+def _asked(layout: Layout, spec: PlacementSpec) -> str:
     per = ", ".join(f"{k}={v:g}" for k, v in layout.bundle.items())
     total = ", ".join(f"{v * layout.num_bundles:g} {k}" for k, v in layout.bundle.items())
-    return f"{layout.num_bundles} bundles of {{{per}}} (in all {total}) with strategy PACK"
+    tags = "".join(
+        f"; the {role}'s bundles on nodes with resource {name!r}" for role, name in spec.node_resources
+    )
+    return f"{layout.num_bundles} bundles of {{{per}}} (in all {total}) with strategy PACK{tags}"
 
 
 def create_placement_groups(
@@ -110,13 +113,13 @@ def create_placement_groups(
     if layout.num_bundles == 0:
         return Placements(layout=layout, placement_group=None, slots=MappingProxyType({}))
 
-    pg = placement_group([dict(layout.bundle) for _ in range(layout.num_bundles)], strategy="PACK")
+    pg = placement_group(bundle_resources(layout, spec), strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         cluster = describe_cluster()
         remove_placement_group(pg)
         raise PlacementTimeoutError(
-            f"placement group not ready after {timeout_s:g} s: asked for {_asked(layout)}; {cluster}"
+            f"placement group not ready after {timeout_s:g} s: asked for {_asked(layout, spec)}; {cluster}"
         )
 
     probe = _probe_task(spec.use_gpus, spec.cpus_per_bundle)
@@ -142,7 +145,7 @@ def create_placement_groups(
     order = sort_bundles(where, resolve)
     slots: dict[str, RoleSlots] = {}
     for role, part in layout.roles.items():
-        picked = order[part.offset : part.offset + part.count]
+        picked = _pick(order, part.positions, by_role=bool(spec.node_resources))
         slots[role] = RoleSlots(
             placement_group=pg,
             bundle_indices=tuple(picked),
@@ -152,6 +155,15 @@ def create_placement_groups(
             node_ips=tuple(where[i][0] for i in picked),
         )
     return Placements(layout=layout, placement_group=pg, slots=MappingProxyType(slots))
+
+
+def _pick(order: list[int], positions: range, *, by_role: bool) -> list[int]:
+    """A role's bundles: its positions in the sorted order; with node resources, the bundles requested
+    for it (which carry its resource), in the sorted order among themselves."""
+    if not by_role:
+        return order[positions.start : positions.stop]
+    rank = {index: at for at, index in enumerate(order)}
+    return sorted(positions, key=rank.__getitem__)
 
 
 def remove_placement_groups(placements: Placements) -> None:

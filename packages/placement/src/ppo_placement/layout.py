@@ -10,6 +10,10 @@ from ppo_placement.spec import PlacementSpec
 
 ROLES: tuple[str, ...] = ("actor", "critic", "rollout")
 
+# How much of its node resource (``PlacementSpec.node_resources``) one bundle asks for: a node tagged
+# with 1 of it takes up to 1000 bundles, so the tag chooses nodes without limiting how many bundles fit.
+NODE_RESOURCE_SHARE = 0.001
+
 # A role that shares its bundles with another role asks for this fraction of each bundle's GPU
 # (and of its CPUs). The three together fill exactly one GPU, so any mix of them fits a bundle.
 SHARED_FRACTION: Mapping[str, float] = MappingProxyType({"actor": 0.4, "critic": 0.4, "rollout": 0.2})
@@ -109,3 +113,18 @@ def plan_layout(spec: PlacementSpec) -> Layout:
         engine_count=engine_count,
         bundle=MappingProxyType(bundle),
     )
+
+
+def bundle_resources(layout: Layout, spec: PlacementSpec) -> list[dict[str, float]]:
+    """Each bundle's resources, in request order: ``layout.bundle``, plus ``NODE_RESOURCE_SHARE`` of the
+    node resource of every role placed on it (``spec.node_resources``; roles sharing a bundle need a
+    node that has all of theirs)."""
+    tags = dict(spec.node_resources)
+    bundles = []
+    for i in range(layout.num_bundles):
+        bundle = dict(layout.bundle)
+        for role, part in layout.roles.items():
+            if role in tags and i in part.positions:
+                bundle[tags[role]] = NODE_RESOURCE_SHARE
+        bundles.append(bundle)
+    return bundles

@@ -7,6 +7,8 @@ from typing import Literal
 
 CriticMode = Literal["none", "shared", "dedicated"]
 CRITIC_MODES: tuple[str, ...] = ("none", "shared", "dedicated")
+# Resources Ray defines itself: a bundle already asks for CPU/GPU, and "node:<ip>" is Ray's own tag.
+_RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 def _require_int(name: str, value: object, minimum: int) -> None:
@@ -39,6 +41,9 @@ class PlacementSpec:
     external_rollout: bool = False
     use_gpus: bool = True
     cpus_per_bundle: float = 1.0
+    # (role, custom resource): that role's bundles also ask for a little of the resource, so they land
+    # only on nodes started with it (``ray start --resources '{"NAME": 1}'``); see ``bundle_resources``.
+    node_resources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for flag in ("colocate", "train_only", "rollout_only", "external_rollout", "use_gpus"):
@@ -76,6 +81,30 @@ class PlacementSpec:
         if not self.cpus_per_bundle > 0:
             raise ValueError(f"cpus_per_bundle must be > 0, got {self.cpus_per_bundle}; set it to e.g. 1.0")
         self._check_critic()
+        self._check_node_resources()
+
+    def _check_node_resources(self) -> None:
+        placed = {"actor": self.actor_gpus > 0, "critic": self.critic != "none"}
+        placed["rollout"] = not (self.train_only or self.external_rollout)
+        roles = [role for role, _ in self.node_resources]
+        for role, name in self.node_resources:
+            if role not in placed:
+                raise ValueError(
+                    f"node_resources names role {role!r}; the roles are actor, critic and rollout"
+                )
+            if not placed[role]:
+                raise ValueError(f"node_resources names the {role}, which this run does not place: drop it")
+            if roles.count(role) > 1:
+                raise ValueError(f"node_resources names the {role} twice: give each role one resource")
+            if not isinstance(name, str) or not name.strip() or name != name.strip():
+                raise ValueError(
+                    f"node_resources[{role}] must be a resource name without spaces around it, got {name!r}"
+                )
+            if name in _RAY_RESOURCES or name.startswith("node:"):
+                raise ValueError(
+                    f"node_resources[{role}]={name!r} is one of Ray's own resources; tag the nodes with a "
+                    "custom one (ray start --resources '{\"train\": 1}') and name that"
+                )
 
     def _check_critic(self) -> None:
         if self.critic == "none":

@@ -35,6 +35,7 @@ def placement_spec(config: RunConfig) -> PlacementSpec:
         critic_gpus=p.critic_gpus,
         use_gpus=p.device == "cuda",
         cpus_per_bundle=p.cpus_per_bundle,
+        node_resources=tuple(sorted(p.node_resources.items())),
     )
 
 
@@ -62,7 +63,7 @@ def trainer_algorithm(config: RunConfig) -> AlgorithmConfig:
     (``loss_scale_factor``) defaults to the longest response the rollout may give."""
     a = config.algorithm
     if a.loss_aggregation == "seq_mean_token_sum_norm" and a.loss_scale_factor is None:
-        return dataclasses.replace(a, loss_scale_factor=config.rollout.sampling.max_new_tokens)
+        return dataclasses.replace(a, loss_scale_factor=config.rollout.longest_response)
     return a
 
 

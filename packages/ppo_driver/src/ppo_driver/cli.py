@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 
-from ppo_driver import __version__, preflight
+from ppo_driver import __version__, preflight, resume_checks
 from ppo_driver.config import ConfigError, RunConfig, dump_config, load_config
 from ppo_driver.startup import StartupClock
 
@@ -233,10 +233,21 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     return config
 
 
+def _print_warnings(warned: Sequence[str]) -> None:
+    err = Console(stderr=True, soft_wrap=True)
+    for line in warned:
+        err.print(f"[yellow]warning:[/] {line}", highlight=False)
+
+
+def _checkpoint_root(config: RunConfig, run_dir: Path) -> Path:
+    """Where the run keeps its checkpoints (``loop.setup``'s rule)."""
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+
+
 def _validate(args: argparse.Namespace, console: Console) -> int:
     config = resolve(args)
     run_dir = Path(config.logging.run_dir) if config.logging.run_dir else None
-    preflight.check(config, run_dir=run_dir)
+    _print_warnings(preflight.check(config, run_dir=run_dir))
     checked = preflight.check_dataset(config)
     console.print(dump_config(config), highlight=False, markup=False)
     if checked is not None:
@@ -298,6 +309,22 @@ def _import_model(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def print_whole(console: Console, table: RenderableType) -> None:
+    """A table at its natural width: Rich fits a table to the console, 80 columns when the output is
+    not a terminal (``tee``, ``nohup``, CI logs), which cut the column names short."""
+    from rich.measure import Measurement
+
+    if console.is_terminal:
+        console.print(table)
+        return
+    width = Measurement.get(console, console.options.update_width(100_000), table).maximum
+    if width <= console.width:
+        console.print(table)
+        return
+    wide = Console(file=console.file, width=width, color_system=console.color_system, soft_wrap=True)
+    wide.print(table)
+
+
 ERROR_LOG = "error.log"
 
 
@@ -323,8 +350,13 @@ def _train(args: argparse.Namespace, console: Console, startup: StartupClock) ->
             sys.dont_write_bytecode = False
         logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
         run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
-        preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
+        warned = preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
+        preflight.check_devices(config)  # a local cuda run's GPUs, counted before Ray waits for them
+        preflight.check_ray_address(config)  # a cluster to join answers at its address
         checked = preflight.check_dataset(config)  # every prompt, tokenized as the run will
+        # What resuming from the run's checkpoint folder would mix (another run, model, data, lr).
+        resume_checks.check(config, run_dir, _checkpoint_root(config, run_dir))
+        _print_warnings(warned)
     with startup.part("driver imports"):  # torch, Ray, transformers
         from ppo_driver.faults import RunFailed
         from ppo_driver.loop import train
@@ -358,10 +390,10 @@ def _train(args: argparse.Namespace, console: Console, startup: StartupClock) ->
     if result.finished_at is not None:  # already at train.steps: nothing ran, nothing to compare
         return 0
     if result.history:
-        console.print(summary_table(result.history, run_dir))
-        console.print(budget_table(result.history))
+        print_whole(console, summary_table(result.history, run_dir))
+        print_whole(console, budget_table(result.history))
     if result.startup is not None:
-        console.print(startup_table(result.startup, result.history))
+        print_whole(console, startup_table(result.startup, result.history))
     status = "match" if result.weights_match else "DIFFER"
     console.print(
         f"engines hold the actor's final weights: {status} (actor {result.actor_checksum[:12]})",

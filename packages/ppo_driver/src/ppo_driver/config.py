@@ -69,12 +69,23 @@ class TinyModelConfig(_Section):
         return self
 
 
+def expand_home(value: Any) -> Any:
+    """``~`` at the start of a path setting is the user's home, as in a shell (a YAML file and
+    ``--set a=~/x`` do not expand it)."""
+    return str(Path(value).expanduser()) if isinstance(value, str) and value.startswith("~") else value
+
+
 class ModelConfig(_Section):
     path: str | None = Field(
         default=None, description="Hugging Face model folder; null: the built-in tiny model"
     )
+    _home = field_validator("path", mode="before")(expand_home)
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: DType = Field(default="auto", description="compute dtype; auto: bfloat16 on cuda, float32 on cpu")
+
+
+# Resources Ray defines itself, which placement.node_resources cannot name.
+_RAY_OWN = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 class PlacementConfig(_Section):
@@ -97,6 +108,24 @@ class PlacementConfig(_Section):
         default=None, ge=1, description="dedicated critic only; null: same as actor"
     )
     cpus_per_bundle: float = Field(default=1.0, gt=0, description="CPUs per placement bundle on CPU runs")
+    node_resources: dict[Literal["actor", "critic", "rollout"], str] = Field(
+        default_factory=dict,
+        description="role -> a custom resource its nodes were started with (ray start --resources "
+        "'{\"train\": 1}'): the role runs only there, e.g. {actor: train, critic: train, rollout: "
+        "engines}; empty: any node (docs/guide/cluster.md)",
+    )
+
+    @model_validator(mode="after")
+    def _node_resources(self) -> PlacementConfig:
+        for role, name in self.node_resources.items():
+            if not name.strip() or name != name.strip() or name in _RAY_OWN or name.startswith("node:"):
+                raise ValueError(
+                    f"placement.node_resources.{role}={name!r}: name a custom resource the nodes were "
+                    "started with (ray start --resources '{\"train\": 1}'), not one of Ray's own"
+                )
+        if "critic" in self.node_resources and self.critic == "none":
+            raise ValueError("placement.node_resources.critic is set but placement.critic='none'; remove it")
+        return self
 
     @property
     def colocate(self) -> bool:
@@ -184,14 +213,22 @@ class OffloadSection(_Section):
 
 class CheckpointSection(_Section):
     dir: str | None = Field(default=None, description="null: <run_dir>/checkpoints")
+    _home = field_validator("dir", mode="before")(expand_home)
     interval: int = Field(default=60, ge=0, description="save every N steps; 0: only at the end")
     save_final: bool = True
     resume: bool = Field(default=True, description="resume from the latest complete checkpoint in dir")
     keep: int = Field(default=2, ge=1, description="complete checkpoints kept; older ones are deleted")
+    accept_changes: tuple[Literal["dataset", "lr_rise", "other_run"], ...] = Field(
+        default=(),
+        description="what a resume takes on purpose, else refuses: dataset (the training file changed: "
+        "go on from a new epoch of it), lr_rise (new train.steps or schedule raise the learning rate), "
+        "other_run (the checkpoints in checkpoint.dir were written by a run in another folder)",
+    )
 
 
 class LoggingSection(_Section):
     run_dir: str | None = Field(default=None, description="null: runs/<date-time>; --run-dir overrides")
+    _home = field_validator("run_dir", mode="before")(expand_home)
     tensorboard: bool = Field(
         default=True, description="write TensorBoard events when tensorboard is installed"
     )
@@ -205,7 +242,8 @@ class RayConfig(_Section):
         default=None, description="join this Ray cluster; null: start a local instance"
     )
     num_cpus: int = Field(default=4, ge=1, description="logical CPUs of the local instance")
-    object_store_memory_mb: int = Field(default=256, ge=64)
+    # Ray refuses an object store under 75 MB (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
+    object_store_memory_mb: int = Field(default=256, ge=75, description="the local instance's object store")
     timeout_s: float = Field(default=600.0, gt=0, description="limit on each cross-process wait")
     write_bytecode: bool = Field(
         default=True,

@@ -15,6 +15,7 @@ import math
 import re
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -122,6 +123,15 @@ class Interrupted(Exception):
         self.step = step
 
 
+def echo_first(signum: int) -> None:
+    """Say that the first signal was heard: the run goes on to the end of its step, which can take
+    minutes, and a user who sees nothing presses Ctrl-C again."""
+    name = signal.Signals(signum).name
+    again = "Ctrl-C" if signum == signal.SIGINT else name
+    sys.stderr.write(f"{name}: stopping after this step (saved there); {again} again to stop now\n")
+    sys.stderr.flush()
+
+
 class StopSignals:
     """Within the block, the first SIGINT/SIGTERM sets ``requested``; a second one calls ``on_second``
     (which does not return: it ends the run's processes and exits), or without it raises
@@ -150,6 +160,7 @@ class StopSignals:
             self._restore()
             raise KeyboardInterrupt
         self.requested = signum
+        echo_first(signum)
 
     def _count(self, reader: socket.socket) -> None:
         seen = 0
@@ -165,6 +176,8 @@ class StopSignals:
                     continue
                 seen += 1
                 self.requested = self.requested or signum
+                if seen == 1:
+                    echo_first(signum)
                 if seen >= 2 and self._on_second is not None:
                     self._on_second(signum)
 

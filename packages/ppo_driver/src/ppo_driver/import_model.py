@@ -12,12 +12,21 @@ prompt through the chat template. Nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["CheckResult", "ImportReport", "Source", "check_folder", "import_model", "resolve_source"]
+__all__ = [
+    "CheckResult",
+    "ImportReport",
+    "Source",
+    "check_folder",
+    "check_source",
+    "import_model",
+    "resolve_source",
+]
 
 DType = Literal["float32", "bfloat16"]
 CHECK_QUESTION = "What is 2 + 3?"
@@ -77,6 +86,32 @@ def resolve_source(src: str | Path) -> Source:
     raise ValueError(f"{path}: no such file or folder; give a GGUF file or a Hugging Face model folder")
 
 
+def check_source(source: Source) -> None:
+    """``ValueError`` in one line when a source file is cut short or its header is damaged: the
+    GGUF file, or a folder's ``config.json`` and ``.safetensors`` files, each against its own table."""
+    from ppo_driver.model_files import gguf_problem, safetensors_problem
+
+    if source.kind == "gguf":
+        try:
+            import gguf  # noqa: F401 - its block sizes size the tensors
+        except ImportError:
+            return  # _load says how to install it
+        problem = gguf_problem(source.folder / (source.gguf_file or ""))
+        if problem is not None:
+            raise ValueError(f"{problem}; copy or download it again")
+        return
+    try:
+        json.loads((source.folder / "config.json").read_text())
+    except ValueError as exc:
+        raise ValueError(
+            f"{source.folder / 'config.json'} is not valid JSON ({exc}); copy or download it again"
+        ) from None
+    for weights in sorted(source.folder.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem is not None:
+            raise ValueError(f"{problem}; copy or download it again")
+
+
 def _load(source: Source) -> tuple[Any, Any]:
     """(the model in float32, the tokenizer), both from ``source``."""
     import torch
@@ -128,6 +163,7 @@ def import_model(
     import torch
 
     source = resolve_source(src)
+    check_source(source)  # a damaged file is named now, not by a traceback from deep in the loader
     out = Path(out)
     if out.exists() and not force:
         raise ValueError(f"{out} already exists; remove it or pass --force to replace it")

@@ -235,6 +235,8 @@ def setup(
     ckpt_root = Path(config.checkpoint.dir).resolve() if config.checkpoint.dir else run_dir / "checkpoints"
     with clock.part("run folder"):
         stack.enter_context(RunLock(run_dir))  # creates run_dir; refuses a second run in it
+        if not ckpt_root.is_relative_to(run_dir):  # a checkpoint.dir of its own: one run at a time too
+            stack.enter_context(RunLock.checkpoints(ckpt_root, run_dir))
         # The content hashes of the checkpoints to resume from are checked while Ray and the roles start.
         verified = checkpoint.BackgroundVerify(ckpt_root) if config.checkpoint.resume else None
         done = resume.already_done(ckpt_root, verified, config.train.steps)
@@ -248,7 +250,7 @@ def setup(
     seed_everything(config.train.seed)
     roles = _start_roles(config, run_dir, model_path, stack, console, roles_factory, clock)
     with clock.part("offload plan"):
-        phases, saver, overlap = _turn_taking(config, roles, ckpt_root, where, stack, console)
+        phases, saver, overlap = _turn_taking(config, roles, run_dir, ckpt_root, where, stack, console)
     start = 0
     if verified is not None:
         # Resume: model, optimizer, critic, step, RNG and data position from the latest checkpoint that
@@ -362,7 +364,13 @@ def _start_roles(
 
 
 def _turn_taking(
-    config: RunConfig, roles: Roles, ckpt_root: Path, where: Where, stack: ExitStack, console: Console
+    config: RunConfig,
+    roles: Roles,
+    run_dir: Path,
+    ckpt_root: Path,
+    where: Where,
+    stack: ExitStack,
+    console: Console,
 ) -> tuple[PhaseTracker, CheckpointSaver, OverlapChoice]:
     """The phase tracker that moves the roles, in the order ``offload.overlap`` picks, and the saver."""
     overlap = _choose_overlap(config, roles)  # measured now, with every role resident
@@ -375,7 +383,7 @@ def _turn_taking(
         ckpt_root,
         roles,
         phases,
-        lambda step: resume.driver_state(step, roles, config),
+        lambda step: resume.driver_state(step, roles, config, run_dir),
         keep=config.checkpoint.keep,
         cadence=Cadence(config.checkpoint.interval, config.train.steps, final=config.checkpoint.save_final),
     )

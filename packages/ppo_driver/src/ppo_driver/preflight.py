@@ -67,9 +67,11 @@ def check_yaml_file(path: Path) -> None:
         return
 
 
-def check(config: RunConfig, *, run_dir: Path | None = None) -> None:
-    """Raise ``ConfigError`` listing every problem found; ``run_dir`` also checks the folders."""
-    problems = [*_reward(config), *_model(config), *_dataset(config), *_backend(config)]
+def check(config: RunConfig, *, run_dir: Path | None = None) -> list[str]:
+    """Raise ``ConfigError`` listing every problem found; ``run_dir`` also checks the folders. Returns
+    the warnings (one line each) of a config that passes."""
+    data_problems, warnings = _dataset(config)
+    problems = [*_reward(config), *_model(config), *data_problems, *_backend(config)]
     if run_dir is not None:
         problems += _writable("--run-dir / logging.run_dir", run_dir)
         if config.checkpoint.dir:
@@ -79,6 +81,7 @@ def check(config: RunConfig, *, run_dir: Path | None = None) -> None:
         raise ConfigError(
             f"invalid config ({n} error{'s' if n > 1 else ''}):\n" + "\n".join(f"  - {p}" for p in problems)
         )
+    return warnings
 
 
 def _reward(config: RunConfig) -> list[str]:
@@ -125,22 +128,79 @@ def _model(config: RunConfig) -> list[str]:
         return []
     local = Path(path).expanduser()
     if local.is_dir():
-        if not (local / "config.json").is_file():
-            return [
-                f"model.path={path!r} is a folder without config.json; point it at a Hugging Face "
-                "model folder (config.json, weights and tokenizer files)"
-            ]
-        return []
+        return _model_folder(path, local)
     if local.exists():
         return [f"model.path={path!r} is a file; point it at the Hugging Face model folder that holds it"]
-    if _HUB_ID.match(path) and _in_hub_cache(path):
-        return []
+    if _HUB_ID.match(path) and not _looks_local(path):
+        if _in_hub_cache(path):
+            return []
+        return [
+            f"model.path={path!r} does not exist; set it to a local Hugging Face model folder (download "
+            f"one with `hf download {path} --local-dir DIR`, or make one from a GGUF file with "
+            "`ppo-driver import-model FILE.gguf DIR`), or to null for the built-in tiny model"
+        ]
     return [
-        f"model.path={path!r} does not exist; set it to a local Hugging Face model folder (download one "
-        f"with `hf download {path if _HUB_ID.match(path) else 'ORG/NAME'} --local-dir DIR`, or make one "
-        "from a GGUF file with `ppo-driver import-model FILE.gguf DIR`), or to null for the built-in tiny "
-        "model"
+        f"model.path={path!r} does not exist (no folder {local.absolute()}); make it with `ppo-driver "
+        f"import-model SRC {path}` (SRC: a .gguf file or a Hugging Face folder), or set model.path to an "
+        "existing model folder, or to null for the built-in tiny model"
     ]
+
+
+def _looks_local(path: str) -> bool:
+    """A path meant as a folder on this machine, not a hub id: it starts at ``/``, ``.`` or ``~``, or
+    its first part is a folder here (``models/my-model`` with ``models/`` present)."""
+    return path.startswith(("/", ".", "~")) or Path(path.split("/", 1)[0]).expanduser().is_dir()
+
+
+# A model folder's tokenizer: one of these files (fast tokenizer, SentencePiece, BPE or WordPiece vocab).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _model_folder(path: str, local: Path) -> list[str]:
+    """The folder's config parses, its safetensors files are whole, and with weights comes a tokenizer."""
+    from ppo_driver.model_files import safetensors_problem
+
+    field = f"model.path={path!r}"
+    config_json = local / "config.json"
+    if not config_json.is_file():
+        return [
+            f"{field} is a folder without config.json; point it at a Hugging Face model folder "
+            "(config.json, weights and tokenizer files)"
+        ]
+    try:
+        parsed = json.loads(config_json.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        return [f"{field}: {config_json} is not valid JSON ({exc}); copy it again from the model's source"]
+    if not isinstance(parsed, dict):
+        return [f"{field}: {config_json} holds a {type(parsed).__name__}, not a JSON object; copy it again"]
+    problems = []
+    weights = sorted(local.glob("*.safetensors"))
+    for file in weights:
+        problem = safetensors_problem(file)
+        if problem is not None:
+            problems.append(
+                f"{field}: {problem}; copy or download it again, or re-run `ppo-driver import-model`"
+            )
+    index = local / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (ValueError, AttributeError):
+            shards = set()
+            problems.append(f"{field}: {index} is not a valid safetensors index; copy it again")
+        missing = sorted(s for s in shards if not (local / s).is_file())
+        if missing:
+            problems.append(
+                f"{field}: the weights index names {len(missing)} missing file(s) ({', '.join(missing[:3])}); "
+                "copy the whole model folder"
+            )
+    has_weights = bool(weights) or any(local.glob("*.bin"))
+    if has_weights and not any((local / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(
+            f"{field}: the folder has no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the tokenizer files "
+            "from the model's source, or make the folder with `ppo-driver import-model`"
+        )
+    return problems
 
 
 def _backend(config: RunConfig) -> list[str]:
@@ -166,22 +226,51 @@ def _in_hub_cache(repo_id: str) -> bool:
     return snapshots.is_dir() and any(snapshots.iterdir())
 
 
-def _dataset(config: RunConfig) -> list[str]:
-    dataset = config.rollout.dataset
-    if dataset is None:
-        return []
-    path = Path(dataset).expanduser()
-    if not path.is_file():
-        return [
-            f"rollout.dataset={dataset!r} does not exist (or is not a file); give the path of a JSONL file"
-        ]
+def _dataset(config: RunConfig) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of the training and evaluation files, read as the run reads them."""
+    r = config.rollout
+    if r.dataset is None:
+        return [], []
     from ppo_rollout.data import JsonlPrompts
 
-    try:  # the whole file, as the run reads it: a bad line anywhere is found now
-        JsonlPrompts(path, config.rollout.prompt_field, config.train.seed)
-    except ValueError as exc:
-        return [f"rollout.dataset={dataset!r}: {exc}"]
-    return []
+    files: dict[str, JsonlPrompts] = {}
+    problems = []
+    for field, dataset in (("rollout.dataset", r.dataset), ("rollout.eval_dataset", r.eval_dataset)):
+        if dataset is None:
+            continue
+        path = Path(dataset).expanduser()
+        if not path.is_file():
+            problems.append(
+                f"{field}={dataset!r} does not exist (or is not a file: {path.absolute()}); give the path "
+                "of a JSONL file"
+            )
+            continue
+        try:  # the whole file, as the run reads it: a bad line anywhere is found now
+            files[field] = JsonlPrompts(path, r.prompt_field, config.train.seed, messages_ok=r.chat_template)
+        except ValueError as exc:
+            problems.append(f"{field}={dataset!r}: {exc}")
+    train, held_out = files.get("rollout.dataset"), files.get("rollout.eval_dataset")
+    if train is None or held_out is None:
+        return problems, []
+    return problems, _shared_prompts(train, held_out, r.prompt_field, r.eval_prompts)
+
+
+def _shared_prompts(train: Any, held_out: Any, field: str, eval_prompts: int) -> list[str]:
+    """A warning when prompts of the evaluation file (the rows an evaluation uses) are in the
+    training file: the evaluation would then measure prompts the run trains on."""
+
+    def key(row: dict[str, Any]) -> str:
+        return json.dumps(row.get(field), sort_keys=True)
+
+    trained = {key(row) for row in train.rows}
+    used = held_out.rows[:eval_prompts]
+    shared = sum(key(row) in trained for row in used)
+    if not shared:
+        return []
+    return [
+        f"rollout.eval_dataset: {shared} of the {len(used)} evaluation prompts are also in rollout.dataset "
+        f"({train.path}), so the evaluation is not held out; remove them from one of the two files"
+    ]
 
 
 def check_dataset(config: RunConfig) -> str | None:
@@ -225,3 +314,56 @@ def _writable(field: str, folder: Path) -> list[str]:
         what = "is not writable" if probe == folder else f"cannot be created: {probe} is not writable"
         return [f"{field}: {folder} {what}; pick a folder you can write to"]
     return []
+
+
+def visible_gpus() -> int:
+    """The NVIDIA GPUs a local run's Ray instance will see: ``CUDA_VISIBLE_DEVICES`` when set, else
+    the driver's list (``/proc/driver/nvidia/gpus``); read without CUDA, torch or Ray."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return sum(1 for _ in gpus.iterdir()) if gpus.is_dir() else 0
+
+
+def check_devices(config: RunConfig) -> None:
+    """A local run on cuda needs as many GPUs as its placement has bundles; else Ray waits for a
+    placement group that never comes. (A joined cluster's GPUs are Ray's to count.)"""
+    if config.placement.device != "cuda" or config.ray.address:
+        return
+    from ppo_driver import build
+    from ppo_placement import plan_layout
+
+    needed = plan_layout(build.placement_spec(config)).num_bundles
+    have = visible_gpus()
+    if have < needed:
+        where = "CUDA_VISIBLE_DEVICES" if "CUDA_VISIBLE_DEVICES" in os.environ else "this machine"
+        raise ConfigError(
+            f"invalid config (1 error):\n  - placement needs {needed} GPU{'s' if needed > 1 else ''} but "
+            f"{where} shows {have}; set placement.device=cpu, use fewer GPUs (placement.actor_gpus, "
+            "placement.rollout_gpus), or join a cluster that has them with --ray-address"
+        )
+
+
+def check_ray_address(config: RunConfig, timeout_s: float = 5.0) -> None:
+    """``ray.address`` as ``HOST:PORT`` or ``ray://HOST:PORT``: something listens there. (Ray itself
+    retries a closed port for minutes.) ``auto`` is Ray's to resolve."""
+    import socket
+
+    address = config.ray.address
+    if not address or address == "auto":
+        return
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+            return
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+    raise ConfigError(
+        f"invalid config (1 error):\n  - ray.address={address!r}: nothing answers at {host}:{port} "
+        f"({reason}, within {timeout_s:g} s); start the cluster there (`ray start --head`), fix the "
+        "address, or drop --ray-address for a local run"
+    )

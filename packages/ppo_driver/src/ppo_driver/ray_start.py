@@ -3,12 +3,17 @@ with start-up waits long enough for a loaded machine and one retry."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import ray
+import ray._private.worker
 from rich.console import Console
 
 from ppo_driver import children, reaper
@@ -23,6 +28,8 @@ def ray_session(config: RunConfig, console: Console) -> Iterator[None]:
         yield
         return
     watchdog: reaper.Reaper | None = None
+    session: Path | None = None
+    quiet_worker_deaths()
     if config.ray.address:
         ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
     else:
@@ -34,12 +41,61 @@ def ray_session(config: RunConfig, console: Console) -> Iterator[None]:
             if watchdog is not None:
                 watchdog.stop()
             raise
+        session = session_dir()
+    ok = False
     try:
         yield
+        ok = True
     finally:
         ray.shutdown()
         if watchdog is not None:
             watchdog.stop()  # whatever Ray's shutdown left running is ended now
+        if ok and session is not None:
+            remove_session(session)  # a failed run keeps Ray's logs of its workers
+
+
+def session_dir() -> Path | None:
+    """The folder the local Ray instance this process started writes to (``/tmp/ray/session_*``)."""
+    node = ray._private.worker._global_node
+    return Path(node.get_session_dir_path()) if node is not None else None
+
+
+def remove_session(session: Path) -> None:
+    """Remove a local run's Ray session folder (about 260 KB of logs and sockets a run, kept by Ray
+    forever), and the ``session_latest`` link when it names it. Only this run's own folder."""
+    if not session.name.startswith("session_"):
+        return
+    shutil.rmtree(session, ignore_errors=True)
+    latest = session.parent / "session_latest"
+    with contextlib.suppress(OSError):
+        if latest.is_symlink() and Path(os.readlink(latest)).name == session.name:
+            latest.unlink()
+
+
+# Ray's error listener prints each worker death as "(raylet) A worker died or was killed ..." on the
+# driver's stdout, above the run's own one-line report of the same death (``faults.RunFailed``).
+_WORKER_DEATH = "A worker died or was killed"
+_log = logging.getLogger(__name__)
+
+
+def quiet_worker_deaths() -> None:
+    """Route Ray's "(raylet) A worker died" notices to this module's debug log. Ray offers no switch:
+    its listener thread looks up ``print_to_stdstream`` in its module at each message, so the filter
+    wraps that function (the worker logs of ``logging.worker_logs`` go through their own handler)."""
+    worker_module = ray._private.worker
+    current = worker_module.print_to_stdstream
+    if getattr(current, "_ppo_quiet", False):
+        return
+
+    def filtered(data: dict[str, Any], ignore_prefix: bool) -> None:
+        lines = data.get("lines") or []
+        if data.get("pid") == "raylet" and any(_WORKER_DEATH in str(line) for line in lines):
+            _log.debug("ray: %s", " ".join(str(line) for line in lines))
+            return
+        current(data, ignore_prefix)
+
+    filtered._ppo_quiet = True  # type: ignore[attr-defined]
+    worker_module.print_to_stdstream = filtered
 
 
 # Ray waits a fixed 30 s for its raylet to register; on a loaded machine (load average above 10 on

@@ -5,6 +5,7 @@ step, RNG and data position), with a warning when the config changed in a field 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -52,7 +53,7 @@ def resume(
     found = checkpoint.complete_checkpoints(ckpt_root)
     for step, folder in reversed(found):
         try:
-            state = _load(folder, verified, roles, enter)
+            state = _load(folder, verified, roles, enter, config)
         except Exception as exc:
             if is_process_death(exc):
                 raise  # not the checkpoint's fault
@@ -67,15 +68,22 @@ def resume(
         return step
     if found:
         # Some roles may hold part of a checkpoint now: starting from step 0 would not be a fresh run.
+        changed = changed_fields(_saved_config(found[-1][1]), config)
+        hint = f" (the config differs from theirs in {', '.join(changed[:4])})" if changed else ""
         raise checkpoint.CheckpointError(
-            f"none of the {len(found)} complete checkpoints under {ckpt_root} loads (see the warnings "
-            "above); move that folder aside to start over, or set checkpoint.resume=false"
+            f"none of the {len(found)} complete checkpoints under {ckpt_root} loads{hint}; see the "
+            "warnings above: set those fields back, or move that folder aside (or set "
+            "checkpoint.resume=false) to start over"
         )
     return 0
 
 
 def _load(
-    folder: Path, verified: checkpoint.BackgroundVerify, roles: Roles, enter: Callable[[Phase], None]
+    folder: Path,
+    verified: checkpoint.BackgroundVerify,
+    roles: Roles,
+    enter: Callable[[Phase], None],
+    config: RunConfig,
 ) -> checkpoint.DriverState:
     verified.check(folder)
     state = checkpoint.load_driver_state(folder)  # also restores the driver's RNG
@@ -85,7 +93,19 @@ def _load(
     if roles.critic is not None:
         enter("critic_train")
         roles.critic.load(folder / "critic")
-    roles.rollout.load_state_dict(dict(state.rollout))
+    roles.rollout.load_state_dict(_data_position(state.rollout, config))
+    return state
+
+
+def _data_position(rollout: Mapping[str, Any], config: RunConfig) -> dict[str, Any]:
+    """The saved rollout state; with ``checkpoint.accept_changes=[dataset]`` marked so that a changed
+    training file starts a new epoch (``ppo_rollout.data.JsonlPrompts.load_state_dict``)."""
+    state = dict(rollout)
+    data = state.get("data")
+    if "dataset" in config.checkpoint.accept_changes and isinstance(data, Mapping):
+        from ppo_rollout.data import NEXT_EPOCH
+
+        state["data"] = {**data, "on_change": NEXT_EPOCH}
     return state
 
 
@@ -97,6 +117,16 @@ def _warn_if_changed(state: checkpoint.DriverState, config: RunConfig, console: 
             f"{', '.join(changed)}; the run will not match an uninterrupted one",
             highlight=False,
         )
+
+
+def _saved_config(folder: Path) -> dict[str, Any]:
+    """The config a checkpoint was written with (read from driver.json alone); {} when unreadable."""
+    try:
+        doc = json.loads((folder / "driver.json").read_text())
+        saved = doc["extra"]["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def start_over(run_dir: Path, ckpt_root: Path, console: Console) -> None:
@@ -129,8 +159,11 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[-1] if text else ''}"
 
 
-def driver_state(step: int, roles: Roles, config: RunConfig) -> checkpoint.DriverState:
-    """What the driver saves with a checkpoint: the step, the data position, the config."""
+def driver_state(
+    step: int, roles: Roles, config: RunConfig, run_dir: Path | None = None
+) -> checkpoint.DriverState:
+    """What the driver saves with a checkpoint: the step, the data position, the config, and the run
+    folder that wrote it (a resume from another run's checkpoint folder is refused, resume_checks.py)."""
     return checkpoint.DriverState(
         step=step,
         rollout=roles.rollout.state_dict(),
@@ -138,6 +171,7 @@ def driver_state(step: int, roles: Roles, config: RunConfig) -> checkpoint.Drive
             "config": config.model_dump(mode="json"),
             "config_sha256": config_digest(config),
             "time": time.time(),
+            **({"run_dir": str(run_dir.resolve())} if run_dir is not None else {}),
         },
     )
 
@@ -151,6 +185,7 @@ RESUME_FREE = (
     "ray.",
     "rollout.eval_interval",
     "rollout.eval_dataset",
+    "rollout.reward_timeout_s",
 )
 
 
@@ -160,12 +195,19 @@ def changed_fields(saved: Mapping[str, Any], config: RunConfig) -> list[str]:
         return []
     now = _flatten(config.model_dump(mode="json"))
     before = _flatten(saved)
-    names = sorted(set(now) | set(before))
+    # A setting newer than the checkpoint (its section's name absent there) had no value to change.
+    known = {_setting(n) for n in before}
+    names = sorted(set(before) | {n for n in now if _setting(n) in known})
     return [
         n
         for n in names
         if now.get(n) != before.get(n) and not any(n == f or n.startswith(f) for f in RESUME_FREE)
     ]
+
+
+def _setting(name: str) -> str:
+    """``rollout.sglang.host`` -> ``rollout.sglang``: a section's field, the unit settings come in."""
+    return ".".join(name.split(".")[:2])
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""One run per run folder: an advisory lock held for the life of the process.
+"""One run per run folder (and per checkpoint folder): an advisory lock held for the life of the process.
 
 ``fcntl.flock`` on ``<run_dir>/.lock``: the kernel releases it when the holder exits, however it
 exits (SIGKILL included), so a stale lock file never blocks the next run. The file holds the
@@ -24,9 +24,19 @@ class RunFolderBusyError(RuntimeError):
 
 
 class RunLock:
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / LOCK_FILE
+    """The run folder's lock (``RunLock(run_dir)``), or a checkpoint folder's (``checkpoints``)."""
+
+    def __init__(self, run_dir: Path, *, lock_file: Path | None = None, run: Path | None = None) -> None:
+        self.path = lock_file or run_dir / LOCK_FILE
+        self.folder = run_dir
+        self.run = run  # the run folder of the holder, recorded for a refusal's message
         self._file: IO[str] | None = None
+
+    @classmethod
+    def checkpoints(cls, ckpt_root: Path, run_dir: Path) -> RunLock:
+        """A ``checkpoint.dir`` outside the run folder: its lock sits beside it (``.<name>.lock``), not
+        in it, since ``checkpoint.resume=false`` renames the folder."""
+        return cls(ckpt_root, lock_file=ckpt_root.parent / f".{ckpt_root.name}.lock", run=run_dir)
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,13 +47,21 @@ class RunLock:
             f.seek(0)
             holder = f.read().strip() or "an unknown process"
             f.close()
+            if self.run is not None:
+                raise RunFolderBusyError(
+                    f"checkpoint.dir {self.folder} is in use by {_describe(holder)}; give each run its own "
+                    "checkpoint.dir (or none: <run folder>/checkpoints)"
+                ) from None
             raise RunFolderBusyError(
                 f"run folder {self.path.parent} is in use by {_describe(holder)}; wait for that run to "
                 "end (or stop it), or pass another --run-dir"
             ) from None
         f.seek(0)
         f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
+        holder_info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        if self.run is not None:
+            holder_info["run_dir"] = str(self.run)
+        f.write(json.dumps(holder_info))
         f.flush()
         self._file = f
         return self
@@ -63,6 +81,7 @@ def _describe(holder: str) -> str:
     try:
         info = json.loads(holder)
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
-        return f"pid {info['pid']} on {info['host']} (since {since})"
+        run = f", run folder {info['run_dir']}" if "run_dir" in info else ""
+        return f"pid {info['pid']} on {info['host']} (since {since}{run})"
     except (ValueError, KeyError, TypeError):
         return holder

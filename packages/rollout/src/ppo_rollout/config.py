@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 
 __all__ = ["RolloutConfig", "RolloutSettings", "SGLangOptions", "SamplingConfig", "SamplingSettings"]
@@ -75,12 +75,34 @@ class SamplingConfig(SamplingSettings):
 class SGLangOptions:
     """How the SGLang adapter launches servers. ``command`` replaces ``python -m sglang.launch_server``."""
 
-    command: tuple[str, ...] = ()
-    extra_args: tuple[str, ...] = ()  # appended verbatim, e.g. ("--mem-fraction-static", "0.7")
-    host: str = "127.0.0.1"
-    startup_timeout_s: float = Field(default=600.0, gt=0)
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    stop_grace_s: float = Field(default=15.0, ge=0)
+    command: tuple[str, ...] = Field(default=(), description="replaces `python -m sglang.launch_server`")
+    extra_args: tuple[str, ...] = Field(
+        default=(),
+        description="appended to the server's command line verbatim, e.g. [--max-running-requests, 64]",
+    )
+    mem_fraction_static: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="share of each GPU the server takes for weights and KV cache; null: 0.6 when the "
+        "engines share GPUs with training (room for the trainers' CUDA contexts and what they keep while "
+        "asleep), SGLang's own otherwise; --mem-fraction-static in extra_args wins over both",
+    )
+    host: str = Field(default="127.0.0.1", description="the address the servers listen on")
+    startup_timeout_s: float = Field(default=600.0, gt=0, description="limit on a server's start")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="limit on one request")
+    stop_grace_s: float = Field(default=15.0, ge=0, description="SIGTERM to SIGKILL at shutdown")
+
+    @field_validator("command", "extra_args", mode="before")
+    @classmethod
+    def _words(cls, value: object) -> object:
+        # YAML reads `[--max-running-requests, 64]` with a number in it: a command line holds words.
+        if isinstance(value, list | tuple):
+            return tuple(
+                str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for v in value
+            )
+        return value
+
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
@@ -116,6 +138,23 @@ class RolloutSettings:
     system_prompt: str | None = Field(
         default=None, description="chat_template only: a system message put before each chat"
     )
+    eval_sampling: SamplingSettings | None = Field(
+        default=None, description="how evaluations sample; null: greedy with sampling.max_new_tokens"
+    )
+    sglang: SGLangOptions = Field(
+        default=SGLangOptions(), description="how the servers of engine 'sglang' are launched"
+    )
+    reward_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="limit on one call of the reward function; past it the run stops naming the reward",
+    )
+
+    @field_validator("dataset", "eval_dataset", mode="before")
+    @classmethod
+    def _home(cls, value: object) -> object:
+        # ``~`` is the user's home, as in a shell: YAML and ``--set`` do not expand it.
+        return str(Path(value).expanduser()) if isinstance(value, str) and value.startswith("~") else value
 
     def __post_init__(self) -> None:
         if (self.task is None) == (self.dataset is None):
@@ -148,11 +187,9 @@ class RolloutConfig(RolloutSettings):
     model_path: str
     num_engines: int = Field(default=1, ge=1)
     gpus_per_engine: int = Field(default=0, ge=0, description="0 on CPU runs")
-    eval_sampling: SamplingSettings | None = None
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int = 0
-    sglang: SGLangOptions = SGLangOptions()
     timeout_s: float = Field(default=600.0, gt=0, description="any single wait on an engine")
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@ evaluation file, and how a row becomes the prompt's token ids (plain, or through
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Mapping, Sequence
@@ -17,11 +18,13 @@ if TYPE_CHECKING:
     from .config import RolloutSettings
 
 __all__ = [
+    "DatasetChangedError",
     "HeldOutEval",
     "JsonlPrompts",
     "PromptRenderer",
     "PromptSource",
     "TaskPrompts",
+    "dataset_change",
     "describe_eval_source",
     "open_prompts",
 ]
@@ -80,34 +83,40 @@ class JsonlPrompts:
         self.seed = seed
         self.rows: list[dict[str, Any]] = []
         self.lines: list[int] = []  # the file's line number of each row, for error messages
-        with self.path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(
-                        f"{self.path}:{lineno}: not JSON ({exc.msg}); one JSON object per line"
-                    ) from None
-                if not isinstance(row, dict):
-                    raise ValueError(
-                        f"{self.path}:{lineno}: a {type(row).__name__}, not a JSON object; "
-                        "one JSON object per line"
-                    )
-                prompt = row.get(prompt_field)
-                if isinstance(prompt, list) and messages_ok:
-                    _check_messages(prompt, f"{self.path}:{lineno}: field {prompt_field!r}")
-                elif not isinstance(prompt, str):
-                    chat = " or a list of chat messages" if messages_ok else ""
-                    hint = "" if messages_ok else " (a list of messages needs rollout.chat_template=true)"
-                    raise ValueError(
-                        f"{self.path}:{lineno}: field {prompt_field!r} must be a string{chat} "
-                        f"(set rollout.prompt_field to the field that holds the prompt{hint}); "
-                        f"row keys: {sorted(row)}"
-                    )
-                self.rows.append(row)
-                self.lines.append(lineno)
+        data = self.path.read_bytes()
+        # The saved position names rows of this very file: a resume compares both (``load_state_dict``).
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{self.path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        for lineno, line in enumerate(text.split("\n"), start=1):  # as a file reads: on \n alone
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{self.path}:{lineno}: not JSON ({exc.msg}); one JSON object per line"
+                ) from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{self.path}:{lineno}: a {type(row).__name__}, not a JSON object; "
+                    "one JSON object per line"
+                )
+            prompt = row.get(prompt_field)
+            if isinstance(prompt, list) and messages_ok:
+                _check_messages(prompt, f"{self.path}:{lineno}: field {prompt_field!r}")
+            elif not isinstance(prompt, str):
+                chat = " or a list of chat messages" if messages_ok else ""
+                hint = "" if messages_ok else " (a list of messages needs rollout.chat_template=true)"
+                raise ValueError(
+                    f"{self.path}:{lineno}: field {prompt_field!r} must be a string{chat} "
+                    f"(set rollout.prompt_field to the field that holds the prompt{hint}); "
+                    f"row keys: {sorted(row)}"
+                )
+            self.rows.append(row)
+            self.lines.append(lineno)
         if not self.rows:
             raise ValueError(f"{self.path} is empty; give a JSONL file with one prompt object per line")
         self.epoch = 0
@@ -134,14 +143,61 @@ class JsonlPrompts:
         return [dict(r) for r in self.rows[:count]]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "jsonl", "path": str(self.path), "epoch": self.epoch, "offset": self.offset}
+        """The position, and the row count and content hash of the file it is a position in."""
+        return {
+            "kind": "jsonl",
+            "path": str(self.path),
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "rows": len(self.rows),
+            "sha256": self.sha256,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take up a saved position. The file must be the one it was saved with (same rows, same
+        hash), else ``DatasetChangedError``; unless the state carries ``on_change: "next_epoch"``
+        (``checkpoint.accept_changes=[dataset]``): then the changed file starts a new epoch."""
         if state.get("kind") != "jsonl":
             raise ValueError(f"data state {dict(state)!r} is not from a JSONL dataset")
-        self.epoch = int(state["epoch"])
-        self.offset = int(state["offset"])
+        problem = dataset_change(state, len(self.rows), self.sha256)
+        epoch, offset = int(state["epoch"]), int(state["offset"])
+        if problem is not None:
+            if state.get("on_change") != NEXT_EPOCH:
+                raise DatasetChangedError(f"rollout.dataset {self.path}: {problem}; {CHANGED_FIX}")
+            epoch, offset = epoch + 1, 0
+        self.epoch, self.offset = epoch, offset
         self._order = self._make_order(self.epoch)
+
+
+# A data state's marker, set by the driver when the user accepts a changed file.
+NEXT_EPOCH = "next_epoch"
+CHANGED_FIX = (
+    "restore the file it was saved with, or set checkpoint.accept_changes=[dataset] to go on with this "
+    "file from a new epoch (its rows are reshuffled; some may come round again early)"
+)
+
+
+class DatasetChangedError(ValueError):
+    """The training file differs from the one a saved position was taken in."""
+
+
+def dataset_change(state: Mapping[str, Any], rows: int, sha256: str) -> str | None:
+    """What differs between the file a saved JSONL position was taken in and one of ``rows`` rows
+    hashing to ``sha256``; None when it is the same file. A position saved without the file's
+    fingerprint is checked against the row count alone."""
+    epoch, offset = state.get("epoch"), int(state.get("offset", 0))
+    saved_rows, saved_sha = state.get("rows"), state.get("sha256")
+    at = f"the saved position (epoch {epoch}, row {offset})"
+    if saved_rows is None or saved_sha is None:
+        if offset > rows:
+            return f"{at} is past its {rows} rows: the file was cut since"
+        return None
+    if int(saved_rows) == rows and saved_sha == sha256:
+        return None
+    return (
+        f"the file changed since the checkpoint ({saved_rows} rows, sha256 {str(saved_sha)[:12]} then; "
+        f"{rows} rows, sha256 {sha256[:12]} now), so {at} no longer names the same prompts"
+    )
 
 
 def _check_messages(messages: list[Any], where: str) -> None:

@@ -161,10 +161,11 @@ class RolloutManager:
             "host": cfg.sglang.host,
             # Sharing GPUs with training (a fractional share) means the server must release its memory.
             "enable_memory_saver": slots is not None and 0.0 < share < 1.0,
-            # Sharing GPUs with training: leave room for the trainers' CUDA contexts and what they keep
-            # resident while asleep (SGLang's own default assumes the GPU is the server's alone).
-            # extra_args ("--mem-fraction-static", x) overrides it.
-            "mem_fraction_static": 0.6 if slots is not None and 0.0 < share < 1.0 else None,
+            # rollout.sglang.mem_fraction_static; unset and sharing GPUs with training, 0.6 leaves room
+            # for the trainers' CUDA contexts and what they keep resident while asleep (SGLang's own
+            # default assumes the GPU is the server's alone). extra_args' --mem-fraction-static wins.
+            "mem_fraction_static": cfg.sglang.mem_fraction_static
+            or (0.6 if slots is not None and 0.0 < share < 1.0 else None),
             "random_seed": cfg.seed + i,
             "extra_args": cfg.sglang.extra_args,
             **({"command": cfg.sglang.command} if cfg.sglang.command else {}),

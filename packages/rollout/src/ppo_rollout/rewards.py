@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -155,18 +156,55 @@ def check_rewards(values: Any, samples: Sequence[RewardInput], fn_name: str) -> 
     return out
 
 
-def compute_rewards(fn: RewardFn, samples: Sequence[RewardInput]) -> list[float]:
+# rollout.reward_timeout_s's default: a judge or verifier service that stops answering ends the run
+# with a message instead of hanging it.
+REWARD_TIMEOUT_S = 600.0
+
+
+def compute_rewards(
+    fn: RewardFn, samples: Sequence[RewardInput], *, timeout_s: float = REWARD_TIMEOUT_S
+) -> list[float]:
     """Call ``fn`` on the batch and check its result. An exception the function raises becomes a
-    ``RewardError`` that names it (``rollout.reward``), chained to the original for its traceback."""
+    ``RewardError`` that names it (``rollout.reward``), chained to the original for its traceback; a
+    call that has not returned after ``timeout_s`` (``rollout.reward_timeout_s``) a ``RewardError``
+    naming the function, the samples' prompt indices and the limit. The call runs in a daemon thread:
+    a call past its limit is abandoned (Python cannot stop a thread), and the run stops."""
     name = _describe(fn)
-    try:
-        values = fn(samples)
-    except Exception as exc:
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            outcome["values"] = fn(samples)
+        except BaseException as exc:  # handed to the caller's thread, which raises it
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=call, name=f"reward {name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
         raise RewardError(
-            f"reward function {name} (rollout.reward) raised {type(exc).__name__}: {exc}; "
+            f"reward function {name} (rollout.reward) did not return within rollout.reward_timeout_s="
+            f"{timeout_s:g} s for {len(samples)} samples ({_prompt_indices(samples)}); fix the function or "
+            "the service it calls, or raise rollout.reward_timeout_s"
+        )
+    error = outcome.get("error")
+    if isinstance(error, Exception):
+        raise RewardError(
+            f"reward function {name} (rollout.reward) raised {type(error).__name__}: {error}; "
             "fix the function or the service it calls, then re-run"
-        ) from exc
-    return check_rewards(values, samples, name)
+        ) from error
+    if error is not None:
+        raise error  # KeyboardInterrupt, SystemExit: not the function's failure to report
+    return check_rewards(outcome["values"], samples, name)
+
+
+def _prompt_indices(samples: Sequence[RewardInput]) -> str:
+    indices = sorted({s.prompt_index for s in samples})
+    if not indices:
+        return "no prompts"
+    if len(indices) == 1:
+        return f"prompt_index {indices[0]}"
+    return f"prompt_index {indices[0]} to {indices[-1]}"
 
 
 def _label(sample: RewardInput) -> str:
