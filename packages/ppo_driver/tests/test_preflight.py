@@ -180,7 +180,8 @@ def test_a_chat_dataset_passes_with_chat_template(tmp_path: Path) -> None:
     ]
     _check(*base, "rollout.chat_template=true")
     report = preflight.check_dataset(load_config(None, [*base, "rollout.chat_template=true"]))
-    assert report is not None and report.startswith("6 prompts")
+    assert report is not None
+    assert report.startswith("6 prompts")
     with pytest.raises(ConfigError, match=r"a list of messages needs rollout.chat_template=true"):
         _check(*base)
 

@@ -191,8 +191,8 @@ def _model_folder(path: str, local: Path) -> list[str]:
         missing = sorted(s for s in shards if not (local / s).is_file())
         if missing:
             problems.append(
-                f"{field}: the weights index names {len(missing)} missing file(s) ({', '.join(missing[:3])}); "
-                "copy the whole model folder"
+                f"{field}: the weights index names {len(missing)} missing file(s) "
+                f"({', '.join(missing[:3])}); copy the whole model folder"
             )
     has_weights = bool(weights) or any(local.glob("*.bin"))
     if has_weights and not any((local / name).is_file() for name in TOKENIZER_FILES):
