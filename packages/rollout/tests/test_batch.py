@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ppo_rollout.batch import FIELDS, Sample, balanced_split, rank_fields, split_indices, split_samples
+from ppo_rollout.batch import FIELDS, balanced_split, rank_fields, split_indices, split_samples
+from ppo_rollout.trajectory import Segment, Trajectory, TrajectoryBuilder
 
 
 @given(
@@ -34,15 +35,9 @@ def test_balanced_split_rejects_uneven_counts() -> None:
         balanced_split([1] * 5, 2)
 
 
-def _sample(i: int, plen: int, rlen: int) -> Sample:
-    return Sample(
-        prompt_index=i,
-        prompt_tokens=tuple(range(1, plen + 1)),
-        response_tokens=tuple(range(10, 10 + rlen)),
-        rollout_log_probs=tuple(-0.5 for _ in range(rlen)),
-        reward=float(i),
-        finish_reason="length",
-    )
+def _sample(i: int, plen: int, rlen: int) -> Trajectory:
+    segment = Segment(tuple(range(10, 10 + rlen)), True, 0, tuple(-0.5 for _ in range(rlen)))
+    return Trajectory(i, tuple(range(1, plen + 1)), (segment,), reward=float(i), finish_reason="length")
 
 
 def test_fields_follow_the_table() -> None:
@@ -57,6 +52,28 @@ def test_fields_follow_the_table() -> None:
     assert fields["rollout_log_probs"][0].shape == (4,)
     assert fields["prompt_index"][1].tolist() == [3]
     assert fields["weight_version"][0].tolist() == [-1]  # not recorded by this hand-made sample
+    assert fields["turn_rewards"][0].tolist() == [0.0] * 4
+    assert fields["turn_ids"][0].tolist() == [0] * 4
+
+
+def test_multi_turn_fields_mask_observations_and_place_turn_rewards() -> None:
+    builder = TrajectoryBuilder(5, (1, 2))
+    builder.add_turn((10, 11), (-0.1, -0.2), weight_version=7)
+    builder.reward_last_turn(0.5)
+    builder.add_observation((20, 21, 22))
+    builder.add_turn((12,), (-0.3,), weight_version=8)
+    builder.reward_last_turn(-1.0)
+    trajectory = builder.build("done", "stop").with_reward(2.0)
+    fields = rank_fields([trajectory])
+    assert fields["tokens"][0].tolist() == [1, 2, 10, 11, 20, 21, 22, 12]
+    assert fields["response_length"][0].tolist() == [6]
+    assert fields["loss_mask"][0].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert fields["rollout_log_probs"][0].tolist() == pytest.approx([-0.1, -0.2, 0.0, 0.0, 0.0, -0.3])
+    assert fields["turn_rewards"][0].tolist() == [0.0, 0.5, 0.0, 0.0, 0.0, -1.0]
+    assert fields["turn_ids"][0].tolist() == [0, 0, 0, 0, 0, 1]
+    assert fields["reward"][0].tolist() == [2.0]
+    assert fields["weight_version"][0].tolist() == [7]  # the oldest turn's
+    assert trajectory.total_reward == pytest.approx(1.5)
 
 
 def test_split_indices_are_split_samples_positions() -> None:
@@ -79,6 +96,14 @@ def test_split_keeps_groups_together_and_consecutive() -> None:
         assert all(ids.count(i) == 3 for i in set(ids))
 
 
-def test_sample_checks_log_prob_count() -> None:
-    with pytest.raises(ValueError, match="3 response tokens but 2 log-probs"):
-        Sample(0, (1,), (1, 2, 3), (0.0, 0.0), 0.0, "stop")
+def test_segment_checks_log_prob_count() -> None:
+    with pytest.raises(ValueError, match="3 generated tokens but 2 log-probs"):
+        Segment((1, 2, 3), True, 0, (0.0, 0.0))
+    with pytest.raises(ValueError, match="observation segment carries no log-probs"):
+        Segment((1,), False, 0, (0.0,))
+
+
+def test_trajectory_checks_turn_counts() -> None:
+    segment = Segment((1,), True, 0, (0.0,))
+    with pytest.raises(ValueError, match="2 turn rewards for 1 turns"):
+        Trajectory(0, (1,), (segment,), turn_rewards=(0.0, 1.0))

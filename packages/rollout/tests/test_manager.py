@@ -113,7 +113,7 @@ def test_bad_prompts_are_refused_with_the_row(manager: RolloutManager) -> None:
     with pytest.raises(ValueError, match="is empty"):
         manager.renderer.render({"prompt": "   "})
     with pytest.raises(ValueError, match=r"too long: 301 tokens > rollout.max_prompt_length 256"):
-        manager._encode([manager.renderer.render({"prompt": "1" * 300})])
+        manager._groups([{"prompt": "1" * 300}], 1)
 
 
 def test_bad_reward_result_names_the_function(manager: RolloutManager) -> None:

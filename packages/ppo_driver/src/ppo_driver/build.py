@@ -63,7 +63,7 @@ def trainer_algorithm(config: RunConfig) -> AlgorithmConfig:
     (``loss_scale_factor``) defaults to the longest response the rollout may give."""
     a = config.algorithm
     if a.loss_aggregation == "seq_mean_token_sum_norm" and a.loss_scale_factor is None:
-        return dataclasses.replace(a, loss_scale_factor=config.rollout.longest_response)
+        return dataclasses.replace(a, loss_scale_factor=config.rollout.train_response_limit)
     return a
 
 

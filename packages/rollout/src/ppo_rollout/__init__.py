@@ -7,6 +7,9 @@ so that reading the settings costs no torch, transformers or Ray (``ppo-driver v
   ``SamplingConfig``, ``SGLangOptions`` (torch-free)
 - ``ppo_rollout.tasks``: ``make_tiny_model`` and the built-in tasks (torch-free until a model is made)
 - ``ppo_rollout.rewards``: ``RewardInput``, ``RewardFn``, ``RewardError``, ``register_reward``
+- ``ppo_rollout.environment``: ``Action``, ``StepResult``, ``Environment`` (multi-turn environments)
+- ``ppo_rollout.rollout_fns``: ``RolloutContext``, ``PromptGroup``, ``Turn``, ``register_rollout_function``
+- ``ppo_rollout.trajectory``: ``Trajectory``, ``TrajectoryBuilder``, ``Segment``
 - ``ppo_rollout.manager``: ``RolloutManager``, ``RolloutBatch``
 - ``ppo_rollout.slots``: ``EngineSlots``
 - ``ppo_rollout.engine.builtin``: ``BuiltinEngine``, ``BuiltinEngineActor``

@@ -1,4 +1,4 @@
-"""The training batch: samples -> one dict of fields per data-parallel rank (INTERFACES.md's table).
+"""The training batch: trajectories -> one dict of fields per data-parallel rank (INTERFACES.md's table).
 
 Every field is a list with one 1-D tensor per sample; the samples of one prompt stay consecutive
 and on one rank. Ranks get the same number of prompts (hence of samples); within that, prompts go
@@ -8,11 +8,12 @@ to the rank with the fewest tokens so far, longest first, to balance the work.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FIELDS", "Sample", "balanced_split", "rank_fields", "split_indices", "split_samples"]
+from .trajectory import Trajectory
+
+__all__ = ["FIELDS", "balanced_split", "rank_fields", "split_indices", "split_samples"]
 
 FIELDS: tuple[str, ...] = (
     "tokens",
@@ -22,29 +23,9 @@ FIELDS: tuple[str, ...] = (
     "rollout_log_probs",
     "prompt_index",
     "weight_version",
+    "turn_rewards",
+    "turn_ids",
 )
-
-
-@dataclass(frozen=True)
-class Sample:
-    prompt_index: int  # the prompt's index within its step: the GRPO group
-    prompt_tokens: tuple[int, ...]
-    response_tokens: tuple[int, ...]
-    rollout_log_probs: tuple[float, ...]
-    reward: float
-    finish_reason: str
-    weight_version: int = -1  # the engine's weight version that generated it (-1: not a number)
-
-    def __post_init__(self) -> None:
-        if len(self.response_tokens) != len(self.rollout_log_probs):
-            raise ValueError(
-                f"prompt {self.prompt_index}: {len(self.response_tokens)} response tokens but "
-                f"{len(self.rollout_log_probs)} log-probs"
-            )
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_tokens) + len(self.response_tokens)
 
 
 def balanced_split(group_tokens: Sequence[int], dp_size: int) -> list[list[int]]:
@@ -68,28 +49,35 @@ def balanced_split(group_tokens: Sequence[int], dp_size: int) -> list[list[int]]
     return [sorted(r) for r in ranks]
 
 
-def rank_fields(samples: Sequence[Sample]) -> dict[str, list[torch.Tensor]]:
-    """The table's fields for ``samples``, in order."""
+def rank_fields(trajectories: Sequence[Trajectory]) -> dict[str, list[torch.Tensor]]:
+    """The table's fields for ``trajectories``, in order.
+
+    ``loss_mask`` is 1 on the tokens the policy generated (every one of a single-turn response, the
+    final eos included: it teaches the model to stop) and 0 on observation tokens; ``reward`` is the
+    outcome reward, ``turn_rewards`` each turn's reward on its last generated token, ``turn_ids`` the
+    turn of each response token, ``weight_version`` the oldest weight version any turn was drawn with.
+    """
     out: dict[str, list[torch.Tensor]] = {f: [] for f in FIELDS}
-    for s in samples:
-        n = len(s.response_tokens)
-        out["tokens"].append(torch.tensor([*s.prompt_tokens, *s.response_tokens], dtype=torch.int64))
-        out["response_length"].append(torch.tensor([n], dtype=torch.int64))
-        # Every generated token is trained, the final eos included (it teaches the model to stop).
-        out["loss_mask"].append(torch.ones(n, dtype=torch.float32))
-        out["reward"].append(torch.tensor([s.reward], dtype=torch.float32))
-        out["rollout_log_probs"].append(torch.tensor(s.rollout_log_probs, dtype=torch.float32))
-        out["prompt_index"].append(torch.tensor([s.prompt_index], dtype=torch.int64))
-        out["weight_version"].append(torch.tensor([s.weight_version], dtype=torch.int64))
+    for t in trajectories:
+        response = t.response_tokens
+        out["tokens"].append(torch.tensor([*t.prompt_tokens, *response], dtype=torch.int64))
+        out["response_length"].append(torch.tensor([len(response)], dtype=torch.int64))
+        out["loss_mask"].append(torch.tensor(t.loss_mask, dtype=torch.float32))
+        out["reward"].append(torch.tensor([t.reward], dtype=torch.float32))
+        out["rollout_log_probs"].append(torch.tensor(t.rollout_log_probs, dtype=torch.float32))
+        out["prompt_index"].append(torch.tensor([t.prompt_index], dtype=torch.int64))
+        out["weight_version"].append(torch.tensor([min(t.weight_versions, default=-1)], dtype=torch.int64))
+        out["turn_rewards"].append(torch.tensor(t.token_turn_rewards, dtype=torch.float32))
+        out["turn_ids"].append(torch.tensor(t.turn_ids, dtype=torch.int64))
     return out
 
 
-def split_samples(samples: Sequence[Sample], dp_size: int) -> list[list[Sample]]:
+def split_samples(samples: Sequence[Trajectory], dp_size: int) -> list[list[Trajectory]]:
     """Samples grouped by prompt (consecutive) and spread over ``dp_size`` ranks by :func:`balanced_split`."""
     return [[samples[i] for i in ids] for ids in split_indices(samples, dp_size)]
 
 
-def split_indices(samples: Sequence[Sample], dp_size: int) -> list[list[int]]:
+def split_indices(samples: Sequence[Trajectory], dp_size: int) -> list[list[int]]:
     """:func:`split_samples` as positions in ``samples``: the sample ids each rank holds, in order."""
     groups: dict[int, list[int]] = {}
     for i, s in enumerate(samples):

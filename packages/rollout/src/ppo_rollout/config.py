@@ -13,12 +13,19 @@ and a bad value raises ``pydantic.ValidationError`` (a ``ValueError``) naming th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 
-__all__ = ["RolloutConfig", "RolloutSettings", "SGLangOptions", "SamplingConfig", "SamplingSettings"]
+__all__ = [
+    "MultiTurnSettings",
+    "RolloutConfig",
+    "RolloutSettings",
+    "SGLangOptions",
+    "SamplingConfig",
+    "SamplingSettings",
+]
 
 # Unknown keys are errors, and defaults are validated like any input.
 STRICT = ConfigDict(extra="forbid", validate_default=True)
@@ -104,6 +111,37 @@ class SGLangOptions:
         return value
 
 
+@dataclass(frozen=True, kw_only=True, config=STRICT)
+class MultiTurnSettings:
+    """Limits of a multi-turn rollout: the ``rollout.multi_turn`` section (used with an environment or
+    a rollout function of your own; ``rollout.sampling.max_new_tokens`` is each turn's limit)."""
+
+    max_turns: int = Field(default=4, ge=1, description="model turns per trajectory")
+    max_response_tokens: int = Field(
+        default=512,
+        ge=1,
+        description="every turn's tokens and every observation's together, after the prompt; a "
+        "trajectory that reaches it ends with status 'length'",
+    )
+    max_observation_tokens: int = Field(
+        default=128,
+        ge=8,
+        description="an observation's content beyond it is cut and ends with a '...[truncated]' marker",
+    )
+    stop: tuple[str, ...] = Field(
+        default=(),
+        description="stop strings ending a turn (kept in the response), e.g. ['</calc>'] for a tool call",
+    )
+    observation_role: str = Field(
+        default="user", min_length=1, description="chat role of an observation's message (chat_template)"
+    )
+    env_timeout_s: float = Field(default=30.0, gt=0, description="bound of each environment call")
+    on_env_error: Literal["stop", "zero"] = Field(
+        default="stop",
+        description="an environment that raises, hangs or answers wrongly: stop the run (naming the row, "
+        "the turn and the environment) or end that trajectory with reward 0 and status env_error",
+    )
+
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
 class RolloutSettings:
@@ -138,6 +176,21 @@ class RolloutSettings:
     system_prompt: str | None = Field(
         default=None, description="chat_template only: a system message put before each chat"
     )
+    rollout_function: str | None = Field(
+        default=None,
+        description="how one prompt's samples are rolled out: 'single_turn', 'multi_turn' (with "
+        "rollout.environment) or 'package.module:function'; null: multi_turn with an environment, "
+        "else single_turn",
+    )
+    environment: str | None = Field(
+        default=None,
+        description="multi-turn environment: a built-in name ('calculator', 'guess_number') or "
+        "'package.module:factory'; null: the task's own, if any",
+    )
+    environment_args: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the environment's factory"
+    )
+    multi_turn: MultiTurnSettings = MultiTurnSettings()
     eval_sampling: SamplingSettings | None = Field(
         default=None, description="how evaluations sample; null: greedy with sampling.max_new_tokens"
     )
@@ -174,6 +227,57 @@ class RolloutSettings:
                 "rollout.system_prompt needs rollout.chat_template=true (the system message is part of "
                 "the chat); set chat_template=true or remove system_prompt"
             )
+        self._check_multi_turn()
+
+    def _check_multi_turn(self) -> None:
+        function, environment = self.resolved_rollout_function, self.resolved_environment
+        if function == "multi_turn" and environment is None:
+            raise ValueError(
+                "rollout.rollout_function='multi_turn' needs rollout.environment (a built-in name such as "
+                "'calculator', or 'package.module:factory')"
+            )
+        if function == "single_turn" and self.environment is not None:
+            raise ValueError(
+                f"rollout.environment={self.environment!r} is never called by rollout.rollout_function="
+                "'single_turn'; set rollout.rollout_function=multi_turn (or null) or remove the environment"
+            )
+        if any(not stop for stop in self.multi_turn.stop):
+            raise ValueError(
+                "rollout.multi_turn.stop holds an empty string, which would end every turn at once"
+            )
+
+    @property
+    def resolved_environment(self) -> str | None:
+        """``environment``, else the task's own environment (``None`` for a single-turn task)."""
+        if self.environment is not None or self.task is None:
+            return self.environment
+        from .tasks import TASKS
+
+        return TASKS[self.task].environment
+
+    @property
+    def resolved_rollout_function(self) -> str:
+        """``rollout_function``, else ``multi_turn`` with an environment and ``single_turn`` without."""
+        if self.rollout_function is not None:
+            return self.rollout_function
+        return "multi_turn" if self.resolved_environment is not None else "single_turn"
+
+    @property
+    def train_response_limit(self) -> int:
+        """The most tokens a training response may hold: ``multi_turn.max_response_tokens`` for a
+        multi-turn rollout, else ``sampling.max_new_tokens``."""
+        if self.resolved_rollout_function != "single_turn":
+            return self.multi_turn.max_response_tokens
+        return self.sampling.max_new_tokens
+
+    @property
+    def longest_response(self) -> int:
+        """The most tokens a response may hold: ``multi_turn.max_response_tokens`` for a multi-turn
+        rollout, else the longest ``max_new_tokens`` of training and evaluation."""
+        if self.resolved_rollout_function != "single_turn":
+            return self.multi_turn.max_response_tokens
+        evaluation = self.eval_sampling.max_new_tokens if self.eval_sampling is not None else 0
+        return max(self.sampling.max_new_tokens, evaluation)
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)

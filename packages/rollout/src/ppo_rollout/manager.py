@@ -14,16 +14,22 @@ from ppo_lifecycle.startup import role_startup
 from ppo_value_transport import Box, pack_fields
 from ppo_weight_sync import EngineEndpoint
 
-from .batch import Sample, rank_fields, split_indices
-from .config import RolloutConfig, SamplingConfig, SamplingSettings
+from .batch import rank_fields, split_indices
+from .config import RolloutConfig, SamplingSettings
 from .data import PromptRenderer, PromptSource, open_prompts
 from .engine.builtin import MEMORY_TAGS
-from .engine.core import GenerationOutput
-from .engine.handles import BuiltinEngineHandle, EngineHandle, SGLangEngineHandle, Waiter
+from .engine.handles import BuiltinEngineHandle, EngineHandle, SGLangEngineHandle
+from .environment import EnvironmentFactory, resolve_environment
+from .generate_client import GenerateClient
+from .observation import ObservationRenderer
 from .prompts import encode_texts
 from .rewards import RewardInput, compute_rewards, resolve_reward
+from .rollout_fns import PromptGroup, RolloutContext, resolve_rollout_function
+from .rollout_metrics import multi_turn_metrics, sample_metrics
+from .runner import ClientSeeds, RolloutRun, run_rollout
 from .slots import EngineSlots, actor_options
 from .tasks import get_task
+from .trajectory import Trajectory
 
 __all__ = ["RolloutBatch", "RolloutManager"]
 
@@ -56,13 +62,18 @@ def _version_number(version: str | None) -> int:
         return -1
 
 
-def _engine_of(position: int, bounds: Sequence[int]) -> int:
-    return max(j for j in range(len(bounds) - 1) if bounds[j] <= position)
+def _eos_token_ids(model_path: str, tokenizer: Any) -> list[int]:
+    """The ids a turn ends on: the generation config's eos ids (what the engines stop on), else the
+    tokenizer's."""
+    from transformers import GenerationConfig
 
-
-def _seed(base: int, step: int, engine: int, stream: int = 0) -> int:
-    # A fixed function of (seed, step, engine): a resumed run samples exactly as the original did.
-    return (base * 1_000_003 + step * 7_919 + engine * 104_729 + stream * 15_485_863) % (2**62)
+    ids: list[int] = []
+    with contextlib.suppress(OSError, ValueError):
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [int(tokenizer.eos_token_id)]
+    return ids
 
 
 class RolloutManager:
@@ -118,6 +129,7 @@ class RolloutManager:
             reward_spec = config.reward
         self.reward_fn = resolve_reward(reward_spec)
         self.reward_name = reward_spec
+        self._setup_rollout_function(config)
         self.engines: list[EngineHandle] = []
         requested_at = time.time()
         try:
@@ -185,40 +197,77 @@ class RolloutManager:
         return [e.endpoint() for e in self.engines]
 
     # -- prompts -------------------------------------------------------------------------------------
-    def _encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of rendered prompts: every engine kind gets ids (SGLang's ``/generate`` takes
-        ``input_ids``), so the chat template is applied once, here, for both. The dataset pre-flight
+    def _setup_rollout_function(self, config: RolloutConfig) -> None:
+        """The rollout function, and for multi-turn ones the environment and the observation renderer."""
+        env_spec = config.resolved_environment
+        self.rollout_fn_name = config.resolved_rollout_function
+        self.rollout_fn = resolve_rollout_function(self.rollout_fn_name)
+        self.multi_turn = self.rollout_fn_name != "single_turn"
+        self.environment: EnvironmentFactory | None = resolve_environment(env_spec) if env_spec else None
+        self.environment_name = env_spec or ""
+        limits = config.multi_turn
+        self.observations = (
+            ObservationRenderer(
+                self.tokenizer,
+                chat_template=config.chat_template,
+                role=limits.observation_role,
+                max_tokens=limits.max_observation_tokens,
+                eos_token_ids=_eos_token_ids(config.model_path, self.tokenizer),
+            )
+            if self.multi_turn
+            else None
+        )
+        # Environments written as plain functions run here, so that one waiting never stalls the others.
+        workers = min(64, config.prompts_per_step * config.sampling.n_samples_per_prompt)
+        self._env_pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), "environment")
+
+    # -- prompts -------------------------------------------------------------------------------------
+    def _groups(self, rows: Sequence[Mapping[str, Any]], samples: int) -> list[PromptGroup]:
+        """The step's prompts: rendered (chat template when on) and encoded once, here, for every
+        engine kind (SGLang's ``/generate`` takes ``input_ids`` too). The dataset pre-flight
         (``prompts.check_dataset``) encodes with the same function."""
-        return encode_texts(self.renderer, texts, self.config.max_prompt_length)
+        texts = [self.renderer.render(row) for row in rows]
+        ids = encode_texts(self.renderer, texts, self.config.max_prompt_length)
+        return [
+            PromptGroup(i, row, text, tuple(prompt), samples)
+            for i, (row, text, prompt) in enumerate(zip(rows, texts, ids, strict=True))
+        ]
 
-    def _run(
-        self, prompts: list[list[int]], settings: SamplingSettings, step: int, stream: int
-    ) -> list[GenerationOutput]:
-        """Contiguous, near-equal chunks of prompts to each engine; outputs in prompt order."""
+    def _rollout(
+        self, groups: Sequence[PromptGroup], sampling: SamplingSettings, step: int, stream: int
+    ) -> RolloutRun:
+        """Every group's trajectories from the rollout function, over the engines; the engines' weight
+        versions must not change meanwhile (a weight update never overlaps a rollout)."""
+        cfg = self.config
+        before = self._weight_versions()
+
+        def context(client: GenerateClient) -> RolloutContext:
+            return RolloutContext(
+                client,
+                tokenizer=self.tokenizer,
+                sampling=sampling,
+                limits=cfg.multi_turn,
+                versions=[_version_number(v) for v in before],
+                observations=self.observations,
+                environment=self.environment,
+                environment_name=self.environment_name,
+                environment_args=cfg.environment_args,
+                env_pool=self._env_pool,
+                step=step,
+            )
+
         # Every step's seeds derive from the run's seed (``config.seed``), whatever the settings hold.
-        base = self.config.seed
-        sampling = SamplingConfig.of(settings, base)
-        bounds = self._engine_bounds(len(prompts))
-        waits: list[tuple[int, Waiter]] = []
-        for j, engine in enumerate(self.engines):
-            chunk = prompts[bounds[j] : bounds[j + 1]]
-            if chunk:
-                waits.append(
-                    (
-                        bounds[j],
-                        engine.submit_generate(chunk, sampling, _seed(base, step, j, stream)),
-                    )
-                )
-        outputs: list[GenerationOutput] = []
-        for start, wait in waits:
-            for out in wait(self.config.timeout_s):
-                outputs.append(replace(out, prompt_position=out.prompt_position + start))
-        return outputs
-
-    def _engine_bounds(self, n: int) -> list[int]:
-        """Engine ``j`` serves prompts ``bounds[j]:bounds[j + 1]``."""
-        k = len(self.engines)
-        return [round(j * n / k) for j in range(k + 1)]
+        seeds = ClientSeeds(cfg.seed, step, stream)
+        run = run_rollout(
+            self.rollout_fn, self.rollout_fn_name, groups, self.engines, context, seeds, cfg.timeout_s
+        )
+        after = self._weight_versions()
+        if before != after:
+            raise RuntimeError(
+                f"step {step}: the engines' weight versions changed during generation ({before} -> "
+                f"{after}); a weight update must not overlap a generate call"
+            )
+        return run
 
     def _weight_versions(self) -> list[str | None]:
         """Each engine's weight version, asked of the engine itself."""
@@ -234,90 +283,91 @@ class RolloutManager:
             out.append(None if version is None else str(version))
         return out
 
-    def _score(
-        self, rows: Sequence[Mapping[str, Any]], texts: Sequence[str], outputs: Sequence[GenerationOutput]
-    ) -> list[float]:
-        inputs = [
-            RewardInput(
-                prompt=texts[o.prompt_position],
-                response=str(self.tokenizer.decode(list(o.token_ids), skip_special_tokens=True)),
-                response_token_ids=o.token_ids,
-                finish_reason=o.finish_reason,
-                row=rows[o.prompt_position],
-                prompt_index=o.prompt_position,
-            )
-            for o in outputs
-        ]
-        return compute_rewards(self.reward_fn, inputs)
+    def _rewarded(
+        self, groups: Sequence[PromptGroup], trajectories: Sequence[Trajectory]
+    ) -> list[Trajectory]:
+        """The trajectories with their outcome reward: the reward function over the whole batch at once,
+        on each trajectory's last turn (its whole response when single-turn). A trajectory whose
+        environment failed (``on_env_error: zero``) gets 0 and no turn rewards."""
+        inputs = [self._reward_input(groups[t.prompt_index], t) for t in trajectories]
+        rewards = compute_rewards(self.reward_fn, inputs, timeout_s=self.config.reward_timeout_s)
+        out = []
+        for t, r in zip(trajectories, rewards, strict=True):
+            if t.status == "env_error":
+                t = replace(t, turn_rewards=(0.0,) * t.num_turns)
+                r = 0.0
+            out.append(t.with_reward(r))
+        return out
+
+    def _reward_input(self, group: PromptGroup, t: Trajectory) -> RewardInput:
+        last = next(s for s in reversed(t.segments) if s.generated)
+        response = str(self.tokenizer.decode(list(last.token_ids), skip_special_tokens=True))
+        transcript = (
+            response
+            if len(t.segments) == 1
+            else str(self.tokenizer.decode(list(t.response_tokens), skip_special_tokens=True))
+        )
+        return RewardInput(
+            prompt=group.prompt_text,
+            response=response,
+            response_token_ids=last.token_ids,
+            finish_reason=t.finish_reason,
+            row=group.row,
+            prompt_index=group.index,
+            transcript=transcript,
+            num_turns=t.num_turns,
+        )
 
     # -- steps ---------------------------------------------------------------------------------------
     def generate(self, step: int) -> RolloutBatch:
-        """Sample ``prompts_per_step`` prompts x ``n_samples_per_prompt`` and pack one Box per dp rank."""
+        """Roll out ``prompts_per_step`` prompts x ``n_samples_per_prompt`` and pack one Box per dp rank."""
         if self._offloaded:
             raise RuntimeError("rollout engines are offloaded; call onload() before generate()")
         cfg = self.config
         t0 = time.perf_counter()
         rows = self.source.next_rows(cfg.prompts_per_step)
-        texts = [self.renderer.render(row) for row in rows]
-        prompts = self._encode(texts)
-        before = self._weight_versions()
-        outputs = self._run(prompts, cfg.sampling, step, stream=0)
-        t_gen = time.perf_counter() - t0
-        after = self._weight_versions()
-        if before != after:
-            raise RuntimeError(
-                f"step {step}: the engines' weight versions changed during generation ({before} -> "
-                f"{after}); a weight update must not overlap a generate call"
-            )
-        bounds = self._engine_bounds(len(prompts))
-        rewards = self._score(rows, texts, outputs)
-        samples = [
-            Sample(
-                prompt_index=o.prompt_position,
-                prompt_tokens=tuple(prompts[o.prompt_position]),
-                response_tokens=o.token_ids,
-                rollout_log_probs=o.log_probs,
-                reward=r,
-                finish_reason=o.finish_reason,
-                weight_version=_version_number(before[_engine_of(o.prompt_position, bounds)]),
-            )
-            for o, r in zip(outputs, rewards, strict=True)
-        ]
-        ids = split_indices(samples, self.dp_size)
-        boxes = [pack_fields(rank_fields([samples[i] for i in part])) for part in ids]
+        groups = self._groups(rows, cfg.sampling.n_samples_per_prompt)
+        run = self._rollout(groups, cfg.sampling, step, stream=0)
+        trajectories = self._rewarded(groups, run.trajectories)
+        ids = split_indices(trajectories, self.dp_size)
+        boxes = [pack_fields(rank_fields([trajectories[i] for i in part])) for part in ids]
         critic_ids, critic_boxes = ids, boxes
         if self.critic_dp_size != self.dp_size:
-            critic_ids = split_indices(samples, self.critic_dp_size)
-            critic_boxes = [pack_fields(rank_fields([samples[i] for i in part])) for part in critic_ids]
-        versions = [s.weight_version for s in samples]
-        lengths = [len(s.response_tokens) for s in samples]
-        new_tokens = sum(lengths)
-        metrics = {
-            "rollout/reward_mean": statistics.fmean(rewards),
-            "rollout/reward_std": statistics.pstdev(rewards),
-            "rollout/response_length_mean": statistics.fmean(lengths),
-            "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            "rollout/samples": float(len(samples)),
-            "rollout/generate_seconds": t_gen,
-            "rollout/tokens_per_second": new_tokens / t_gen if t_gen > 0 else 0.0,
-            "rollout/seconds": time.perf_counter() - t0,
-            "rollout/weight_version_min": float(min(versions)),
-            "rollout/weight_version_max": float(max(versions)),
-        }
+            critic_ids = split_indices(trajectories, self.critic_dp_size)
+            critic_boxes = [pack_fields(rank_fields([trajectories[i] for i in part])) for part in critic_ids]
         return RolloutBatch(
             boxes=boxes,
-            metrics=metrics,
+            metrics=self._step_metrics(trajectories, run, time.perf_counter() - t0),
             sample_ids=ids,
             critic_boxes=critic_boxes,
             critic_sample_ids=critic_ids,
         )
 
+    def _step_metrics(
+        self, trajectories: Sequence[Trajectory], run: RolloutRun, seconds: float
+    ) -> dict[str, float]:
+        versions = [min(t.weight_versions) for t in trajectories]
+        generated = sum(t.generated_tokens for t in trajectories)
+        metrics = sample_metrics(trajectories) | {
+            "rollout/generate_seconds": run.seconds,
+            "rollout/tokens_per_second": generated / run.seconds if run.seconds > 0 else 0.0,
+            "rollout/seconds": seconds,
+            "rollout/weight_version_min": float(min(versions)),
+            "rollout/weight_version_max": float(max(versions)),
+        }
+        if self.multi_turn:
+            metrics |= multi_turn_metrics(trajectories) | {
+                "rollout/engine_idle_share": run.engine_idle_share,
+                "rollout/engine_calls": float(run.engine_calls),
+            }
+        return metrics
+
     def evaluate(self, step: int) -> dict[str, float]:
         """Reward, accuracy and response length on ``eval_prompts`` fixed held-out prompts, twice:
         greedy (``eval_sampling`` when set; ``eval/reward_mean``, ``eval/accuracy``, ...) and with the
-        training sampling (``eval/sampled_reward_mean``, ...). A sample is correct when its reward is
-        at least 1 (``exact_match``, ``math_answer``: 1 is right). ``step`` no longer seeds anything:
-        every evaluation draws alike (below)."""
+        training sampling (``eval/sampled_reward_mean``, ...). A sample is correct when its reward (all
+        its turns' together) is at least 1 (``exact_match``, ``math_answer``: 1 is right). ``step`` no
+        longer seeds anything: every evaluation draws alike (below)."""
         cfg = self.config
         if cfg.eval_prompts == 0:
             return {}
@@ -329,21 +379,25 @@ class RolloutManager:
             stop_token_ids=cfg.sampling.stop_token_ids,
             n_samples_per_prompt=1,
         )
-        rows = self.source.eval_rows(cfg.eval_prompts)
-        texts = [self.renderer.render(row) for row in rows]
-        prompts = self._encode(texts)
+        prompts = self._groups(self.source.eval_rows(cfg.eval_prompts), 1)
         metrics: dict[str, float] = {}
         for prefix, sampling, stream in (("", greedy, 1), ("sampled_", cfg.sampling, 2)):
+            groups = [replace(g, samples=sampling.n_samples_per_prompt) for g in prompts]
             # Seeded as step 0 at every evaluation: the same draws each time, so the curve shows the
             # policy's change and not the sampling noise.
-            outputs = self._run(prompts, sampling, 0, stream=stream)
-            rewards = self._score(rows, texts, outputs)
+            run = self._rollout(groups, sampling, 0, stream=stream)
+            trajectories = self._rewarded(groups, run.trajectories)
+            rewards = [t.total_reward for t in trajectories]
             metrics |= {
                 f"eval/{prefix}reward_mean": statistics.fmean(rewards),
                 f"eval/{prefix}accuracy": sum(r >= CORRECT_REWARD for r in rewards) / len(rewards),
-                f"eval/{prefix}response_length_mean": statistics.fmean(len(o.token_ids) for o in outputs),
-                f"eval/{prefix}samples": float(len(outputs)),
+                f"eval/{prefix}response_length_mean": statistics.fmean(
+                    len(t.response_tokens) for t in trajectories
+                ),
+                f"eval/{prefix}samples": float(len(trajectories)),
             }
+            if self.multi_turn:
+                metrics |= multi_turn_metrics(trajectories, prefix=f"eval/{prefix}")
         return metrics
 
     # -- colocated runs --------------------------------------------------------------------------------
@@ -407,6 +461,7 @@ class RolloutManager:
         self.source.load_state_dict(state["data"])
 
     def shutdown(self) -> None:
+        self._env_pool.shutdown(wait=False, cancel_futures=True)
         engines, self.engines = self.engines, []
         for engine in engines:
             # Best effort: one engine failing to stop must not leave the others running.

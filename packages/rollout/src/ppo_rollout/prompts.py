@@ -76,9 +76,7 @@ def check_dataset(config: RolloutConfig) -> DatasetReport:
         tokenizer, config.prompt_field, chat_template=config.chat_template, system_prompt=config.system_prompt
     )
     max_positions = getattr(AutoConfig.from_pretrained(config.model_path), "max_position_embeddings", None)
-    max_new = config.sampling.max_new_tokens
-    if config.eval_sampling is not None:
-        max_new = max(max_new, config.eval_sampling.max_new_tokens)
+    max_new = config.longest_response  # multi-turn: every turn and observation together
     rows, longest = 0, 0
     for path in (config.dataset, config.eval_dataset):
         if path is None:

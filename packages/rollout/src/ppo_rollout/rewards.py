@@ -49,6 +49,10 @@ class RewardInput:
     finish_reason: str  # "stop" | "length"
     row: Mapping[str, Any] = field(default_factory=dict)  # the dataset row: labels, metadata
     prompt_index: int = 0  # the prompt's index in this step (samples of one prompt share it)
+    # Multi-turn: ``response`` is the last turn's text; ``transcript`` every turn and observation
+    # after the prompt, decoded (equal to ``response`` for one turn).
+    transcript: str = ""
+    num_turns: int = 1
 
 
 RewardFn = Callable[[Sequence[RewardInput]], Sequence[float]]
@@ -286,3 +290,9 @@ def math_answer_strict(samples: Sequence[RewardInput]) -> list[float]:
         else:
             out.append(1.0 if found.value == _label_value(s) else FORMAT_SCORE)
     return out
+
+
+@register_reward("none")
+def no_reward(samples: Sequence[RewardInput]) -> list[float]:
+    """0.0 for every sample: an environment's turn rewards are the whole signal."""
+    return [0.0] * len(samples)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["TASKS", "ArithmeticTask", "PromptTask", "Task", "get_task", "make_tiny_model"]
+__all__ = ["TASKS", "ArithmeticTask", "GuessTask", "PromptTask", "Task", "get_task", "make_tiny_model"]
 
 
 class PromptTask(Protocol):
@@ -29,6 +29,11 @@ class PromptTask(Protocol):
     @property
     def needs_real_tokenizer(self) -> bool:
         """True when the built-in character tokenizer cannot spell its prompts (use model.path)."""
+        ...
+
+    @property
+    def environment(self) -> str | None:
+        """The multi-turn environment the task is played in (``rollout.environment``), if any."""
         ...
 
     def row(self, index: int, seed: int | str) -> dict[str, Any]: ...
@@ -45,6 +50,7 @@ class Task:
     reward: str = "char_match"
     separator: str = ">"
     needs_real_tokenizer: bool = False
+    environment: str | None = None
 
     def row(self, index: int, seed: int | str) -> dict[str, Any]:
         """Row ``index`` of the stream for ``seed``: the same pair always gives the same row."""
@@ -88,6 +94,7 @@ class ArithmeticTask:
     reward: str = "math_answer"
     instruction: str = "Answer with the number only."
     needs_real_tokenizer: bool = True
+    environment: str | None = None
 
     def _question(self, rng: random.Random) -> tuple[str, int]:
         n = rng.randint(*self.terms)
@@ -114,6 +121,24 @@ class ArithmeticTask:
         return self._draw(f"eval/{seed}", index, held_out=True)
 
 
+@dataclass(frozen=True)
+class GuessTask:
+    """Guess the row's digit in a few turns: after each wrong guess the environment answers ``+`` (the
+    number is higher) or ``-`` (lower); a reward every turn (``guess_number``). The prompt is ``?>``."""
+
+    name: str
+    reward: str = "none"
+    needs_real_tokenizer: bool = False
+    environment: str | None = "guess_number"
+
+    def row(self, index: int, seed: int | str) -> dict[str, Any]:
+        rng = random.Random(f"{self.name}/{seed}/{index}")
+        return {"prompt": "?>", "label": str(rng.randint(0, 9)), "index": index}
+
+    def eval_row(self, index: int, seed: int | str) -> dict[str, Any]:
+        return self.row(index, f"eval/{seed}")
+
+
 def _identity(s: str) -> str:
     return s
 
@@ -135,6 +160,19 @@ TASKS: Mapping[str, PromptTask] = {
         ArithmeticTask("arithmetic_2", (2, 2), 10, 99, "+-"),
         ArithmeticTask("arithmetic_3", (3, 3), 1, 50, "+-"),
         ArithmeticTask("arithmetic_4", (3, 3), 2, 20, "+-*"),
+        # Beyond a 135M model's mental arithmetic: four or five terms of two and three digits, with the
+        # calculator tool (<calc>expression</calc> answered by <result>value</result>).
+        ArithmeticTask(
+            "tool_arithmetic",
+            (4, 5),
+            10,
+            999,
+            "+-",
+            instruction="Use the calculator, then give the final answer as a number.",
+            environment="calculator",
+        ),
+        # Guess a digit from "+" (higher) and "-" (lower) replies: multi-turn for the tiny model.
+        GuessTask("guess_digit"),
     )
 }
 

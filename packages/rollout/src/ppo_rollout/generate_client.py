@@ -1,0 +1,193 @@
+"""Per-request generation over the engines: ``await client.generate(ids, sampling)``, continuous.
+
+Rollout functions ask for one prompt's continuation at a time; the client batches what is waiting.
+Whenever an engine is idle and requests wait, the waiting requests with the same sampling go out
+together, split into contiguous, near-equal chunks over the idle engines (one ``generate`` call
+each); when a call returns, its requests' futures resolve and the next waiting requests go out. So
+a trajectory that waits for its environment never holds the engines: the others' requests keep them
+busy.
+
+Seeds: engine ``j``'s ``d``-th call of a client draws from ``call_seed(base, step, j, stream, d)``,
+a fixed function of the run's seed. Requests made together (every rollout function's first turn
+is submitted before the event loop runs the client's dispatch) go out as one wave, exactly as one
+batch call per engine; later calls are batched by arrival, so a multi-turn rollout whose environment
+answers at varying speeds can batch (and so sample) differently from one run to the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from .config import SamplingConfig
+from .engine.core import GenerationOutput
+from .engine.handles import Waiter
+
+__all__ = ["BatchGenerator", "GenerateClient", "Generated", "call_seed"]
+
+
+class BatchGenerator(Protocol):
+    """What the client needs of an engine (``engine.handles.EngineHandle`` is one): a batch call."""
+
+    def submit_generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+    ) -> Waiter: ...
+
+
+def call_seed(base: int, step: int, engine: int, stream: int = 0, call: int = 0) -> int:
+    """The seed of engine ``engine``'s ``call``-th generate call of ``step``: resumed runs sample alike."""
+    mixed = base * 1_000_003 + step * 7_919 + engine * 104_729 + stream * 15_485_863 + call * 49_979_687
+    return mixed % (2**62)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One continuation, with the engine that produced it (its weight version is that engine's)."""
+
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    finish_reason: str  # "stop" (eos or a stop token) or "length"
+    engine: int
+
+
+@dataclass
+class _Pending:
+    ids: list[int]
+    sampling: SamplingConfig  # seed 0: the key requests are batched by
+    future: asyncio.Future[list[Generated]]
+
+
+class GenerateClient:
+    """Requests to ``engines`` from one asyncio event loop (create and use it inside that loop).
+
+    ``timeout_s`` bounds each engine call; ``max_rows`` caps the rows of one call (``None``: all that
+    wait). ``busy_seconds[j]`` and ``calls[j]`` count engine ``j``'s work through this client.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[BatchGenerator],
+        *,
+        seed: int,
+        step: int,
+        stream: int,
+        timeout_s: float,
+        max_rows: int | None = None,
+    ) -> None:
+        if not engines:
+            raise ValueError("GenerateClient needs at least one engine")
+        self._engines = list(engines)
+        self._seed, self._step, self._stream = seed, step, stream
+        self._timeout_s = timeout_s
+        self._max_rows = max_rows
+        self._loop = asyncio.get_running_loop()
+        self._queue: list[_Pending] = []
+        self._busy = [False] * len(engines)
+        self._flush_scheduled = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="generate")
+        self._in_flight: set[asyncio.Future[list[GenerationOutput]]] = set()
+        self.calls = [0] * len(engines)
+        self.busy_seconds = [0.0] * len(engines)
+        self.started = time.perf_counter()
+
+    async def generate(self, ids: Sequence[int], sampling: SamplingConfig) -> list[Generated]:
+        """``sampling.n_samples_per_prompt`` continuations of ``ids`` (``sampling.seed`` is not used:
+        the client seeds each engine call)."""
+        if not ids:
+            raise ValueError("generate needs a non-empty list of input ids")
+        future: asyncio.Future[list[Generated]] = self._loop.create_future()
+        self._queue.append(_Pending([int(t) for t in ids], replace(sampling, seed=0), future))
+        self._schedule_flush()
+        return await future
+
+    # -- dispatch ------------------------------------------------------------------------------------
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        idle = [j for j, busy in enumerate(self._busy) if not busy]
+        if not idle or not self._queue:
+            return
+        batch = self._take_batch()
+        bounds = [round(k * len(batch) / len(idle)) for k in range(len(idle) + 1)]
+        for k, j in enumerate(idle):
+            chunk = batch[bounds[k] : bounds[k + 1]]
+            if chunk:
+                self._dispatch(j, chunk)
+        if self._queue and any(not b for b in self._busy):
+            self._schedule_flush()
+
+    def _take_batch(self) -> list[_Pending]:
+        """The waiting requests with the first one's sampling, in arrival order, up to ``max_rows``."""
+        key = self._queue[0].sampling
+        rows_each = key.n_samples_per_prompt
+        batch: list[_Pending] = []
+        rest: list[_Pending] = []
+        for pending in self._queue:
+            fits = self._max_rows is None or (len(batch) + 1) * rows_each <= max(self._max_rows, rows_each)
+            (batch if pending.sampling == key and fits else rest).append(pending)
+        self._queue = rest
+        return batch
+
+    def _dispatch(self, engine: int, chunk: list[_Pending]) -> None:
+        sampling = chunk[0].sampling
+        seed = call_seed(self._seed, self._step, engine, self._stream, self.calls[engine])
+        self.calls[engine] += 1
+        self._busy[engine] = True
+        waiter = self._engines[engine].submit_generate([p.ids for p in chunk], sampling, seed)
+        started = time.perf_counter()
+        future = self._loop.run_in_executor(self._pool, waiter, self._timeout_s)
+        self._in_flight.add(future)
+        future.add_done_callback(functools.partial(self._done, engine, chunk, started))
+
+    def _done(
+        self,
+        engine: int,
+        chunk: list[_Pending],
+        started: float,
+        future: asyncio.Future[list[GenerationOutput]],
+    ) -> None:
+        self._in_flight.discard(future)
+        self._busy[engine] = False
+        self.busy_seconds[engine] += time.perf_counter() - started
+        error = future.exception() if not future.cancelled() else asyncio.CancelledError()
+        if error is not None:
+            for pending in chunk:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
+        else:
+            outputs = future.result()
+            per_request: list[list[Generated]] = [[] for _ in chunk]
+            for out in outputs:
+                per_request[out.prompt_position].append(
+                    Generated(out.token_ids, out.log_probs, out.finish_reason, engine)
+                )
+            for pending, generated in zip(chunk, per_request, strict=True):
+                if not pending.future.done():
+                    pending.future.set_result(generated)
+        self._schedule_flush()
+
+    # -- the end -------------------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Waits for the engine calls still running (after a failure: none may outlive the step)."""
+        for pending in self._queue:
+            pending.future.cancel()
+        self._queue = []
+        if self._in_flight:
+            await asyncio.wait(list(self._in_flight), timeout=self._timeout_s)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def idle_share(self, wall_seconds: float) -> float:
+        """The share of ``wall_seconds`` x engines in which no call of this client ran on an engine."""
+        capacity = wall_seconds * len(self._engines)
+        return max(0.0, 1.0 - sum(self.busy_seconds) / capacity) if capacity > 0 else 0.0
