@@ -1,12 +1,17 @@
-"""Test, lint and type-check sessions for the ppo-* workspace.
+"""Test, lint, type-check, docs and release sessions for the ppo-* workspace.
 
-Each package's session installs that package alone, with its declared dependencies (resolved from
-the one ``uv.lock``) and the ``test`` group, into a fresh environment: a dependency a package uses
-but does not declare fails there. ``uv run nox`` runs every session.
+Each package's session builds every package's sdist and wheel (``uv build``, the wheel from the sdist),
+installs that package's wheel and its sibling packages' wheels, non-editable, into a fresh environment
+with only the third-party dependencies they declare (pinned from the one ``uv.lock``, no workspace)
+and the ``test`` group, then runs the package's README example and its tests against the installed
+wheel: a file the wheel lacks or a dependency a package uses but does not declare fails there.
+``uv run nox`` runs every session.
 """
 
 from __future__ import annotations
 
+import tempfile
+import tomllib
 from pathlib import Path
 
 import nox
@@ -67,12 +72,62 @@ def _pytest(session: nox.Session, where: Path, *extra: str) -> None:
     session.run("python", "-m", "pytest", "--durations=12", *extra, *session.posargs, env=TEST_ENV)
 
 
+def _sibling_closure(dist: str) -> list[str]:
+    """``dist`` and every workspace package it depends on, directly or through another one."""
+    folders = {name: folder for folder, (name, _) in PACKAGES.items()}
+    seen: list[str] = []
+    todo = [dist]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.append(name)
+        project = tomllib.loads((ROOT / "packages" / folders[name] / "pyproject.toml").read_text())["project"]
+        declared = project["dependencies"] + [
+            req for reqs in project.get("optional-dependencies", {}).values() for req in reqs
+        ]
+        for requirement in declared:
+            sibling = requirement.split("[")[0].split(">")[0].split("=")[0].split(";")[0].strip()
+            if sibling in folders:
+                todo.append(sibling)
+    return seen
+
+
+def _install_wheel(session: nox.Session, dist: str, extras: tuple[str, ...]) -> None:
+    """Install ``dist`` as users get it: its built wheel and its siblings', with only what they declare.
+
+    Third-party requirements come pinned from the lock (``uv export``, workspace members left out); the
+    workspace packages come as wheels built here from their sdists, installed non-editable, then
+    ``uv pip check`` confirms every installed distribution's declared requirements hold.
+    """
+    # Not session.create_tmp(): it points TMPDIR into the venv, where Ray's socket paths grow too long.
+    out = Path(tempfile.mkdtemp(prefix="ppo-dist-"))
+    session.run("uv", "build", "--all-packages", "--quiet", "--out-dir", str(out), external=True)
+    requirements = out / "requirements.txt"
+    export = ["uv", "export", "--frozen", "--no-default-groups", "--package", dist, "--group", "test"]
+    for extra in extras:
+        export += ["--extra", extra]
+    export += ["--no-emit-workspace", "--no-hashes", "--quiet", "--output-file", str(requirements)]
+    session.run(*export, external=True)
+    session.install("-r", str(requirements))
+    wanted = _sibling_closure(dist) + (["ppo-testsupport"] if dist != "ppo-testsupport" else [])
+    wheels = [str(next(out.glob(f"{name.replace('-', '_')}-*.whl"))) for name in wanted]
+    session.install("--no-deps", *wheels)
+    session.run("uv", "pip", "check", external=True)
+
+
 @nox.session(python=PYTHON)
 @nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
-    """One package's tests, in an environment holding only that package and what it declares."""
+    """One package from its built wheel: installs alone, runs its README example, passes its tests."""
     dist, extras = PACKAGES[package]
-    _sync(session, dist, extras)
+    _install_wheel(session, dist, extras)
+    module = next((ROOT / "packages" / package / "src").glob("*/__init__.py")).parent.name
+    # The tests must exercise the installed wheel, never the source tree.
+    session.chdir(ROOT / "packages" / package)
+    where = f"import {module}, sys; sys.exit('site-packages' not in {module}.__file__)"
+    session.run("python", "-c", where, silent=True)
+    session.run("python", str(ROOT / "tools" / "readme_examples.py"), package, env=TEST_ENV)
     _pytest(session, ROOT / "packages" / package)
 
 
@@ -102,3 +157,13 @@ def typecheck(session: nox.Session) -> None:
     _sync(session, None, groups=("dev",))
     modules = [f"-p={init.parent.name}" for init in sorted((ROOT / "packages").glob("*/src/*/__init__.py"))]
     session.run("mypy", *modules)
+
+
+@nox.session(name="release-check", python=PYTHON)
+def release_check(session: nox.Session) -> None:
+    """Fails when a package's public interface changed without a version bump (tools/interfaces/).
+
+    Also when a version has no CHANGELOG section or a sibling requirement excludes a sibling's version.
+    """
+    _sync(session, None, groups=("dev",))
+    session.run("python", str(ROOT / "tools" / "interface_snapshot.py"), "--check", env=TEST_ENV)
