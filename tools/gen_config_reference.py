@@ -124,7 +124,7 @@ def _message(node: ast.expr) -> str | None:
     if isinstance(node, ast.JoinedStr):
         parts = []
         for part in node.values:
-            parts.append(part.value if isinstance(part, ast.Constant) else "…")
+            parts.append(str(part.value) if isinstance(part, ast.Constant) else "…")
         return "".join(parts)
     return None
 
@@ -159,8 +159,9 @@ def _render_section(path: str, section: type, out: list[str]) -> None:
     for name, info in _fields(section).items():
         key = info.alias or name
         dotted = f"{path}.{key}" if path else key
-        if _is_section(info.annotation):
-            nested.append((dotted, info.annotation))
+        annotation = info.annotation
+        if isinstance(annotation, type) and _is_section(annotation):
+            nested.append((dotted, annotation))
             continue
         rows.append(
             f"| `{dotted}` | {_type_name(info.annotation)} | {_default(info)} | {_bounds(info)} | "
@@ -194,8 +195,8 @@ def render() -> str:
     out.append("Sections: " + ", ".join(f"[`{name}`](#{name})" for name, _ in sections) + ".\n")
     body: list[str] = []
     for name, section in sections:
-        assert section is not None
-        _render_section(name, section, body)
+        if isinstance(section, type):
+            _render_section(name, section, body)
     _render_section("", RunConfig, body)
     return "\n".join(out + body).rstrip() + "\n"
 
