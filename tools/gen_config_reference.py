@@ -179,7 +179,7 @@ def _render_section(path: str, section: type, out: list[str]) -> None:
         out.append("")
     rules = _rules(section)
     if rules:
-        out.append("Rules checked at load:\n" if path else "## Rules across sections\n")
+        out.append("Rules checked at load:\n")
         out.extend(f"- {_cell(rule)}" for rule in rules)
         out.append("")
     for dotted, child in nested:
@@ -197,7 +197,8 @@ def render() -> str:
     for name, section in sections:
         if isinstance(section, type):
             _render_section(name, section, body)
-    _render_section("", RunConfig, body)
+    body.append("## Rules across sections\n")
+    body.extend(f"- {_cell(rule)}" for rule in _rules(RunConfig))
     return "\n".join(out + body).rstrip() + "\n"
 
 
