@@ -177,5 +177,7 @@ def test_a_long_observation_is_cut_with_the_marker(chat_tokenizer: Any) -> None:
     assert cut.endswith(TRUNCATION_MARKER)
     assert len(renderer.ids(text, [])) == 30
     assert renderer.truncate("short") == "short"
-    with pytest.raises(ValueError, match="must exceed the truncation marker"):
+    with pytest.raises(
+        ValueError, match=r"must exceed the 15 tokens of rollout\.multi_turn\.truncation_marker"
+    ):
         ObservationRenderer(chat_tokenizer, chat_template=False, max_tokens=5)

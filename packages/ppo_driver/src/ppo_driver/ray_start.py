@@ -123,6 +123,9 @@ def start_local_ray(config: RunConfig, console: Console) -> None:
         # of 5.3 with the caches; most of a CPU run's start-up).
         os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     kwargs: dict[str, Any] = {
+        # "local": a new instance, whatever RAY_ADDRESS or an earlier `ray start` on this machine say
+        # (Ray's default joins the cluster /tmp/ray/ray_current_cluster names); ray.address joins one.
+        "address": "local",
         "num_cpus": config.ray.num_cpus,
         "num_gpus": 0 if config.placement.device == "cpu" else None,
         "object_store_memory": config.ray.object_store_memory_mb * 1024**2,

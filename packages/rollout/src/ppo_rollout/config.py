@@ -128,6 +128,9 @@ class MultiTurnSettings:
         ge=8,
         description="an observation's content beyond it is cut and ends with a '...[truncated]' marker",
     )
+    truncation_marker: str = Field(
+        default=" ...[truncated]", min_length=1, description="ends an observation cut to the limit"
+    )
     stop: tuple[str, ...] = Field(
         default=(),
         description="stop strings ending a turn (kept in the response), e.g. ['</calc>'] for a tool call",

@@ -212,6 +212,7 @@ class RolloutManager:
                 chat_template=config.chat_template,
                 role=limits.observation_role,
                 max_tokens=limits.max_observation_tokens,
+                marker=limits.truncation_marker,
                 eos_token_ids=_eos_token_ids(config.model_path, self.tokenizer),
             )
             if self.multi_turn

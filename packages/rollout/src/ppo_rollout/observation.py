@@ -11,13 +11,13 @@ example by dropping their reasoning, would make the model see a history it never
 Without a chat template the reply's text is encoded as it is, without special tokens.
 
 A reply longer than ``max_tokens`` (its content, before the template's own tokens) is cut and ends
-with ``TRUNCATION_MARKER``.
+with the truncation marker (``TRUNCATION_MARKER`` unless another is given).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,16 +76,18 @@ class ObservationRenderer:
         role: str = "user",
         max_tokens: int = 256,
         eos_token_ids: Sequence[int] = (),
+        marker: str = TRUNCATION_MARKER,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.role = role
         self.max_tokens = max_tokens
-        self._marker_ids = self._encode(TRUNCATION_MARKER)
+        self.marker = marker
+        self._marker_ids = self._encode(marker)
         if max_tokens <= len(self._marker_ids):
             raise ValueError(
-                f"rollout.multi_turn.max_observation_tokens ({max_tokens}) must exceed the truncation "
-                f"marker's {len(self._marker_ids)} tokens"
+                f"rollout.multi_turn.max_observation_tokens ({max_tokens}) must exceed the "
+                f"{len(self._marker_ids)} tokens of rollout.multi_turn.truncation_marker {marker!r}"
             )
         self._eos_ids = frozenset(int(t) for t in eos_token_ids) or frozenset(
             t for t in (tokenizer.eos_token_id,) if t is not None
@@ -116,7 +118,7 @@ class ObservationRenderer:
         if len(ids) <= self.max_tokens:
             return text
         kept = ids[: self.max_tokens - len(self._marker_ids)]
-        return str(self.tokenizer.decode(kept, skip_special_tokens=True)) + TRUNCATION_MARKER
+        return str(self.tokenizer.decode(kept, skip_special_tokens=True)) + self.marker
 
     def ids(self, text: str, turn_ids: Sequence[int]) -> list[int]:
         """The ids to append after the model's turn ``turn_ids`` for the reply ``text``."""
@@ -129,6 +131,3 @@ class ObservationRenderer:
         ended_on_eos = bool(turn_ids) and int(turn_ids[-1]) in self._eos_ids
         closing = self._after_eos if ended_on_eos else self._after_model
         return self._encode(closing + reply[len(self._closed_turn) :])
-
-    def info(self) -> dict[str, Any]:
-        return {"chat_template": self.chat_template, "role": self.role, "max_tokens": self.max_tokens}

@@ -278,7 +278,6 @@ async def _episode(ctx: RolloutContext, group: PromptGroup, sample: int) -> Traj
         if builder.response_length + len(observation) >= limits.max_response_tokens:
             return builder.build("length", turn.finish_reason)  # no room for the reply and a turn
         builder.add_observation(observation)
-        builder.count("observation_tokens", len(observation))
         budget = _budget(ctx, builder)
         pending = asyncio.ensure_future(ctx.generate(builder.input_ids, max_new_tokens=budget))
 
