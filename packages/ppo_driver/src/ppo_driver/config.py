@@ -290,14 +290,16 @@ class RunConfig(_Section):
     def _check_estimator(self) -> None:
         """The critic and the estimator agree; one-step-off has its own engines and TIS."""
         p, a, t = self.placement, self.algorithm, self.train
-        if self.use_critic and a.estimator != "ppo":
+        # The estimator's properties decide (ppo_trainer.estimators), never its name.
+        uses_critic = a.estimator_info.uses_critic
+        if self.use_critic and not uses_critic:
             raise ValueError(
-                f"placement.critic={p.critic!r} needs algorithm.estimator='ppo' (got {a.estimator!r}); "
-                "set placement.critic=none for grpo, or algorithm.estimator=ppo"
+                f"placement.critic={p.critic!r} needs an algorithm.estimator with a critic (ppo; got "
+                f"{a.estimator!r}); set placement.critic=none for {a.estimator}, or algorithm.estimator=ppo"
             )
-        if not self.use_critic and a.estimator == "ppo":
+        if not self.use_critic and uses_critic:
             raise ValueError(
-                "algorithm.estimator='ppo' needs a critic (GAE uses its values); "
+                f"algorithm.estimator={a.estimator!r} needs a critic (GAE uses its values); "
                 "set placement.critic=shared or dedicated, or algorithm.estimator=grpo"
             )
         if t.async_ == "one_step_off":
@@ -306,10 +308,11 @@ class RunConfig(_Section):
                     "train.async='one_step_off' generates the next batch while this one trains, so the "
                     "engines need devices of their own: set placement.mode=disaggregate, or train.async=off"
                 )
-            if a.tis_cap is None:
+            if a.correction.weight == "none":
                 raise ValueError(
                     "train.async='one_step_off' trains on samples one weight version old: set "
-                    "algorithm.tis_cap (truncated importance sampling, e.g. 2.0)"
+                    "algorithm.tis_cap (truncated importance sampling, e.g. 2.0) or "
+                    "algorithm.rollout_correction.weight"
                 )
 
     def _check_roles(self) -> None:
@@ -449,9 +452,9 @@ class RunConfig(_Section):
                     f"data-parallel rank and mini-batch ({samples} / {name} {dp} / "
                     f"algorithm.num_mini_batches {a.num_mini_batches} = {per_mini})"
                 )
-        if a.estimator == "grpo" and r.sampling.n_samples_per_prompt < 2:
+        if a.estimator_info.groups_samples and r.sampling.n_samples_per_prompt < 2:
             raise ValueError(
-                "algorithm.estimator='grpo' compares samples of one prompt: "
+                f"algorithm.estimator={a.estimator!r} compares samples of one prompt: "
                 "set rollout.sampling.n_samples_per_prompt >= 2"
             )
 

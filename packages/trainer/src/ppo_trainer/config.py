@@ -21,7 +21,8 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
-Estimator = Literal["ppo", "grpo"]
+from ppo_trainer import estimators
+
 KLEstimator = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
 LossAggregation = Literal[
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
@@ -37,6 +38,8 @@ Backend = Literal["torch", "megatron"]
 PackedAttention = Literal["varlen", "sdpa", "flex_attention"]
 LrSchedule = Literal["constant", "cosine"]
 GaeUnit = Literal["token", "turn"]
+CorrectionLevel = Literal["none", "token", "sequence", "geometric"]
+WeightBound = Literal["truncate", "clip", "none"]
 
 # Shared by every config of this package (and the ones that extend them): unknown keys are errors,
 # and defaults are validated like any input.
@@ -55,12 +58,82 @@ def megatron_installed() -> bool:
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
+class RolloutCorrection:
+    """``algorithm.rollout_correction``: importance weights and rejection for the gap between the
+    engine's log-probs (``pi_rollout``, which drew the tokens) and the trainer's (``pi_old``).
+
+    With ``log rho_t = log pi_old - log pi_rollout`` on the generated tokens of a sample, a *level* turns
+    them into a ratio: ``token`` ``rho_t``; ``sequence`` ``exp(sum_t log rho_t)`` (the product);
+    ``geometric`` ``exp(mean_t log rho_t)``; a sequence-wide ratio applies to all its tokens.
+    ``weight`` multiplies each token's policy loss by that ratio, bounded by ``weight_bound``; ``reject``
+    drops the tokens (or whole samples) whose ratio leaves ``[reject_lower, reject_upper]`` from the
+    loss and its token count. IcePop is ``weight: token, weight_bound: none, reject: token``.
+    """
+
+    weight: CorrectionLevel = Field(default="none", description="level of the importance weight; none: off")
+    weight_bound: WeightBound = Field(
+        default="truncate",
+        description="truncate: min(ratio, weight_upper) (TIS); clip: clamp(ratio, weight_lower, "
+        "weight_upper); none: the ratio as it is (IcePop, with reject)",
+    )
+    weight_upper: float = Field(default=2.0, gt=0, description="truncate/clip: the weight's upper bound")
+    weight_lower: float | None = Field(
+        default=None, gt=0, description="clip: the weight's lower bound; null: 1 / weight_upper"
+    )
+    reject: CorrectionLevel = Field(
+        default="none",
+        description="level of the rejection (masked importance sampling): tokens, or whole samples, whose "
+        "ratio is outside [reject_lower, reject_upper] leave the loss; none: off",
+    )
+    reject_upper: float = Field(default=2.0, gt=0, description="rejection band's upper bound")
+    reject_lower: float | None = Field(
+        default=None, gt=0, description="rejection band's lower bound; null: 1 / reject_upper"
+    )
+
+    def __post_init__(self) -> None:
+        if self.weight_lower is not None and self.weight_bound != "clip":
+            raise ValueError(
+                f"algorithm.rollout_correction.weight_lower={self.weight_lower} only applies to "
+                f"weight_bound='clip' (got {self.weight_bound!r}); remove weight_lower or set that bound"
+            )
+        if self.weight_bound == "clip" and not self.lower_weight < self.weight_upper:
+            raise ValueError(
+                f"algorithm.rollout_correction.weight_lower ({self.lower_weight}) must be below "
+                f"weight_upper ({self.weight_upper})"
+            )
+        if not self.lower_reject < self.reject_upper:
+            raise ValueError(
+                f"algorithm.rollout_correction.reject_lower ({self.lower_reject}) must be below "
+                f"reject_upper ({self.reject_upper})"
+            )
+        if self.weight == "none" and self.weight_bound == "none":
+            raise ValueError(
+                "algorithm.rollout_correction.weight_bound='none' bounds no weight with weight='none'; "
+                "set rollout_correction.weight (e.g. 'token') or leave weight_bound at its default"
+            )
+
+    @property
+    def lower_weight(self) -> float:
+        return 1.0 / self.weight_upper if self.weight_lower is None else self.weight_lower
+
+    @property
+    def lower_reject(self) -> float:
+        """The rejection band's lower bound, also the mismatch metric's band (``reject`` off or not)."""
+        return 1.0 / self.reject_upper if self.reject_lower is None else self.reject_lower
+
+    @property
+    def active(self) -> bool:
+        return self.weight != "none" or self.reject != "none"
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
 class AlgorithmConfig:
     """The PPO knobs, shared by actor and critic: the run config's ``algorithm`` section."""
 
-    estimator: Estimator = Field(
+    estimator: str = Field(
         default="ppo",
-        description="ppo: GAE with the critic's values; grpo: group-normalised outcome reward, no critic",
+        description="; ".join(f"{e.name}: {e.summary}" for e in estimators.ESTIMATORS.values())
+        + " (ppo_trainer.estimators)",
     )
     gamma: float = Field(default=1.0, ge=0, le=1, description="GAE discount")
     lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda (trace decay)")
@@ -106,9 +179,9 @@ class AlgorithmConfig:
     entropy_coef: float = Field(default=0.01, ge=0, description="the loss subtracts entropy_coef * entropy")
     normalize_advantages: bool | None = Field(
         default=None,
-        description="whiten advantages over the loss-masked tokens of all data-parallel ranks; null: true "
-        "with estimator=ppo, false with grpo (its advantages are normalised per group already), resolved "
-        "at construction; true with grpo is an error",
+        description="whiten advantages over the loss-masked tokens of all data-parallel ranks; null: the "
+        "estimator's default (true: ppo, reinforce_plus_plus_baseline; false: grpo, rloo), resolved at "
+        "construction; true with grpo is an error (its advantages are normalised per group already)",
     )
     norm_adv_by_std_in_grpo: bool = Field(
         default=True,
@@ -133,25 +206,32 @@ class AlgorithmConfig:
         default=None,
         ge=1,
         description="truncated importance sampling: weight each token's policy loss by "
-        "min(pi_old / pi_rollout, tis_cap); null: off (train.async=one_step_off needs it)",
+        "min(pi_old / pi_rollout, tis_cap); null: off. The same as rollout_correction.weight=token, "
+        "weight_upper=tis_cap (set one of the two)",
+    )
+    rollout_correction: RolloutCorrection = Field(
+        default=RolloutCorrection(),
+        description="importance weights and rejection for the engine-trainer mismatch (RolloutCorrection); "
+        "train.async=one_step_off needs a weight (or tis_cap)",
     )
 
     def __post_init__(self) -> None:
+        info = estimators.get(self.estimator)
         if self.normalize_advantages is None:
             # Resolved once, so the dumped config says what runs (frozen: set through object).
-            object.__setattr__(self, "normalize_advantages", self.estimator == "ppo")
+            object.__setattr__(self, "normalize_advantages", info.whiten_by_default)
         if self.use_kl_loss and self.kl_loss_coef == 0.0:
             raise ValueError(
                 "algorithm.use_kl_loss=true with algorithm.kl_loss_coef=0 has no effect; "
                 "set algorithm.kl_loss_coef>0 or algorithm.use_kl_loss=false"
             )
-        if self.estimator == "grpo" and self.normalize_advantages:
+        if not info.may_whiten and self.normalize_advantages:
             raise ValueError(
-                "algorithm.normalize_advantages=true with algorithm.estimator='grpo' would whiten the "
-                "group-normalised advantages again over the whole batch (a group of equal rewards would "
-                "get non-zero advantages); set algorithm.normalize_advantages=null or false"
+                f"algorithm.normalize_advantages=true with algorithm.estimator={self.estimator!r} would "
+                "whiten the group-normalised advantages again over the whole batch (a group of equal "
+                "rewards would get non-zero advantages); set algorithm.normalize_advantages=null or false"
             )
-        if self.estimator != "grpo" and not self.norm_adv_by_std_in_grpo:
+        if not info.reads_norm_by_std and not self.norm_adv_by_std_in_grpo:
             raise ValueError(
                 "algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.estimator="
                 f"{self.estimator!r}; set algorithm.estimator='grpo' or remove norm_adv_by_std_in_grpo"
@@ -167,16 +247,41 @@ class AlgorithmConfig:
                 "algorithm.gae_through_observations=true decays GAE per token through observations; "
                 "algorithm.gae_unit='turn' takes one step per turn: set one of them back to its default"
             )
-        if self.estimator != "ppo" and (self.gae_unit != "token" or self.gae_through_observations):
+        if not info.uses_critic and (self.gae_unit != "token" or self.gae_through_observations):
             raise ValueError(
                 f"algorithm.gae_unit / gae_through_observations shape GAE, which "
                 f"algorithm.estimator={self.estimator!r} does not run; remove them or use estimator='ppo'"
             )
-        if self.estimator == "grpo" and self.kl_coef > 0.0:
+        if not info.uses_critic and self.kl_coef > 0.0:
             raise ValueError(
-                "algorithm.kl_coef > 0 (a KL reward penalty) needs algorithm.estimator='ppo'; with 'grpo' "
-                "use algorithm.use_kl_loss=true and algorithm.kl_loss_coef instead"
+                "algorithm.kl_coef > 0 (a KL reward penalty, shaped by the critic) needs an estimator "
+                f"with a critic (ppo); with {self.estimator!r} use algorithm.use_kl_loss=true and "
+                "algorithm.kl_loss_coef instead"
             )
+        if self.tis_cap is not None and self.rollout_correction.weight != "none":
+            raise ValueError(
+                f"algorithm.tis_cap={self.tis_cap} and algorithm.rollout_correction.weight="
+                f"{self.rollout_correction.weight!r} both set an importance weight; keep one (tis_cap=C is "
+                "rollout_correction: {weight: token, weight_upper: C})"
+            )
+
+    @property
+    def estimator_info(self) -> estimators.Estimator:
+        """The estimator's entry in ``ppo_trainer.estimators`` (its function and properties)."""
+        return estimators.get(self.estimator)
+
+    @property
+    def correction(self) -> RolloutCorrection:
+        """``rollout_correction`` with ``tis_cap`` folded in (``weight: token``, truncated at it)."""
+        if self.tis_cap is None:
+            return self.rollout_correction
+        return RolloutCorrection(
+            weight="token",
+            weight_upper=self.tis_cap,
+            reject=self.rollout_correction.reject,
+            reject_upper=self.rollout_correction.reject_upper,
+            reject_lower=self.rollout_correction.reject_lower,
+        )
 
     @property
     def whiten_advantages(self) -> bool:
@@ -441,8 +546,11 @@ class TrainerConfig(TrainSettings):
                 "constant each sample's token sum is divided by, e.g. the longest response); ppo-driver "
                 "sets it to rollout.sampling.max_new_tokens when null"
             )
-        if self.role == "critic" and self.algorithm.estimator == "grpo":
-            raise ValueError("a critic is not used with estimator='grpo'; drop the critic or use 'ppo'")
+        if self.role == "critic" and not self.algorithm.estimator_info.uses_critic:
+            raise ValueError(
+                f"a critic is not used with estimator={self.algorithm.estimator!r}; drop the critic or "
+                "use 'ppo'"
+            )
 
     @property
     def lr(self) -> float:

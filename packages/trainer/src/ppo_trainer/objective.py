@@ -15,13 +15,14 @@ float summation order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ppo_trainer import micro_batches, packing
+from ppo_trainer import estimators, micro_batches, packing
 from ppo_trainer import ppo_math as pm
 from ppo_trainer.backend_protocol import Batch, DataParallel, Forward, ModelBackend
 from ppo_trainer.batch import Samples, collate, split_even, to_device
@@ -136,7 +137,7 @@ def train_critic(
     alg = backend.config.algorithm
     rewards, reward_metrics = token_rewards(backend, samples)
     old_values = score(backend, samples)
-    _, returns = gae(alg, rewards, old_values, samples)
+    _, returns = estimators.gae(alg, rewards, old_values, samples)
     loss = functools.partial(_critic_micro_loss, backend, old_values, returns)
     metrics = run_epochs(backend, samples, loss)
     metrics["values_mean"] = masked_global_mean(backend.dp, old_values, samples.loss_mask)
@@ -192,10 +193,11 @@ def train_actor(
     ref_log_probs = score(backend, samples, reference=True) if backend.has_reference else None
     advantages, metrics = advantages_of(backend.config.algorithm, dp, samples, values, rewards)
     metrics |= _policy_drift(backend, samples, old_log_probs, ref_log_probs)
-    tis_weight, tis_metrics = _tis_weight(backend, samples, old_log_probs)
+    metrics |= mismatch_metrics(dp, backend.config.algorithm, samples, old_log_probs)
+    tis_weight, trained, tis_metrics = rollout_correction(backend, samples, old_log_probs)
     targets = ActorTargets(old_log_probs, ref_log_probs, advantages, tis_weight)
     loss = functools.partial(_actor_micro_loss, backend, targets)
-    return run_epochs(backend, samples, loss) | metrics | tis_metrics
+    return run_epochs(backend, trained, loss) | metrics | tis_metrics
 
 
 def advantages_of(
@@ -205,12 +207,14 @@ def advantages_of(
     values: torch.Tensor | None,
     rewards: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The actor's advantages ``[N, R_max]`` (GAE over the critic's values and rewards, or GRPO's
-    group-normalised outcomes), whitened when ``alg.whiten_advantages``; their metrics."""
+    """The actor's advantages ``[N, R_max]`` by ``alg.estimator`` (``ppo_trainer.estimators``: GAE over
+    the critic's values and token rewards, or an outcome estimator over the samples' scores), whitened
+    when ``alg.whiten_advantages``; their metrics."""
     metrics: dict[str, float] = {}
-    if alg.estimator == "ppo":
+    estimator = alg.estimator_info
+    if estimator.uses_critic:
         if values is None:
-            raise ValueError("estimator='ppo' needs the critic's values")
+            raise ValueError(f"estimator={alg.estimator!r} needs the critic's values")
         if rewards is None:
             if alg.kl_coef > 0.0:
                 raise ValueError(
@@ -219,31 +223,12 @@ def advantages_of(
                 )
             rewards = pm.token_rewards(samples.reward, samples.loss_mask, turn_rewards=samples.turn_rewards)
         metrics["token_reward_sum_mean"] = sample_mean(dp, (rewards * samples.loss_mask).sum(1))
-        advantages, _ = gae(alg, rewards, values, samples)
-    else:
-        per_sample = pm.grpo_advantages(
-            samples.reward, samples.prompt_index, norm_by_std=alg.norm_adv_by_std_in_grpo
-        )
-        advantages = per_sample[:, None] * samples.loss_mask
+    advantages = estimator.advantages(estimators.AdvantageInputs(alg, samples, rewards, values))
     metrics["advantages_mean"] = masked_global_mean(dp, advantages, samples.loss_mask)
-    # GRPO's advantages are normalised per group already (AlgorithmConfig.whiten_advantages).
+    # Group-normalised advantages are not whitened again (AlgorithmConfig.whiten_advantages).
     if alg.whiten_advantages:
         advantages = pm.whiten(advantages, samples.loss_mask, dp.all_reduce)
     return advantages, metrics
-
-
-def gae(
-    alg: AlgorithmConfig, rewards: torch.Tensor, values: torch.Tensor, samples: Samples
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and critic targets over the generated (loss-mask) tokens, ``[N, R_max]`` each:
-    per token skipping observations (the default), per turn (``gae_unit: turn``), or decaying
-    through observations (``gae_through_observations``, the ablation)."""
-    mask = samples.loss_mask
-    if alg.gae_unit == "turn":
-        return pm.compute_turn_gae(rewards, values, mask, samples.turn_ids, alg.gamma, alg.lam)
-    if alg.gae_through_observations:
-        return pm.compute_gae_through_observations(rewards, values, mask, alg.gamma, alg.lam)
-    return pm.compute_gae(rewards, values, mask, alg.gamma, alg.lam)
 
 
 def _policy_drift(
@@ -266,20 +251,51 @@ def _policy_drift(
     return metrics
 
 
-def _tis_weight(
-    backend: ModelBackend, samples: Samples, old_log_probs: torch.Tensor
-) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Truncated importance sampling: the tokens were drawn by the rollout's policy, which may be a
-    version behind the one PPO's ratio starts from (one-step-off training). None without ``tis_cap``."""
-    cap = backend.config.algorithm.tis_cap
-    if cap is None:
-        return None, {}
-    raw = pm.masked(torch.exp(old_log_probs - samples.rollout_log_probs), samples.loss_mask)
-    weight = raw.clamp(max=cap)
-    return weight, {
-        "tis_weight_mean": masked_global_mean(backend.dp, weight, samples.loss_mask),
-        "tis_capped_fraction": masked_global_mean(backend.dp, (raw > cap).float(), samples.loss_mask),
+def mismatch_metrics(
+    dp: DataParallel, alg: AlgorithmConfig, samples: Samples, old_log_probs: torch.Tensor
+) -> dict[str, float]:
+    """How far the engine's log-probs of the generated tokens are from the trainer's, every step:
+    ``mismatch_kl_k1`` and ``mismatch_kl_k3`` (``KL(pi_rollout || pi_old)``, token means),
+    ``mismatch_log_ratio_abs_max`` (the largest ``|log pi_old - log pi_rollout|`` of any rank) and
+    ``mismatch_ratio_outside_band`` (the share of tokens whose ratio ``pi_old / pi_rollout`` is outside
+    ``rollout_correction``'s band ``[reject_lower, reject_upper]``)."""
+    mask = samples.loss_mask
+    k1, k3 = pm.mismatch_kl(old_log_probs, samples.rollout_log_probs)
+    band = alg.correction
+    inside = pm.rejection_mask(-k1, mask, "token", band.lower_reject, band.reject_upper)
+    # Each rank's max in its own slot: the sum over ranks then holds every rank's max.
+    slots = torch.zeros(dp.world_size)
+    slots[dp.rank] = pm.masked(k1.abs(), mask).max() if mask.numel() else 0.0
+    return {
+        "mismatch_kl_k1": masked_global_mean(dp, k1, mask),
+        "mismatch_kl_k3": masked_global_mean(dp, k3, mask),
+        "mismatch_log_ratio_abs_max": float(dp.all_reduce(slots).max()),
+        "mismatch_ratio_outside_band": masked_global_mean(dp, 1.0 - inside, mask),
     }
+
+
+def rollout_correction(
+    backend: ModelBackend, samples: Samples, old_log_probs: torch.Tensor
+) -> tuple[torch.Tensor | None, Samples, dict[str, float]]:
+    """``algorithm.rollout_correction`` (with ``tis_cap`` folded in): the importance weight of each
+    token's policy loss (None: off) and the samples to train on, their loss mask without the rejected
+    tokens (which then count in no denominator, as in verl and slime); the metrics ``tis_weight_mean``,
+    ``tis_capped_fraction`` (share of tokens the bound changed) and ``rejected_fraction``."""
+    corr, dp = backend.config.algorithm.correction, backend.dp
+    mask, metrics = samples.loss_mask, {}
+    log_ratio = old_log_probs - samples.rollout_log_probs
+    weight = None
+    if corr.weight != "none":
+        weight, bounded = pm.importance_weights(
+            log_ratio, mask, corr.weight, corr.weight_bound, corr.weight_upper, corr.lower_weight
+        )
+        metrics["tis_weight_mean"] = masked_global_mean(dp, weight, mask)
+        metrics["tis_capped_fraction"] = masked_global_mean(dp, bounded, mask)
+    if corr.reject != "none":
+        keep = pm.rejection_mask(log_ratio, mask, corr.reject, corr.lower_reject, corr.reject_upper)
+        metrics["rejected_fraction"] = masked_global_mean(dp, 1.0 - keep, mask)
+        samples = dataclasses.replace(samples, loss_mask=mask * keep)
+    return weight, samples, metrics
 
 
 def _actor_micro_loss(backend: ModelBackend, targets: ActorTargets, micro: Micro) -> dict[str, torch.Tensor]:

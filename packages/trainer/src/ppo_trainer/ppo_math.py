@@ -365,6 +365,103 @@ def grpo_advantages(
     return centred / (std[inverse] + eps)
 
 
+def _group_sums(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: the sum of the rewards of its group and the group's size, ``[N]`` each."""
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be [N]"
+        )
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    counts = torch.zeros(groups, device=rewards.device).index_add_(0, inverse, torch.ones_like(rewards))
+    sums = torch.zeros(groups, device=rewards.device).index_add_(0, inverse, rewards)
+    return sums[inverse], counts[inverse]
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out, one advantage per sample: ``A_i = r_i - (S_g - r_i) / (n_g - 1)``, the
+    reward minus the mean of the other samples of its group ``g`` (``n_g`` samples, rewards summing to
+    ``S_g``); a group of one has no baseline: ``A_i = r_i`` (verl's and OpenRLHF's ``rloo``)."""
+    rewards = rewards.float()
+    sums, counts = _group_sums(rewards, group_ids)
+    others = (sums - rewards) / (counts - 1.0).clamp(min=1.0)
+    return torch.where(counts > 1, rewards - others, rewards)
+
+
+def group_mean_baseline(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``A_i = r_i - mean_g``, the reward minus its group's mean (a group of one: mean 0, as verl's
+    ``reinforce_plus_plus_baseline``); REINFORCE++-baseline whitens the result over the batch."""
+    rewards = rewards.float()
+    sums, counts = _group_sums(rewards, group_ids)
+    mean = torch.where(counts > 1, sums / counts, torch.zeros_like(sums))
+    return rewards - mean
+
+
+def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """A token-level log-ratio ``[B, T]`` at ``level``, over the tokens ``mask`` keeps, broadcast back
+    over them: ``token`` as it is, ``sequence`` the sample's sum (the log of the product of its ratios),
+    ``geometric`` the sample's mean (the log of their geometric mean). 0 where ``mask`` is 0."""
+    kept = masked(log_ratio.float(), mask.float())
+    if level == "token":
+        return kept
+    total = kept.sum(dim=1, keepdim=True)
+    if level == "sequence":
+        return masked(total.expand_as(kept), mask)
+    if level == "geometric":
+        return masked((total / mask.float().sum(dim=1, keepdim=True).clamp(min=1.0)).expand_as(kept), mask)
+    raise ValueError(f"level={level!r}: use 'token', 'sequence' or 'geometric'")
+
+
+def importance_weights(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    level: str,
+    bound: str,
+    upper: float,
+    lower: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights for the rollout-trainer mismatch, ``[B, T]``, 0 where ``mask`` is 0, and
+    where the bound changed them (1.0 there).
+
+    ``rho = exp(level_log_ratio(log_ratio))`` (the log clamped at 20 first: ``exp`` stays finite) with
+    ``log_ratio = log pi_old - log pi_rollout``; ``bound``: ``truncate`` ``min(rho, upper)`` (TIS;
+    verl's ``rollout_is`` with ``rollout_is_threshold``, slime's ``tis_mode truncate``), ``clip``
+    ``clamp(rho, lower, upper)`` (slime's ``clip``), ``none`` ``rho`` (IcePop's coefficient before its
+    mask). No gradient flows through them.
+    """
+    rho = torch.exp(level_log_ratio(log_ratio, mask, level).clamp(max=LOG_RATIO_CLAMP)).detach()
+    if bound == "truncate":
+        weight, bounded = rho.clamp(max=upper), rho > upper
+    elif bound == "clip":
+        weight, bounded = rho.clamp(min=lower, max=upper), (rho > upper) | (rho < lower)
+    elif bound == "none":
+        weight, bounded = rho, torch.zeros_like(rho, dtype=torch.bool)
+    else:
+        raise ValueError(f"bound={bound!r}: use 'truncate', 'clip' or 'none'")
+    return masked(weight, mask), masked(bounded.float(), mask)
+
+
+def rejection_mask(
+    log_ratio: torch.Tensor, mask: torch.Tensor, level: str, lower: float, upper: float
+) -> torch.Tensor:
+    """Masked importance sampling: 1.0 on the tokens ``mask`` keeps whose ratio at ``level`` lies in
+    ``[lower, upper]``, 0 elsewhere (at ``sequence`` / ``geometric`` a sample is kept or dropped
+    whole). slime's ``mask`` mode, OpenRLHF's ``icepop`` (token) and ``seq-mask-tis`` (geometric)."""
+    rho = torch.exp(level_log_ratio(log_ratio, mask, level).clamp(max=LOG_RATIO_CLAMP))
+    return masked(((rho >= lower) & (rho <= upper)).float(), mask)
+
+
+def mismatch_kl(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token estimates of ``KL(pi_rollout || pi_old)`` from the rollout's own samples, ``(k1, k3)``:
+    ``k1 = log pi_rollout - log pi_old``; ``k3 = rho - 1 - log rho`` with ``rho = pi_old / pi_rollout``
+    (non-negative; the log clamped at 20). verl's ``rollout_corr/kl`` and ``rollout_corr/k3_kl``."""
+    log_rho = old_log_probs.float() - rollout_log_probs.float()
+    log_rho_safe = log_rho.clamp(max=LOG_RATIO_CLAMP)
+    return -log_rho, torch.expm1(log_rho_safe) - log_rho_safe
+
+
 def aggregate(
     loss: torch.Tensor,
     mask: torch.Tensor,

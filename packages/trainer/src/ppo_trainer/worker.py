@@ -276,8 +276,8 @@ class TrainWorker:
         """One PPO update on this rank's batch.
 
         Critic: returns ``(metrics, Box)``, the Box holding per sample (``pack_fields``) its pre-update
-        ``values`` and the step's ``token_rewards`` (KL-shaped when ``kl_coef > 0``). Actor with the
-        ``ppo`` estimator: ``external`` is this rank's share of those payloads
+        ``values`` and the step's ``token_rewards`` (KL-shaped when ``kl_coef > 0``). Actor with an
+        estimator that ``uses_critic``: ``external`` is this rank's share of those payloads
         (``ppo_value_transport.pair_values``), in this rank's sample order.
         """
         trainer = self.trainer
@@ -291,15 +291,16 @@ class TrainWorker:
             t0 = time.perf_counter()
             box = pack_fields({"values": samples.unpad(values), "token_rewards": samples.unpad(rewards)})
             return {**metrics, "handoff_put_s": time.perf_counter() - t0, "lr": lr}, box
-        if self.config.algorithm.estimator == "ppo":
+        alg = self.config.algorithm
+        if alg.estimator_info.uses_critic:
             t0 = time.perf_counter()  # the handoff's second half: the critic's values out of the store
             values, rewards = self._critic_outputs(samples, external)
             get_s = time.perf_counter() - t0
             return {**trainer.train_actor(samples, values, rewards), "handoff_get_s": get_s, "lr": lr}, None
         if external is not None:
             raise ValueError(
-                f"actor rank {self.rank} got critic values but estimator='grpo' does not use them; "
-                "run GRPO without a critic"
+                f"actor rank {self.rank} got critic values but estimator={alg.estimator!r} does not use "
+                "them; run it without a critic"
             )
         return {**trainer.train_actor(samples, None), "lr": lr}, None
 
