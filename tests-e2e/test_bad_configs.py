@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,54 @@ BAD: list[tuple[str, str | None, list[str], str]] = [
     ("dataset empty", None, [*DATASET, "rollout.dataset={tmp}/empty.jsonl"], "is empty"),
     ("dataset line not JSON", None, [*DATASET, "rollout.dataset={tmp}/bad.jsonl"], "bad.jsonl:2: not JSON"),
     ("duplicate section", "train:\n  steps: 3\ntrain:\n  seed: 1\n", [], "duplicate key 'train'"),
+    # What only the run found, after Ray had started (or what Ray waited minutes for).
+    (
+        "model weights cut short",
+        None,
+        ["model.path={tmp}/cut"],
+        "model.safetensors is truncated or damaged (",
+    ),
+    ("model config not JSON", None, ["model.path={tmp}/badjson"], "config.json is not valid JSON"),
+    ("model without tokenizer", None, ["model.path={tmp}/notok"], "the folder has no tokenizer"),
+    ("local model path missing", None, ["model.path={tmp}/models/x"], "`ppo-driver import-model SRC "),
+    ("ray address closed", None, ["ray.address=127.0.0.1:1"], "nothing answers at 127.0.0.1:1"),
+    (
+        "object store under ray's floor",
+        None,
+        ["ray.object_store_memory_mb=64"],
+        "greater than or equal to 75",
+    ),
+    (
+        "more GPUs than the machine has",
+        None,
+        [
+            "placement.device=cuda",
+            "placement.actor_gpus=64",
+            "rollout.prompts_per_step=64",
+            "train.micro_batch_size=2",
+        ],
+        "placement needs 64 GPUs but ",
+    ),
+    (
+        "eval file missing",
+        None,
+        [*DATASET, "rollout.dataset={tmp}/ok.jsonl", "rollout.eval_dataset={tmp}/no.jsonl"],
+        "rollout.eval_dataset=",
+    ),
 ]
+
+
+def _model_folders(tmp_path: Path) -> None:
+    """Damaged copies of a model folder: weights cut short, config not JSON, tokenizer missing."""
+    from ppo_rollout.tasks import make_tiny_model
+
+    whole = make_tiny_model("copy", tmp_path / "whole", seed=0)
+    for name in ("cut", "badjson", "notok"):
+        shutil.copytree(whole, tmp_path / name)
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    (tmp_path / "badjson" / "config.json").write_text('{"hidden_size": 64,')
+    (tmp_path / "notok" / "tokenizer.json").unlink()
 
 
 def _args(tmp_path: Path, text: str | None, overrides: list[str]) -> list[str]:
@@ -83,6 +131,9 @@ def _args(tmp_path: Path, text: str | None, overrides: list[str]) -> list[str]:
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "1", "label": "1"}\n')
+    if any("model.path={tmp}/" in o and "/model" not in o and "/models/" not in o for o in overrides):
+        _model_folders(tmp_path)
     args = ["train", "--run-dir", str(tmp_path / "run")]
     if text is not None:
         (tmp_path / "config.yaml").write_text(text)
@@ -112,7 +163,11 @@ def test_bad_config_is_rejected_before_start(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("index", [3, -2])  # a rule of the config; a pre-flight check
+# a rule of the config; pre-flight checks (a dataset's line, a damaged model folder)
+@pytest.mark.parametrize(
+    "index",
+    [3, *(i for i, b in enumerate(BAD) if b[0] in ("dataset line not JSON", "model weights cut short"))],
+)
 def test_validate_rejects_what_train_rejects(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], index: int
 ) -> None:
@@ -192,3 +247,115 @@ def test_a_bad_dataset_row_is_named_before_start(
 
 def test_table_is_large_enough() -> None:
     assert len(BAD) >= 10
+
+
+# --- a chat dataset, through the command line -------------------------------------------------------
+
+CHAT = (
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a chat template in its tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(tiny_model, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _chat_sets(model: Path, data: Path) -> list[str]:
+    rows = [{"prompt": [{"role": "user", "content": f"{i}{i}"}], "label": f"{i}{i}"} for i in range(16)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [
+        "rollout.task=null",
+        f"model.path={model}",
+        "rollout.reward=exact_match",
+        f"rollout.dataset={data}",
+        "rollout.chat_template=true",
+        "rollout.prompts_per_step=4",
+        "rollout.eval_prompts=4",
+        "train.micro_batch_size=1",
+        "train.steps=2",
+    ]
+    return [a for s in sets for a in ("--set", s)]
+
+
+@pytest.mark.timeout(120)
+def test_validate_takes_a_chat_dataset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chat_model: Path
+) -> None:
+    (tmp_path / "c.yaml").write_text("{}\n")
+    code = main(["validate", str(tmp_path / "c.yaml"), *_chat_sets(chat_model, tmp_path / "chat.jsonl")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "dataset: 16 prompts" in out
+
+
+@pytest.mark.timeout(400)
+def test_train_takes_a_chat_dataset(tmp_path: Path, chat_model: Path) -> None:
+    """The run's reader and pre-flight's agree: a list of {role, content} messages trains."""
+    done = run_cli(
+        "train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        *_chat_sets(chat_model, tmp_path / "chat.jsonl"),
+        cwd=tmp_path,
+        timeout=380,
+    )
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert "A worker died" not in done.stdout + done.stderr
+
+
+# --- a resume that would mix data, refused before Ray --------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_changed_dataset_is_refused_on_resume_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model: Path
+) -> None:
+    from ppo_driver.config import load_config
+    from ppo_rollout.data import JsonlPrompts
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": str(i), "label": str(i)}) + "\n" for i in range(128)))
+    sets = [
+        "rollout.task=null",
+        f"model.path={tiny_model}",
+        "rollout.reward=exact_match",
+        f"rollout.dataset={data}",
+    ]
+    source = JsonlPrompts(data, "prompt", 1234)
+    source.next_rows(96)
+    step = tmp_path / "run" / "checkpoints" / "step_000003"
+    step.mkdir(parents=True)
+    extra = {
+        "config": load_config(None, sets).model_dump(mode="json"),
+        "run_dir": str((tmp_path / "run").resolve()),
+    }
+    doc = {
+        "format": 1,
+        "step": 3,
+        "rollout": {"version": 1, "data": source.state_dict()},
+        "rng": {},
+        "extra": extra,
+    }
+    (step / "driver.json").write_text(json.dumps(doc))
+    (step / "COMPLETE").write_text("")
+    data.write_text("".join(json.dumps({"prompt": str(i), "label": str(i)}) + "\n" for i in range(64)))
+    code = main(["train", "--run-dir", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)]])
+    _, err = capsys.readouterr()
+    assert code == 2, err
+    assert "the file changed since the checkpoint (128 rows" in err
+    assert "64 rows" in err
+    assert "checkpoint.accept_changes=[dataset]" in err
+    assert not ray.is_initialized()
+    assert not (tmp_path / "run" / "config.yaml").exists()  # nothing of the run was started

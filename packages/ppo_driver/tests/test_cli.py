@@ -152,3 +152,52 @@ def test_metrics_log_truncates_on_resume(tmp_path: Path) -> None:
     log.close()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["x"]) for r in lines] == [(1, 1), (2, 2), (3, 30)]
+
+
+def test_tables_are_printed_whole_when_the_output_is_not_a_terminal() -> None:
+    """`tee`, `nohup` and CI logs: Rich would fit a table to 80 columns and cut its names short."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from ppo_driver.cli import print_whole
+
+    table = Table("part", *(f"generate_{i}_seconds" for i in range(6)))
+    table.add_row("TFLOP/s", *("12.5" for _ in range(6)))
+    out = io.StringIO()
+    print_whole(Console(file=out, soft_wrap=True), table)
+    text = out.getvalue()
+    assert "…" not in text
+    assert all(f"generate_{i}_seconds" in text for i in range(6))
+    assert max(len(line) for line in text.splitlines()) > 80
+
+
+def test_every_declared_rollout_setting_is_reachable_from_yaml(tmp_path: Path) -> None:
+    """rollout.sglang, rollout.eval_sampling and rollout.reward_timeout_s: set in a file, validated,
+    handed to the rollout manager's config."""
+    from ppo_driver import build
+    from ppo_driver.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "rollout:\n"
+        "  reward_timeout_s: 30\n"
+        "  eval_sampling: {temperature: 0, max_new_tokens: 9, n_samples_per_prompt: 1}\n"
+        "  sglang:\n"
+        "    mem_fraction_static: 0.7\n"
+        "    extra_args: [--max-running-requests, 64]\n"
+    )
+    config = load_config(path)
+    rollout = build.rollout_config(config, tmp_path)
+    assert rollout.reward_timeout_s == 30
+    assert rollout.eval_sampling is not None
+    assert rollout.eval_sampling.max_new_tokens == 9
+    assert rollout.sglang.mem_fraction_static == 0.7
+    assert rollout.sglang.extra_args == ("--max-running-requests", "64")
+    with pytest.raises(ConfigError, match=r"rollout.sglang.mem_fraction_static: Input should be less than 1"):
+        load_config(None, ["rollout.sglang.mem_fraction_static=1.5"])
+    with pytest.raises(
+        ConfigError, match=r"unknown field 'rollout.sglang.extra_arg'; did you mean 'extra_args'"
+    ):
+        load_config(None, ["rollout.sglang.extra_arg=[x]"])

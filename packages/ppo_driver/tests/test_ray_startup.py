@@ -50,3 +50,59 @@ def test_a_failed_start_is_named_cleaned_up_and_retried_with_longer_waits() -> N
     assert "port wait 180" in lines, done.stdout
     # The failed attempt's GCS server was ended: only the running instance's is left.
     assert "gcs servers 1" in lines, done.stdout
+
+
+_WORKER_DIES = textwrap.dedent(
+    """
+    import os, signal, time
+    import ray
+    from rich.console import Console
+    from ppo_driver.config import load_config
+    from ppo_driver.ray_start import ray_session, session_dir
+
+    config = load_config(None, ["ray.num_cpus=1", "ray.object_store_memory_mb=128"])
+    with ray_session(config, Console(stderr=True)):
+        session = session_dir()
+
+        @ray.remote(num_cpus=0)
+        class Worker:
+            def pid(self):
+                return os.getpid()
+
+            def hang(self):
+                time.sleep(60)
+
+        worker = Worker.remote()
+        pid = ray.get(worker.pid.remote())
+        ref = worker.hang.remote()
+        time.sleep(1)
+        os.kill(pid, signal.SIGKILL)  # dies while executing a task: the raylet's notice
+        try:
+            ray.get(ref, timeout=60)
+        except Exception as exc:
+            print("caught", type(exc).__name__, flush=True)
+        time.sleep(3)  # the notice reaches the driver's error listener
+    print("session", session.name, session.exists(), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_death_prints_no_raylet_notice_and_the_session_folder_goes() -> None:
+    """Ray's "(raylet) A worker died" line would precede the run's own one-line report; the local
+    instance's /tmp/ray/session_* folder is this run's to remove at a clean end."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER_DIES],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "caught ActorDiedError" in done.stdout
+    assert "A worker died" not in done.stdout + done.stderr
+    session = next(line.split() for line in done.stdout.splitlines() if line.startswith("session "))
+    assert session[1].startswith("session_")
+    assert session[2] == "False"

@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console, RenderableType
+from rich.markup import escape
 
 from ppo_driver import __version__, preflight, resume_checks
 from ppo_driver.config import ConfigError, RunConfig, dump_config, load_config
@@ -168,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(f"wrote {path}", highlight=False)
             return 0
     except ConfigError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C: no safe point was awaited
         err.print(
@@ -187,10 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             where = ""
             if isinstance(exc, RunFailed) and exc.traceback_file is not None:
                 where = f" (traceback: {exc.traceback_file})"
-            err.print(f"[bold red]error:[/] {exc}{where}", highlight=False)
+            err.print(f"[bold red]error:[/] {escape(str(exc) + where)}", highlight=False)
             return 1
         if isinstance(exc, FileNotFoundError | ValueError) and args.command != "train":
-            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
             return 1
         raise
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
@@ -229,14 +230,16 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         warnings.simplefilter("always")
         config = load_config(args.config, overrides)
     for w in caught:
-        Console(stderr=True, soft_wrap=True).print(f"[yellow]warning:[/] {w.message}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(
+            f"[yellow]warning:[/] {escape(str(w.message))}", highlight=False
+        )
     return config
 
 
 def _print_warnings(warned: Sequence[str]) -> None:
     err = Console(stderr=True, soft_wrap=True)
     for line in warned:
-        err.print(f"[yellow]warning:[/] {line}", highlight=False)
+        err.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
 
 
 def _checkpoint_root(config: RunConfig, run_dir: Path) -> Path:
@@ -378,7 +381,7 @@ def _train(args: argparse.Namespace, console: Console, startup: StartupClock) ->
     err = Console(stderr=True, soft_wrap=True)
 
     def show_warning(message: Warning | str, *_: object, **__: object) -> None:
-        err.print(f"[yellow]warning:[/] {message}", highlight=False)
+        err.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False)
 
     with warnings.catch_warnings():
         warnings.showwarning = show_warning  # one line per warning, as the config's warnings

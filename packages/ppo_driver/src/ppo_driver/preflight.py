@@ -283,6 +283,7 @@ def check_dataset(config: RunConfig) -> str | None:
     from ppo_rollout.prompts import check_dataset as check_prompts
 
     model = Path(config.model.path).expanduser()
+    _tokenizer_loads(config.model.path, model)
     try:
         report = check_prompts(build.rollout_config(config, model.resolve() if model.exists() else model))
     except ValueError as exc:
@@ -298,6 +299,22 @@ def check_dataset(config: RunConfig) -> str | None:
         f"{report.rows} prompts, the longest {report.longest_prompt} tokens, "
         f"checked in {report.seconds:.1f} s"
     )
+
+
+def _tokenizer_loads(field: str, model: Path) -> None:
+    """The tokenizer of ``model.path`` loads; else one line under ``model.path`` (transformers' own
+    message runs to several lines, and the dataset's check would be blamed)."""
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(model)
+    except Exception as exc:  # OSError, ValueError, or what a tokenizer's own code raises
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ConfigError(
+            f"invalid config (1 error):\n  - model.path={field!r}: its tokenizer does not load ({first}); "
+            "copy the tokenizer files from the model's source, or make the folder with "
+            "`ppo-driver import-model`"
+        ) from None
 
 
 def _writable(field: str, folder: Path) -> list[str]:
