@@ -21,10 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar, Self
-
-if TYPE_CHECKING:
-    from ppo_weight_sync.ops import EngineReply, TensorOps, WeightOps
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 __all__ = [
     "DEFAULT_GROUP_NAME",
@@ -44,6 +41,31 @@ class ValidationError(ValueError):
 
 
 _REQUIRED: Any = object()  # a field SGLang's model gives no default
+
+# What ``send_to`` hands a request to: the one operation of its name, whatever it replies (an
+# ``EngineReply``, or a ``Pending`` of one). ``ppo_weight_sync.ops`` declares the engines' operations in
+# full on top of these requests; declaring the one method each request needs here keeps this module
+# free of ``ops`` (no import circle, not even for annotations).
+R_co = TypeVar("R_co", covariant=True)
+
+
+class InitsGroups(Protocol[R_co]):
+    def init_weights_update_group(self, request: InitRequest) -> R_co: ...
+
+
+class UpdatesFromDistributed(Protocol[R_co]):
+    def update_weights_from_distributed(self, request: UpdateRequest) -> R_co: ...
+
+
+class DestroysGroups(Protocol[R_co]):
+    def destroy_weights_update_group(self, request: DestroyRequest) -> R_co: ...
+
+
+class UpdatesFromTensor(Protocol[R_co]):
+    def update_weights_from_tensor(self, request: TensorRequest) -> R_co: ...
+
+
+R = TypeVar("R")
 
 
 def _json(kind: type, default: Any = _REQUIRED, *, items: type | None = None) -> dict[str, Any]:
@@ -97,7 +119,7 @@ class InitRequest(_Body):
     group_name: str = field(metadata=_json(str, DEFAULT_GROUP_NAME))
     backend: str = field(metadata=_json(str, "nccl"))
 
-    def send_to(self, ops: WeightOps) -> EngineReply:
+    def send_to(self, ops: InitsGroups[R]) -> R:
         return ops.init_weights_update_group(self)
 
 
@@ -116,7 +138,7 @@ class UpdateRequest(_Body):
     flush_cache: bool = field(metadata=_json(bool, True))
     load_format: str | None = field(metadata=_json(str, None))
 
-    def send_to(self, ops: WeightOps) -> EngineReply:
+    def send_to(self, ops: UpdatesFromDistributed[R]) -> R:
         return ops.update_weights_from_distributed(self)
 
 
@@ -127,7 +149,7 @@ class DestroyRequest(_Body):
     OP: ClassVar[str] = "destroy_weights_update_group"
     group_name: str = field(metadata=_json(str, DEFAULT_GROUP_NAME))
 
-    def send_to(self, ops: WeightOps) -> EngineReply:
+    def send_to(self, ops: DestroysGroups[R]) -> R:
         return ops.destroy_weights_update_group(self)
 
 
@@ -145,7 +167,7 @@ class TensorRequest(_Body):
     abort_all_requests: bool = field(metadata=_json(bool, False))
     weight_version: str | None = field(metadata=_json(str, None))
 
-    def send_to(self, ops: TensorOps) -> EngineReply:
+    def send_to(self, ops: UpdatesFromTensor[R]) -> R:
         return ops.update_weights_from_tensor(self)
 
 

@@ -53,13 +53,10 @@ def _rank_main(
     bucket_bytes: int | None,
     timeout_s: float,
 ) -> None:
+    """One trainer rank's process: join the ranks' group, build its sender (or exporter) from the plan,
+    then serve the commands it is sent until ``exit``."""
     import torch
     import torch.distributed as dist
-
-    from ppo_weight_sync import ColocatedIpc, HttpEngineEndpoint, WeightSender, plan_senders
-    from ppo_weight_sync.ipc.exchange import GlooExchange
-    from ppo_weight_sync.ipc.tp import IpcExporter, TpLink
-    from ppo_weight_sync.testing.engine import make_weights
 
     torch.cuda.set_device(0)
     torch.zeros(1, device="cuda")  # the CUDA context before the baseline
@@ -70,15 +67,113 @@ def _rank_main(
         world_size=world,
         timeout=timedelta(seconds=120),
     )
-    plan = plan_senders(rank_devices, engine_devices)
-    links: dict[int, TpLink] = {}
+    trainer = _Rank.planned(rank, rank_devices, engine_devices, engines, spec, bucket_bytes, timeout_s)
+    conn.send(("ready", trainer.described))
+    _serve(conn, trainer)
+
+
+@dataclass
+class _Rank:
+    """What one rank sends with: its ``WeightSender`` (engines it posts to or reaches over the group)
+    and its ``IpcExporter`` (a TP engine's rank it feeds), either may be None."""
+
+    spec: dict[str, Any]
+    targets: list[Any]  # HttpEngineEndpoint
+    sender: Any  # WeightSender | None
+    exporter: Any  # IpcExporter | None
+    described: list[str]  # the plan, as plan_senders describes it
+
+    @classmethod
+    def planned(
+        cls,
+        rank: int,
+        rank_devices: list[str],
+        engine_devices: list[list[str]],
+        engines: list[EngineInfo],
+        spec: dict[str, Any],
+        bucket_bytes: int | None,
+        timeout_s: float,
+    ) -> _Rank:
+        from ppo_weight_sync import ColocatedIpc, WeightSender, plan_senders
+        from ppo_weight_sync.ipc.tp import IpcExporter
+
+        plan = plan_senders(rank_devices, engine_devices)
+        links = _tp_links(plan, rank, engines, timeout_s)
+        mine = plan.for_rank(rank)
+        endpoints = _endpoints(engines, timeout_s)
+        targets = [endpoints[i] for i in (*mine.ipc, *mine.group)]
+        sender = None
+        if targets:
+            colocated = ColocatedIpc(
+                [endpoints[i].name for i in mine.ipc],
+                bucket_bytes=bucket_bytes,
+                tp={endpoints[i].name: links[i] for i in mine.ipc if i in links},
+            )
+            sender = WeightSender(backend="gloo", timeout_s=timeout_s, transports=[colocated])
+        exporter = None
+        if mine.exports:
+            exporter = IpcExporter(links[mine.exports[0][0]], bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        return cls(spec, targets, sender, exporter, plan.describe())
+
+    def run(self, cmd: str, args: Any) -> Any:
+        """One command's result (None for those that return nothing)."""
+        if cmd == "connect":
+            if self.sender is not None:
+                self.sender.connect(self.targets)
+            if self.exporter is not None:
+                self.exporter.connect()
+            return None
+        if cmd == "update":
+            return self._update(*args)
+        if cmd == "memory":
+            return _memory()
+        if cmd == "disconnect":
+            if self.sender is not None:
+                self.sender.disconnect()
+            if self.exporter is not None:
+                self.exporter.disconnect()
+            return None
+        raise ValueError(f"unknown command {cmd!r}")
+
+    def _update(self, seed: int, version: str) -> Any:
+        from ppo_weight_sync.testing.engine import make_weights
+
+        value: Any = None
+        weights = make_weights(self.spec, seed, device="cuda")
+        try:
+            if self.sender is not None:
+                if not self.sender.is_connected:
+                    self.sender.connect(self.targets)
+                self.sender.update(weights.items(), version)
+                value = self.sender.pop_metrics()
+            if self.exporter is not None:
+                self.exporter.update(list(weights.items()), version)
+                value = self.exporter.pop_metrics()
+        finally:
+            del weights  # also after a failure: a memory reading must see the library's share only
+        return value
+
+
+def _tp_links(plan: Any, rank: int, engines: list[EngineInfo], timeout_s: float) -> dict[int, Any]:
+    """This rank's link to each TP engine it serves: one gloo subgroup per TP engine."""
+    import torch.distributed as dist
+
+    from ppo_weight_sync.ipc.exchange import GlooExchange
+    from ppo_weight_sync.ipc.tp import TpLink
+
+    links: dict[int, Any] = {}
     for tp in plan.tp:  # every rank creates every subgroup, in the same order (torch's rule)
         group = dist.new_group(ranks=sorted(tp.ranks), backend="gloo", timeout=timedelta(seconds=timeout_s))
         if rank in tp.ranks and isinstance(group, dist.ProcessGroup):
             exchange = GlooExchange(group, timeout_s)
             links[tp.engine] = TpLink(engines[tp.engine].name, tp.ranks.index(rank), len(tp.ranks), exchange)
-    mine = plan.for_rank(rank)
-    endpoints = [
+    return links
+
+
+def _endpoints(engines: list[EngineInfo], timeout_s: float) -> list[Any]:
+    from ppo_weight_sync import HttpEngineEndpoint
+
+    return [
         HttpEngineEndpoint.for_sglang(e.url, num_gpus=e.num_gpus, timeout_s=timeout_s, name=e.name)
         if e.sglang  # its protocol (the weight-update session of 0.5.21+) read from the server
         else HttpEngineEndpoint(
@@ -86,67 +181,34 @@ def _rank_main(
         )
         for e in engines
     ]
-    targets = [endpoints[i] for i in (*mine.ipc, *mine.group)]
-    sender = None
-    if targets:
-        colocated = ColocatedIpc(
-            [endpoints[i].name for i in mine.ipc],
-            bucket_bytes=bucket_bytes,
-            tp={endpoints[i].name: links[i] for i in mine.ipc if i in links},
-        )
-        sender = WeightSender(backend="gloo", timeout_s=timeout_s, transports=[colocated])
-    exporter = None
-    if mine.exports:
-        exporter = IpcExporter(links[mine.exports[0][0]], bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-    conn.send(("ready", plan.describe()))
+
+
+def _memory() -> dict[str, int]:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    torch.cuda.empty_cache()
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+
+
+def _serve(conn: Connection, trainer: _Rank) -> None:
+    """Answer each command with (ok, value or error text, error type, seconds) until ``exit``."""
     while True:
         try:
             cmd, args = conn.recv()
         except (EOFError, OSError):
             return
+        if cmd == "exit":
+            conn.send((True, None, "", 0.0))
+            return
         start = time.monotonic()
         try:
-            value: Any = None
-            if cmd == "exit":
-                conn.send((True, None, "", 0.0))
-                return
-            if cmd == "connect":
-                if sender is not None:
-                    sender.connect(targets)
-                if exporter is not None:
-                    exporter.connect()
-            elif cmd == "update":
-                seed, version = args
-                weights = make_weights(spec, seed, device="cuda")
-                try:
-                    if sender is not None:
-                        if not sender.is_connected:
-                            sender.connect(targets)
-                        sender.update(weights.items(), version)
-                        value = sender.pop_metrics()
-                    if exporter is not None:
-                        exporter.update(list(weights.items()), version)
-                        value = exporter.pop_metrics()
-                finally:
-                    del weights  # also after a failure: a memory reading must see the library's share only
-            elif cmd == "memory":
-                torch.cuda.synchronize()
-                torch.cuda.ipc_collect()
-                torch.cuda.empty_cache()
-                value = {
-                    "allocated": torch.cuda.memory_allocated(),
-                    "reserved": torch.cuda.memory_reserved(),
-                }
-            elif cmd == "disconnect":
-                if sender is not None:
-                    sender.disconnect()
-                if exporter is not None:
-                    exporter.disconnect()
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-            conn.send((True, value, "", time.monotonic() - start))
+            value = trainer.run(cmd, args)
         except Exception as exc:
             conn.send((False, str(exc), type(exc).__name__, time.monotonic() - start))
+            continue
+        conn.send((True, value, "", time.monotonic() - start))
 
 
 class RankProcesses:

@@ -30,20 +30,15 @@ import torch
 from ppo_weight_sync.buckets import checksum, dtype_from_name
 from ppo_weight_sync.ops import EngineReply, WeightOpsForwarder
 from ppo_weight_sync.requests import WeightRequest
+from ppo_weight_sync.testing.sglang_receiver import SchedulerCrash, SGLangReceiver
 
 if TYPE_CHECKING:
     from ppo_weight_sync.ops import TensorOps, WeightOps
-    from ppo_weight_sync.testing.sglang_like import SGLangReceiver
 
 __all__ = ["RemoteRank", "SchedulerCrash", "TPRanks", "shard_checksum", "start_remote_ranks", "tp_shard"]
 
 Spec = Mapping[str, tuple[str, Sequence[int]]]
 _CHECKSUM = "checksum"  # a rank process's one message that is not an operation's request
-
-
-class SchedulerCrash(Exception):
-    """An exception SGLang raises in a scheduler process outside any ``try``: the scheduler sends SIGQUIT
-    to the server, which kills its process tree (``run_scheduler_process``); no HTTP answer is sent."""
 
 
 def tp_shard(tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -96,7 +91,6 @@ def _rank_main(
     timeout_s: float,
 ) -> None:
     """One TP rank's process: runs the weight operations it is handed, one at a time, as a scheduler."""
-    from ppo_weight_sync.testing.sglang_like import SGLangReceiver
 
     torch.set_num_threads(1)
     holder = _ShardHolder(spec, tp_rank, tp_size, torch.device(device))
