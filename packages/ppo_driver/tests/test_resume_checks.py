@@ -130,3 +130,21 @@ def test_settings_newer_than_a_checkpoint_are_no_change() -> None:
     ]
     now = load_config().model_dump(mode="json")
     assert resume.changed_fields(now, load_config(None, ["rollout.eval_sampling.temperature=0"])) != []
+
+
+def test_a_checkpoint_folder_of_its_own_holds_one_run_at_a_time(tmp_path: Path) -> None:
+    """Two run folders sharing one checkpoint.dir: the second run is refused while the first runs,
+    naming the holder's run folder. The lock sits beside the folder (resume=false renames it)."""
+    from ppo_driver.runlock import RunFolderBusyError, RunLock
+
+    shared = tmp_path / "shared"
+    with RunLock.checkpoints(shared, tmp_path / "first"):
+        assert (tmp_path / ".shared.lock").is_file()
+        with pytest.raises(RunFolderBusyError) as info, RunLock.checkpoints(shared, tmp_path / "second"):
+            pass
+        text = str(info.value)
+        assert f"checkpoint.dir {shared} is in use by pid " in text
+        assert f"run folder {tmp_path / 'first'}" in text
+        assert "give each run its own checkpoint.dir" in text
+    with RunLock.checkpoints(shared, tmp_path / "second"):  # released with its holder
+        pass

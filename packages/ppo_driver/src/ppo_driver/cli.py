@@ -324,7 +324,9 @@ def print_whole(console: Console, table: RenderableType) -> None:
     if width <= console.width:
         console.print(table)
         return
-    wide = Console(file=console.file, width=width, color_system=console.color_system, soft_wrap=True)
+    wide = Console(
+        file=console.file, width=width, soft_wrap=True, force_terminal=False, no_color=console.no_color
+    )
     wide.print(table)
 
 

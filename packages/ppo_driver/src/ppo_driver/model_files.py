@@ -71,8 +71,8 @@ class _Reader:
         return data
 
     def unpack(self, code: str) -> int | float | bool:
-        value = struct.unpack("<" + code, self.take(struct.calcsize(code)))[0]
-        return value  # type: ignore[no-any-return]
+        value: int | float | bool = struct.unpack("<" + code, self.take(struct.calcsize(code)))[0]
+        return value
 
     def string(self) -> str:
         n = int(self.unpack("Q"))

@@ -65,8 +65,8 @@ def check(config: RunConfig, run_dir: Path, ckpt_root: Path) -> None:
         return  # the resume reports an unreadable checkpoint and falls back to an earlier one
     if not isinstance(doc, dict):
         return
-    extra = doc.get("extra") if isinstance(doc.get("extra"), dict) else {}
-    saved = extra.get("config") if isinstance(extra.get("config"), dict) else {}
+    extra = _mapping(doc.get("extra"))
+    saved = _mapping(extra.get("config"))
     accepted = set(config.checkpoint.accept_changes)
     problems = []
     if "other_run" not in accepted:
@@ -81,6 +81,11 @@ def check(config: RunConfig, run_dir: Path, ckpt_root: Path) -> None:
         raise ConfigError(
             f"cannot resume ({n} problem{'s' if n > 1 else ''}):\n" + "\n".join(f"  - {p}" for p in problems)
         )
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """A JSON object of driver.json, or {} for anything else (an older or damaged file)."""
+    return value if isinstance(value, dict) else {}
 
 
 def _other_run(writer: Any, run_dir: Path, ckpt_root: Path, step: int) -> list[str]:
