@@ -335,3 +335,66 @@ def test_non_finite_weights_reach_neither_engines_nor_checkpoints(
     for _, folder in ck.complete_checkpoints(run.run_dir / "checkpoints"):
         assert all(_finite_file(f) for f in folder.rglob("*.safetensors")), folder
     assert not (run.run_dir / "summary.json").exists()
+
+
+def _lan_address() -> str | None:
+    """This machine's first non-loopback IPv4 address."""
+    import socket as _socket
+
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == _socket.AF_INET and not a.address.startswith("127."):
+                return str(a.address)
+    return None
+
+
+@pytest.mark.timeout(900)
+def test_a_local_run_listens_on_loopback_with_the_host_name_on_the_lan(tmp_path: Path) -> None:
+    """The loopback check above passes wherever the host name resolves to 127.0.0.1 (as on many CI
+    machines). Here the host name resolves to this machine's LAN address, in a private mount namespace
+    whose /etc/hosts says so (``unshare -m``), so that a socket bound by host name would listen there."""
+    import socket as _socket
+    import uuid
+
+    from conftest import MARK, ppo_driver_exe
+
+    lan = _lan_address()
+    if lan is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to map the host name to")
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no private mount namespace here (`unshare -m` needs root or user namespaces)")
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{lan} {_socket.gethostname()}\n127.0.0.1 localhost\n")
+    mark = uuid.uuid4().hex
+    steps = 4
+    sets = {"train.steps": steps, "rollout.prompts_per_step": 8, "logging.tensorboard": "false"}
+    args = [ppo_driver_exe(), "train", "--run-dir", str(tmp_path / "run")]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    script = f'mount --bind {hosts} /etc/hosts && exec "$0" "$@"'
+    log_path = tmp_path / "run.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", MARK: mark}
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [unshare, "-m", "sh", "-c", script, *args],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while f"step 1/{steps} " not in log_path.read_text():
+                assert proc.poll() is None, log_path.read_text()
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.05)
+            sockets = listening(marked(mark))
+            assert sockets, "no listening socket found"
+            assert [s for s in sockets if s[0] not in LOOPBACK] == [], (sockets, lan)
+            assert proc.wait(timeout=600) == 0, log_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
