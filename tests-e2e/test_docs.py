@@ -247,7 +247,9 @@ COMMANDS: dict[str, str] = {
         "test:packages/ppo_driver/tests/test_budget.py::test_summary_table_and_plot_show_the_budget"
     ),
     "uv run ppo-driver validate configs/cpu-default.yaml": "run",
-    "uv run ppo-driver validate configs/cpu-default.yaml --set train.steps=20 --set train.actor_lr=5e-4": "run",
+    (
+        "uv run ppo-driver validate configs/cpu-default.yaml --set train.steps=20 --set train.actor_lr=5e-4"
+    ): "run",
     "uv run ppo-driver --help": "run",
     # your own data, your own reward
     (
