@@ -383,3 +383,59 @@ def test_gae_options_are_validated() -> None:
         AlgorithmConfig(gae_unit="turn", gae_through_observations=True)
     with pytest.raises(ValueError, match=r"algorithm\.gae_unit"):
         AlgorithmConfig(estimator="grpo", gae_unit="turn")
+
+
+# ---------------------------------------------------------------------------------- through a backend
+def _multi_turn_fields(n: int, seed: int) -> dict[str, list[torch.Tensor]]:
+    """``n`` samples of two or three turns (generated tokens, then an observation), with turn rewards."""
+    g = torch.Generator().manual_seed(seed)
+    fields: dict[str, list[torch.Tensor]] = {
+        k: [] for k in _fields(torch.ones(1), torch.ones(1), torch.ones(1))
+    }
+    for i in range(n):
+        mask: list[float] = []
+        ids: list[int] = []
+        turns: list[float] = []
+        for turn in range(int(torch.randint(2, 4, (1,), generator=g))):
+            gen, obs = (int(x) for x in torch.randint(1, 4, (2,), generator=g))
+            mask += [1.0] * gen + [0.0] * obs
+            ids += [turn] * (gen + obs)
+            turns += [0.0] * (gen - 1) + [float(torch.rand(1, generator=g))] + [0.0] * obs
+        r = len(mask)
+        fields["tokens"].append(torch.randint(0, 16, (3 + r,), generator=g))
+        fields["response_length"].append(torch.tensor([r]))
+        fields["loss_mask"].append(torch.tensor(mask))
+        fields["reward"].append(torch.tensor([float(i % 2)]))
+        fields["rollout_log_probs"].append(-torch.tensor(mask) * 2.5)
+        fields["prompt_index"].append(torch.tensor([i // 2]))
+        fields["turn_rewards"].append(torch.tensor(turns))
+        fields["turn_ids"].append(torch.tensor(ids))
+    return fields
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("unit", ["token", "turn"])
+def test_the_critic_trains_on_the_configured_gae_of_multi_turn_samples(
+    tiny_model, pack: bool, unit: str
+) -> None:  # type: ignore[no-untyped-def]
+    from ppo_trainer.backend import TorchTrainer
+    from ppo_trainer.config import TrainerConfig
+
+    samples = Samples.from_fields(_multi_turn_fields(6, seed=1))
+    alg = AlgorithmConfig(gae_unit=unit, lam=0.9, num_mini_batches=1)
+    config = TrainerConfig(
+        role="critic", model_path=str(tiny_model), algorithm=alg, micro_batch_size=3, pack_sequences=pack
+    )
+    critic = TorchTrainer(config)
+    values = critic.compute_values(samples)
+    rewards = pm.token_rewards(samples.reward, samples.loss_mask, turn_rewards=samples.turn_rewards)
+    if unit == "turn":
+        _, returns = pm.compute_turn_gae(rewards, values, samples.loss_mask, samples.turn_ids, 1.0, 0.9)
+    else:
+        _, returns = pm.compute_gae(rewards, values, samples.loss_mask, 1.0, 0.9)
+    metrics, old_values, trained_on = critic.train_critic(samples)
+    torch.testing.assert_close(old_values, values)
+    torch.testing.assert_close(trained_on, rewards)
+    mask = samples.loss_mask
+    assert metrics["returns_mean"] == pytest.approx(float((returns * mask).sum() / mask.sum()), abs=1e-5)
+    assert torch.all(trained_on[mask == 0] == 0)
