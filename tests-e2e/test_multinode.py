@@ -92,7 +92,14 @@ def _add(cluster: Cluster, address: str, resource: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[SimCluster]:
+def single_node_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The disaggregated run on one local Ray node (no node resources there), the reference; started
+    before the cluster, whose start-up it overlaps."""
+    return Run(tmp_path_factory.mktemp("single") / "run", *_args(SETTINGS, DISAGGREGATED))
+
+
+@pytest.fixture(scope="module")
+def cluster(single_node_run: Run) -> Iterator[SimCluster]:
     for key, value in LOCAL_RAY_ENV.items():  # start-up waits for a loaded machine, as a local run's
         os.environ.setdefault(key, value)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
@@ -106,10 +113,11 @@ def cluster() -> Iterator[SimCluster]:
 
 
 @pytest.fixture(scope="module")
-def single_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The disaggregated run on one local Ray node (no node resources there): the reference."""
-    run = Run(tmp_path_factory.mktemp("single") / "run", *_args(SETTINGS, DISAGGREGATED))
+def single_node(single_node_run: Run) -> Path:
+    run = single_node_run
     assert run.finish() == 0, run.text()
+    # Its own local Ray instance: one node, on the loopback address a one-machine run uses.
+    assert list(_nodes(run.run_dir)) == ["127.0.0.1"], _nodes(run.run_dir)
     return run.run_dir
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from ppo_driver import budget, build, checkpoint, processes, reaper, resume
+from ppo_driver import budget, build, checkpoint, cluster_check, nodes, processes, reaper, resume
 from ppo_driver.config import RunConfig, dump_config
 from ppo_driver.faults import RunFailed, StopSignals
 from ppo_driver.metrics import MetricsLog, StepProgress
@@ -246,6 +246,9 @@ def setup(
         return _nothing_to_do(config, run_dir, done, console)
     where = Where()
     signals, model_path = _ray_and_model(config, run_dir, ckpt_root, where, stack, console, clock)
+    if config.ray.address:  # a cluster: every node must see the run's folders (cluster_check.py)
+        with clock.part("shared folders"):
+            cluster_check.check(config, run_dir, ckpt_root, model_path, config.ray.timeout_s)
     # After the model: its build forks and restores torch's global generator (ppo_rollout.tasks).
     seed_everything(config.train.seed)
     roles = _start_roles(config, run_dir, model_path, stack, console, roles_factory, clock)
@@ -360,6 +363,9 @@ def _start_roles(
     clock.roles(roles.startup)
     with clock.part("processes.json"):
         processes.record(roles, run_dir, config.ray.timeout_s)
+    with clock.part("nodes.json"):
+        placed = nodes.record(roles, run_dir, config.ray.timeout_s, console)
+    stack.enter_context(nodes.name_lost_nodes(placed))  # a lost node is named in the run's stop
     return roles
 
 
