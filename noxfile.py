@@ -10,7 +10,6 @@ wheel: a file the wheel lacks or a dependency a package uses but does not declar
 
 from __future__ import annotations
 
-import tempfile
 import tomllib
 from pathlib import Path
 
@@ -93,7 +92,7 @@ def _sibling_closure(dist: str) -> list[str]:
     return seen
 
 
-def _install_wheel(session: nox.Session, dist: str, extras: tuple[str, ...]) -> None:
+def _install_wheel(session: nox.Session, dist: str, extras: tuple[str, ...], *, test: bool = True) -> None:
     """Install ``dist`` as users get it: its built wheel and its siblings', with only what they declare.
 
     Third-party requirements come pinned from the lock (``uv export``, workspace members left out); the
@@ -101,16 +100,17 @@ def _install_wheel(session: nox.Session, dist: str, extras: tuple[str, ...]) -> 
     ``uv pip check`` confirms every installed distribution's declared requirements hold.
     """
     # Not session.create_tmp(): it points TMPDIR into the venv, where Ray's socket paths grow too long.
-    out = Path(tempfile.mkdtemp(prefix="ppo-dist-"))
+    out = Path(session.virtualenv.location) / "dist"
     session.run("uv", "build", "--all-packages", "--quiet", "--out-dir", str(out), external=True)
     requirements = out / "requirements.txt"
-    export = ["uv", "export", "--frozen", "--no-default-groups", "--package", dist, "--group", "test"]
+    export = ["uv", "export", "--frozen", "--no-default-groups", "--package", dist]
+    export += ["--group", "test"] if test else []
     for extra in extras:
         export += ["--extra", extra]
     export += ["--no-emit-workspace", "--no-hashes", "--quiet", "--output-file", str(requirements)]
     session.run(*export, external=True)
     session.install("-r", str(requirements))
-    wanted = _sibling_closure(dist) + (["ppo-testsupport"] if dist != "ppo-testsupport" else [])
+    wanted = _sibling_closure(dist) + (["ppo-testsupport"] if test and dist != "ppo-testsupport" else [])
     wheels = [str(next(out.glob(f"{name.replace('-', '_')}-*.whl"))) for name in wanted]
     session.install("--no-deps", *wheels)
     session.run("uv", "pip", "check", external=True)
@@ -157,6 +157,16 @@ def typecheck(session: nox.Session) -> None:
     _sync(session, None, groups=("dev",))
     modules = [f"-p={init.parent.name}" for init in sorted((ROOT / "packages").glob("*/src/*/__init__.py"))]
     session.run("mypy", *modules)
+
+
+@nox.session(name="weight-sync-alone", python=PYTHON)
+def weight_sync_alone(session: nox.Session) -> None:
+    """ppo-weight-sync as another trainer gets it: its wheel and torch, nothing else; its README example."""
+    _install_wheel(session, "ppo-weight-sync", (), test=False)
+    # Ray is the `ray` extra's: the session fails if anything pulled it in.
+    no_ray = "import importlib.util, sys; sys.exit(importlib.util.find_spec('ray') is not None)"
+    session.run("python", "-c", no_ray)
+    session.run("python", str(ROOT / "tools" / "readme_examples.py"), "weight_sync", env=TEST_ENV)
 
 
 @nox.session(name="release-check", python=PYTHON)
