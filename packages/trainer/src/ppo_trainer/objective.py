@@ -1,8 +1,9 @@
 """The PPO objective: the critic's and the actor's training steps over any ``ModelBackend``.
 
 Everything that decides what is learnt lives here, once, for every backend: token rewards (with the
-reference KL), GAE or GRPO advantages, whitening, truncated importance sampling, the policy, entropy,
-KL and value losses, their aggregation over the mini-batch, and the metrics. A backend supplies the
+reference KL and per-turn rewards) on the generated tokens, the estimator's advantages
+(``ppo_trainer.estimators``), whitening, the rollout-trainer mismatch and its correction, the policy,
+entropy, KL and value losses, their aggregation over the mini-batch, and the metrics. A backend supplies the
 model (``backend_protocol.ModelBackend``: a forward over a micro-batch, backward, optimizer step, a
 data-parallel sum) and nothing of the algorithm.
 
@@ -181,7 +182,8 @@ def train_actor(
     values: torch.Tensor | None,
     rewards: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Old (and reference) log-probs, advantages (GAE with ``values``, or GRPO), policy-loss steps.
+    """Old (and reference) log-probs, advantages (the estimator's: GAE with ``values``, or an outcome
+    estimator), the mismatch metrics and correction, policy-loss steps.
 
     ``rewards``: the critic's per-token rewards (:func:`token_rewards`); required with ``kl_coef > 0``
     (only the critic holds the reference for them), else the outcome rewards are used.
