@@ -291,6 +291,14 @@ COMMANDS: dict[str, str] = {
     (
         "uv run ppo-driver train --config configs/smollm2-ppo-1gpu.yaml --run-dir runs/smollm2-ppo"
     ): "test:tests-e2e/test_real_model.py::test_ppo_steps_on_the_real_model",
+    # environments
+    "uv run ppo-driver train --config configs/cpu-guess-multiturn.yaml --run-dir runs/guess": (
+        "test:tests-e2e/test_multi_turn_run.py::test_multi_turn_ppo_with_the_guides_environment"
+    ),
+    (
+        "PYTHONPATH=. uv run ppo-driver validate configs/cpu-guess-multiturn.yaml --set "
+        'rollout.environment=my_env:GuessTheNumber --set "rollout.environment_args={max_guesses: 3}"'
+    ): "test:tests-e2e/test_multi_turn_run.py::test_multi_turn_ppo_with_the_guides_environment",
     # GPUs
     "uv run ppo-driver validate configs/2gpu-colocate.yaml": "run",
     "uv run ppo-driver train --config configs/2gpu-colocate.yaml --run-dir runs/colocate": (
