@@ -92,10 +92,14 @@ def _add(cluster: Cluster, address: str, resource: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def single_node_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def single_node_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     """The disaggregated run on one local Ray node (no node resources there), the reference; started
     before the cluster, whose start-up it overlaps."""
-    return Run(tmp_path_factory.mktemp("single") / "run", *_args(SETTINGS, DISAGGREGATED))
+    run = Run(tmp_path_factory.mktemp("single") / "run", *_args(SETTINGS, DISAGGREGATED))
+    yield run
+    if run.proc.poll() is None:  # no test waited for it (a selection of the tests ran)
+        run.proc.terminate()
+    run.finish()
 
 
 @pytest.fixture(scope="module")
