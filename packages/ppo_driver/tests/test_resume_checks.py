@@ -148,3 +148,15 @@ def test_a_checkpoint_folder_of_its_own_holds_one_run_at_a_time(tmp_path: Path) 
         assert "give each run its own checkpoint.dir" in text
     with RunLock.checkpoints(shared, tmp_path / "second"):  # released with its holder
         pass
+
+
+def test_an_accepted_dataset_change_marks_the_saved_position(tmp_path: Path) -> None:
+    """checkpoint.accept_changes=[dataset]: the data position the rollout loads is marked to start a
+    new epoch of the changed file (ppo_rollout.data.JsonlPrompts.load_state_dict)."""
+    from ppo_rollout.data import NEXT_EPOCH
+
+    saved = {"version": 1, "data": {"kind": "jsonl", "epoch": 2, "offset": 90, "rows": 128, "sha256": "ab"}}
+    assert resume._data_position(saved, load_config()) == saved
+    marked = resume._data_position(saved, load_config(None, ["checkpoint.accept_changes=[dataset]"]))
+    assert marked["data"] == {**saved["data"], "on_change": NEXT_EPOCH}
+    assert "on_change" not in saved["data"]  # the checkpoint's own state is left as it was
