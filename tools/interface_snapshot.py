@@ -144,8 +144,8 @@ def interface(dist: str) -> dict[str, Any]:
     return found
 
 
-def _project(dist: str) -> dict[str, Any]:
-    path = REPO / "packages" / PUBLIC[dist][0] / "pyproject.toml"
+def _project(dist: str, repo: Path = REPO) -> dict[str, Any]:
+    path = repo / "packages" / PUBLIC[dist][0] / "pyproject.toml"
     project: dict[str, Any] = tomllib.loads(path.read_text())["project"]
     return project
 
@@ -173,22 +173,23 @@ def _changes(recorded: dict[str, Any], current: dict[str, Any]) -> str:
     return "\n".join(lines[:20] + ([f"  ... and {len(lines) - 20} more"] if len(lines) > 20 else []))
 
 
-def problems() -> list[str]:
-    """Everything that stops a release, one message per problem."""
+def problems(repo: Path = REPO, dists: tuple[str, ...] = tuple(PUBLIC)) -> list[str]:
+    """Everything that stops a release of ``dists``, one message per problem."""
     found: list[str] = []
-    versions = {dist: Version(_project(dist)["version"]) for dist in PUBLIC}
-    for dist, (folder, _) in PUBLIC.items():
+    versions = {dist: Version(_project(dist, repo)["version"]) for dist in PUBLIC}
+    for dist in dists:
+        folder = PUBLIC[dist][0]
         version = versions[dist]
-        changelog = REPO / "packages" / folder / "CHANGELOG.md"
+        changelog = repo / "packages" / folder / "CHANGELOG.md"
         if not re.search(rf"^## {re.escape(str(version))}\b", changelog.read_text(), re.M):
             found.append(f"{dist} {version}: packages/{folder}/CHANGELOG.md has no '## {version}' section")
-        for requirement in map(Requirement, _project(dist)["dependencies"]):
+        for requirement in map(Requirement, _project(dist, repo)["dependencies"]):
             if requirement.name in versions and versions[requirement.name] not in requirement.specifier:
                 found.append(
                     f"{dist} requires {requirement}, which excludes {requirement.name} "
                     f"{versions[requirement.name]}: widen the range in packages/{folder}/pyproject.toml"
                 )
-        record_path = RECORDS / f"{dist}.json"
+        record_path = repo / "tools" / "interfaces" / f"{dist}.json"
         if not record_path.exists():
             found.append(f"{dist}: no recorded interface; run `python tools/interface_snapshot.py --update`")
             continue
