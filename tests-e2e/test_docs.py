@@ -299,6 +299,23 @@ COMMANDS: dict[str, str] = {
         "PYTHONPATH=. uv run ppo-driver validate configs/cpu-guess-multiturn.yaml --set "
         'rollout.environment=my_env:GuessTheNumber --set "rollout.environment_args={max_guesses: 3}"'
     ): "test:tests-e2e/test_multi_turn_run.py::test_multi_turn_ppo_with_the_guides_environment",
+    # a Ray cluster
+    "ray start --head --port=6379 --resources='{\"train\": 1}'": (
+        "test:tests-e2e/test_multinode.py::test_bundles_follow_node_order_and_node_resources"
+    ),
+    "ray start --address=HEAD_IP:6379 --resources='{\"engines\": 1}'": (
+        "test:tests-e2e/test_multinode.py::test_bundles_follow_node_order_and_node_resources"
+    ),
+    "ray status": "not-run: a cluster's state",
+    "uv run ppo-driver train --config my-cluster.yaml --ray-address auto": (
+        "test:tests-e2e/test_multinode.py::test_split_run_matches_one_node_survives_a_lost_node_and_resumes"
+    ),
+    "cd tests-e2e && uv run pytest -q test_multinode.py --durations=0": (
+        "test:tests-e2e/test_multinode.py::test_colocated_ranks_on_two_nodes"
+    ),
+    (
+        "uv run python packages/ppo_driver/benchmarks/bench_multinode_update.py --hidden 256 --layers 4"
+    ): "not-run: a benchmark (minutes on 2 cores); its figures are on the cluster page",
     # GPUs
     "uv run ppo-driver validate configs/2gpu-colocate.yaml": "run",
     "uv run ppo-driver train --config configs/2gpu-colocate.yaml --run-dir runs/colocate": (
