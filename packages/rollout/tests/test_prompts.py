@@ -106,3 +106,17 @@ def test_a_position_saved_without_a_fingerprint_is_held_to_the_row_count(tmp_pat
         DatasetChangedError, match=r"the saved position \(epoch 0, row 8\) is past its 5 rows"
     ):
         JsonlPrompts(data, "prompt", 3).load_state_dict(old)
+
+
+def test_an_eval_file_that_is_the_training_file_is_not_announced_as_held_out(tmp_path: Path) -> None:
+    from ppo_rollout.config import RolloutSettings
+    from ppo_rollout.data import describe_eval_source
+
+    data = _rows(tmp_path / "d.jsonl", 4)
+    same = RolloutSettings(task=None, dataset=str(data), eval_dataset=str(data), reward="exact_match")
+    text = describe_eval_source(same)
+    assert "held-out" not in text
+    assert "which is also rollout.dataset: evaluation measures prompts the run trains on" in text
+    other = _rows(tmp_path / "e.jsonl", 2)
+    held = RolloutSettings(task=None, dataset=str(data), eval_dataset=str(other), reward="exact_match")
+    assert describe_eval_source(held).startswith(f"held-out file {other}")

@@ -259,6 +259,11 @@ def open_prompts(settings: RolloutSettings, seed: int) -> PromptSource:
 def describe_eval_source(settings: RolloutSettings) -> str:
     """Where a run's evaluation prompts come from, in words (the driver prints it at the start)."""
     if settings.eval_dataset is not None:
+        if settings.dataset is not None and _same_file(settings.eval_dataset, settings.dataset):
+            return (
+                f"the first {settings.eval_prompts} rows of {settings.eval_dataset}, which is also "
+                "rollout.dataset: evaluation measures prompts the run trains on"
+            )
         return f"held-out file {settings.eval_dataset} (at most {settings.eval_prompts} rows)"
     if settings.task is not None:
         return f"the held-out stream of task {settings.task} ({settings.eval_prompts} prompts)"
@@ -266,6 +271,13 @@ def describe_eval_source(settings: RolloutSettings) -> str:
         f"the first {settings.eval_prompts} rows of the training file {settings.dataset}: no "
         "rollout.eval_dataset is set, so evaluation measures prompts the run trains on"
     )
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return Path(a).expanduser().samefile(Path(b).expanduser())
+    except OSError:
+        return False
 
 
 class PromptRenderer:
