@@ -64,6 +64,10 @@ def test_another_runs_checkpoints_are_refused(tmp_path: Path) -> None:
     resume_checks.check(ok, second, tmp_path / "shared")
     first.rmdir()  # a run folder moved elsewhere: the checkpoints go with the run that resumes them
     resume_checks.check(config, second, tmp_path / "shared")
+    # A copied run folder holds its checkpoints inside it: the copy resumes, the original still exists.
+    (tmp_path / "a").mkdir()
+    _checkpoint(tmp_path / "copy" / "checkpoints", 60, load_config(), run_dir=tmp_path / "a")
+    resume_checks.check(load_config(), tmp_path / "copy", tmp_path / "copy" / "checkpoints")
 
 
 def _model(folder: Path, **shape: Any) -> Path:

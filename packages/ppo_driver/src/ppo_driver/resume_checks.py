@@ -89,8 +89,11 @@ def _mapping(value: Any) -> dict[str, Any]:
 
 
 def _other_run(writer: Any, run_dir: Path, ckpt_root: Path, step: int) -> list[str]:
-    """A checkpoint written by a run in another folder that still exists: two runs share the
-    checkpoint folder. (A moved run folder leaves no folder at the old path: it resumes.)"""
+    """A checkpoint written by a run in another folder that still exists: two runs share one
+    ``checkpoint.dir``. (A moved run folder leaves no folder at the old path, and a copied one holds
+    its checkpoints inside it: both resume.)"""
+    if ckpt_root.resolve().is_relative_to(run_dir.resolve()):
+        return []
     if not isinstance(writer, str) or Path(writer) == run_dir.resolve() or not Path(writer).is_dir():
         return []
     return [
