@@ -63,12 +63,12 @@ def _sync(
     session.run_install(*args, env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}, external=True)
 
 
-def _pytest(session: nox.Session, where: Path, *extra: str) -> None:
+def _pytest(session: nox.Session, where: Path, env: dict[str, str] | None = None) -> None:
     # pytest exits 5 when it collects nothing; nox treats every non-zero exit as a failure,
     # so an empty or mis-collected suite fails the session instead of passing silently.
     # --durations: the slowest tests in every CI log, where the time to cut is found.
     session.chdir(where)
-    session.run("python", "-m", "pytest", "--durations=12", *extra, *session.posargs, env=TEST_ENV)
+    session.run("python", "-m", "pytest", "--durations=12", *session.posargs, env={**TEST_ENV, **(env or {})})
 
 
 def _sibling_closure(dist: str) -> list[str]:
@@ -140,7 +140,8 @@ def e2e(session: nox.Session) -> None:
     tests-e2e/real_model.py) and trains it for two steps on CPU.
     """
     _sync(session, "ppo-driver", ("import",))
-    _pytest(session, ROOT / "tests-e2e")
+    # Each package's session runs its README example against its wheel; e2e does not run them again.
+    _pytest(session, ROOT / "tests-e2e", env={"PPO_README_EXAMPLES_IN_PACKAGE_SESSIONS": "1"})
 
 
 @nox.session(python=PYTHON)

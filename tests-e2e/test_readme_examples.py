@@ -1,14 +1,17 @@
 """Each package README's example, as a user pastes it.
 
-The examples run in each package's nox session (``tests(<package>)``) against the package's installed
-wheel, through ``tools/readme_examples.py``: the first ``python`` block, in a fresh interpreter started
-in an empty folder, must exit 0 and print a line matching the tool's ``EXPECTED``. Here: every package
-has an example and an expectation, every example is valid Python, and the sessions do run them.
+``tools/readme_examples.py`` runs the first ``python`` block in a fresh interpreter started in an empty
+folder; it must exit 0 and print a line matching the tool's ``EXPECTED``. Each package's nox session
+(``tests(<package>)``) runs its example against the package's installed wheel, so the ``e2e`` session
+sets ``PPO_README_EXAMPLES_IN_PACKAGE_SESSIONS`` and skips them here; run alone (``pytest tests-e2e``)
+this file runs every example. Always: every package has an example and an expectation, every example is
+valid Python, and the sessions do run them.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -38,6 +41,16 @@ def test_every_package_has_an_expectation() -> None:
 def test_readme_example_is_python(package: str) -> None:
     code = TOOL.first_python_block(REPO / "packages" / package / "README.md")
     compile(code, f"packages/{package}/README.md", "exec")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    os.environ.get("PPO_README_EXAMPLES_IN_PACKAGE_SESSIONS") == "1",
+    reason="each package's nox session runs its example against its wheel",
+)
+@pytest.mark.parametrize("package", sorted(TOOL.EXPECTED))
+def test_readme_example_runs_as_pasted(package: str) -> None:
+    TOOL.run_example(package)  # raises RuntimeError with the example's output when it fails
 
 
 def test_each_package_session_runs_its_example() -> None:
