@@ -82,7 +82,11 @@ def by_node(placed: list[Placed]) -> dict[str, list[Placed]]:
 
 def record(roles: Roles, run_dir: Path, timeout_s: float, console: Console) -> list[Placed]:
     """Write ``nodes.json``; on more than one node, print one line of which roles run where."""
-    placed = locate(roles, timeout_s)
+    try:
+        placed = locate(roles, timeout_s)
+    except Exception as exc:  # a diagnostic: the run's own calls report a dead worker properly
+        log.warning("nodes.json: the roles' nodes are unknown (%s)", exc)
+        placed = []
     nodes = by_node(placed)
     listing = [
         {"node_ip": ps[0].node_ip, "node_id": node_id, "roles": [p.label for p in ps]}
