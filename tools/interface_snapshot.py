@@ -115,6 +115,8 @@ def _describe(obj: Any) -> Any:
         return _describe_class(obj)
     if callable(obj):
         return f"def{_signature(obj)}"
+    if isinstance(obj, frozenset):  # its repr's order follows the string hash seed
+        return f"frozenset({sorted(map(repr, obj))})"
     if isinstance(obj, CONSTANT):
         return ADDRESS.sub("", repr(obj))
     return type(obj).__name__
