@@ -106,3 +106,39 @@ def test_a_worker_death_prints_no_raylet_notice_and_the_session_folder_goes() ->
     session = next(line.split() for line in done.stdout.splitlines() if line.startswith("session "))
     assert session[1].startswith("session_")
     assert session[2] == "False"
+
+
+_JOIN_NOT_RAY = textwrap.dedent(
+    """
+    import socket, threading
+    from rich.console import Console
+    from ppo_driver import ray_start
+    from ppo_driver.config import ConfigError, load_config
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    threading.Thread(target=lambda: [server.accept() for _ in range(1000)], daemon=True).start()
+    ray_start.JOIN_TIMEOUT_S = 3
+    try:
+        with ray_start.ray_session(load_config(None, [f"ray.address=127.0.0.1:{port}"]), Console()):
+            print("joined")
+    except ConfigError as exc:
+        print("refused:", str(exc).splitlines()[-1].strip())
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_joining_an_address_that_is_not_ray_is_bounded() -> None:
+    """A port that answers but is not Ray's GCS: Ray retries it for minutes; the join gives up after
+    JOIN_TIMEOUT_S (and the connection attempt in flight) with one line naming ray.address."""
+    done = subprocess.run(
+        [sys.executable, "-c", _JOIN_NOT_RAY], capture_output=True, text=True, timeout=220, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("refused: - ray.address='127.0.0.1:"), done.stdout
+    assert "no Ray cluster answered there in " in line
+    assert "drop --ray-address for a local run" in line

@@ -3,10 +3,13 @@ with start-up waits long enough for a loaded machine and one retry."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import logging
 import os
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +20,7 @@ import ray._private.worker
 from rich.console import Console
 
 from ppo_driver import children, reaper
-from ppo_driver.config import RunConfig
+from ppo_driver.config import ConfigError, RunConfig
 from ppo_driver.resume import first_line
 
 
@@ -31,7 +34,7 @@ def ray_session(config: RunConfig, console: Console) -> Iterator[None]:
     session: Path | None = None
     quiet_worker_deaths()
     if config.ray.address:
-        ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
+        join_cluster(config)
     else:
         # Ends the local instance's processes if this one dies without a word (reaper.py).
         watchdog = reaper.start()
@@ -52,6 +55,40 @@ def ray_session(config: RunConfig, console: Console) -> Iterator[None]:
             watchdog.stop()  # whatever Ray's shutdown left running is ended now
         if ok and session is not None:
             remove_session(session)  # a failed run keeps Ray's logs of its workers
+
+
+# How long joining a cluster may take: Ray retries an address that answers but is no Ray cluster's
+# (a port of another service) for many minutes. A closed port is refused before, in pre-flight.
+JOIN_TIMEOUT_S = 120.0
+
+
+def join_cluster(config: RunConfig) -> None:
+    """``ray.init(address=ray.address)``, bounded by ``JOIN_TIMEOUT_S``: past it the main thread is
+    interrupted (between Ray's connection attempts) and the join refused in one line."""
+    gave_up = threading.Event()
+
+    def give_up() -> None:
+        gave_up.set()
+        _thread.interrupt_main()
+
+    timer = threading.Timer(JOIN_TIMEOUT_S, give_up)
+    timer.daemon = True
+    start = time.monotonic()
+    timer.start()
+    try:
+        ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
+    except KeyboardInterrupt:
+        if not gave_up.is_set():
+            raise  # the user's Ctrl-C
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        raise ConfigError(
+            f"invalid config (1 error):\n  - ray.address={config.ray.address!r}: no Ray cluster answered "
+            f"there in {time.monotonic() - start:.0f} s (something listens, but not Ray's GCS); give the "
+            "head node's GCS address (`ray status` on it prints it), or drop --ray-address for a local run"
+        ) from None
+    finally:
+        timer.cancel()
 
 
 def session_dir() -> Path | None:
