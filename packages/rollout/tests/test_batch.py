@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ppo_rollout.batch import FIELDS, balanced_split, rank_fields, split_indices, split_samples
-from ppo_rollout.trajectory import Segment, Trajectory, TrajectoryBuilder
+from ppo_rollout.trajectory import Segment, Trajectory, TrajectoryBuilder, with_outcome
 
 
 @given(
@@ -107,3 +107,27 @@ def test_trajectory_checks_turn_counts() -> None:
     segment = Segment((1,), True, 0, (0.0,))
     with pytest.raises(ValueError, match="2 turn rewards for 1 turns"):
         Trajectory(0, (1,), (segment,), turn_rewards=(0.0, 1.0))
+
+
+@pytest.mark.parametrize(
+    ("status", "score_unfinished", "reward", "turn_rewards"),
+    [
+        ("done", False, 1.0, (0.5, 0.0)),
+        ("max_turns", False, 0.0, (0.5, 0.0)),  # no final answer: no outcome reward, turn rewards stay
+        ("length", False, 0.0, (0.5, 0.0)),
+        ("max_turns", True, 1.0, (0.5, 0.0)),
+        ("env_error", True, 0.0, (0.0, 0.0)),  # on_env_error: zero
+    ],
+)
+def test_the_outcome_reward_needs_a_finished_trajectory(
+    status: str, score_unfinished: bool, reward: float, turn_rewards: tuple[float, ...]
+) -> None:
+    builder = TrajectoryBuilder(0, (1,))
+    builder.add_turn((5,), (-0.1,), weight_version=1)
+    builder.reward_last_turn(0.5)
+    builder.add_observation((6,))
+    builder.add_turn((7,), (-0.2,), weight_version=1)
+    t = with_outcome(builder.build(status, "stop"), 1.0, score_unfinished=score_unfinished)  # type: ignore[arg-type]
+    assert t.reward == reward
+    assert t.turn_rewards == turn_rewards
+    assert t.score == (0.0 if status == "env_error" else 1.0)

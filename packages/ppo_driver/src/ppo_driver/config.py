@@ -151,6 +151,10 @@ class RolloutSection(RolloutSettings):
     eval_interval: int = Field(
         default=0, ge=0, description="evaluate every N steps; 0: only at the last step"
     )
+    eval_before_train: bool = Field(
+        default=False,
+        description="evaluate the untrained model before step 1 too (logged as step 0; not on a resume)",
+    )
 
 
 @pydantic_dataclass(frozen=True, kw_only=True, config=SECTION | ConfigDict(serialize_by_alias=True))

@@ -128,6 +128,8 @@ def train(
         run = setup(config, run_dir, stack, console, roles_factory, startup or StartupClock())
         if isinstance(run, RunResult):
             return run  # already at train.steps: nothing was started
+        if config.rollout.eval_before_train and run.start == 0:
+            run.log.log(0, run.roles.rollout.evaluate(0))  # the curve's starting point
         for n in range(run.start + 1, config.train.steps + 1):
             metrics = step(run, n)
             run.log.log(n, metrics)

@@ -71,7 +71,7 @@ def check(config: RunConfig, *, run_dir: Path | None = None) -> list[str]:
     """Raise ``ConfigError`` listing every problem found; ``run_dir`` also checks the folders. Returns
     the warnings (one line each) of a config that passes."""
     data_problems, warnings = _dataset(config)
-    problems = [*_reward(config), *_model(config), *data_problems, *_backend(config)]
+    problems = [*_reward(config), *_rollout_parts(config), *_model(config), *data_problems, *_backend(config)]
     if run_dir is not None:
         problems += _writable("--run-dir / logging.run_dir", run_dir)
         if config.checkpoint.dir:
@@ -120,6 +120,27 @@ def _reward(config: RunConfig) -> list[str]:
             f"rollout.reward={spec!r}: {attr!r} in {module_name!r} is a {type(fn).__name__}, not a function"
         ]
     return []
+
+
+def _rollout_parts(config: RunConfig) -> list[str]:
+    """The multi-turn environment and the rollout function import (``module:name`` or built-in)."""
+    from ppo_rollout.environment import resolve_environment
+    from ppo_rollout.rollout_fns import resolve_rollout_function
+
+    r = config.rollout
+    problems = []
+    for field, spec, resolve in (
+        ("rollout.environment", r.resolved_environment, resolve_environment),
+        ("rollout.rollout_function", r.resolved_rollout_function, resolve_rollout_function),
+    ):
+        try:
+            if spec is not None:
+                resolve(spec)
+        except ValueError as exc:
+            problems.append(f"{exc}; check the name and that the module is installed or on PYTHONPATH")
+        except Exception as exc:  # whatever the module raises while importing
+            problems.append(f"{field}={spec!r}: {type(exc).__name__} while importing: {exc}")
+    return problems
 
 
 def _model(config: RunConfig) -> list[str]:

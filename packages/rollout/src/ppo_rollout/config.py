@@ -138,6 +138,12 @@ class MultiTurnSettings:
     observation_role: str = Field(
         default="user", min_length=1, description="chat role of an observation's message (chat_template)"
     )
+    score_unfinished: bool = Field(
+        default=False,
+        description="give the outcome reward to a trajectory that ended by max_turns or a length limit "
+        "before its environment said done; false: it gave no final answer and its outcome reward is 0 "
+        "(its turn rewards stay)",
+    )
     env_timeout_s: float = Field(default=30.0, gt=0, description="bound of each environment call")
     on_env_error: Literal["stop", "zero"] = Field(
         default="stop",

@@ -29,7 +29,7 @@ from .rollout_metrics import multi_turn_metrics, sample_metrics
 from .runner import ClientSeeds, RolloutRun, run_rollout
 from .slots import EngineSlots, actor_options
 from .tasks import get_task
-from .trajectory import Trajectory
+from .trajectory import Trajectory, with_outcome
 
 __all__ = ["RolloutBatch", "RolloutManager"]
 
@@ -289,16 +289,17 @@ class RolloutManager:
     ) -> list[Trajectory]:
         """The trajectories with their outcome reward: the reward function over the whole batch at once,
         on each trajectory's last turn (its whole response when single-turn). A trajectory whose
-        environment failed (``on_env_error: zero``) gets 0 and no turn rewards."""
+        environment failed (``on_env_error: zero``) gets 0 and no turn rewards; a multi-turn one that
+        ran out of turns or tokens before its environment ended it gave no final answer: 0 unless
+        ``multi_turn.score_unfinished`` (else a tool call with the answer in it, cut by ``max_turns``,
+        would score as an answer)."""
         inputs = [self._reward_input(groups[t.prompt_index], t) for t in trajectories]
         rewards = compute_rewards(self.reward_fn, inputs, timeout_s=self.config.reward_timeout_s)
-        out = []
-        for t, r in zip(trajectories, rewards, strict=True):
-            if t.status == "env_error":
-                t = replace(t, turn_rewards=(0.0,) * t.num_turns)
-                r = 0.0
-            out.append(t.with_reward(r))
-        return out
+        scores_unfinished = not self.multi_turn or self.config.multi_turn.score_unfinished
+        return [
+            with_outcome(t, r, score_unfinished=scores_unfinished)
+            for t, r in zip(trajectories, rewards, strict=True)
+        ]
 
     def _reward_input(self, group: PromptGroup, t: Trajectory) -> RewardInput:
         last = next(s for s in reversed(t.segments) if s.generated)

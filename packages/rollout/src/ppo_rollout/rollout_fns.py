@@ -31,12 +31,13 @@ from .environment import (
     bounded_call,
     check_step_result,
 )
-from .generate_client import GenerateClient
 from .observation import ObservationRenderer
 from .trajectory import Trajectory, TrajectoryBuilder
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch-free at import: the pre-flight resolves rollout functions by name
     from transformers import PreTrainedTokenizerBase
+
+    from .generate_client import GenerateClient
 
 __all__ = [
     "PromptGroup",
@@ -149,7 +150,13 @@ class RolloutContext:
                 "this rollout function needs an environment: set rollout.environment (a built-in name or "
                 "'package.module:factory')"
             )
-        return self.environment(**self.environment_args)
+        try:
+            return self.environment(**self.environment_args)
+        except Exception as exc:
+            raise ValueError(
+                f"rollout.environment={self.environment_name!r} could not be made with "
+                f"rollout.environment_args={self.environment_args}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def where(self, group: PromptGroup, sample: int, turn: int) -> str:
         row = group.row.get("index", group.row.get("id"))

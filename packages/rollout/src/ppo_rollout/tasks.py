@@ -160,8 +160,10 @@ TASKS: Mapping[str, PromptTask] = {
         ArithmeticTask("arithmetic_2", (2, 2), 10, 99, "+-"),
         ArithmeticTask("arithmetic_3", (3, 3), 1, 50, "+-"),
         ArithmeticTask("arithmetic_4", (3, 3), 2, 20, "+-*"),
-        # Beyond a 135M model's mental arithmetic: four or five terms of two and three digits, with the
-        # calculator tool (<calc>expression</calc> answered by <result>value</result>).
+        # Beyond a 135M model's mental arithmetic: four or five terms of two and three digits, without
+        # a tool (arithmetic_5) and with the calculator (<calc>expression</calc> answered by
+        # <result>value</result>).
+        ArithmeticTask("arithmetic_5", (4, 5), 10, 999, "+-"),
         ArithmeticTask(
             "tool_arithmetic",
             (4, 5),

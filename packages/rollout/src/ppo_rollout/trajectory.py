@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-__all__ = ["STATUSES", "Segment", "Status", "Trajectory", "TrajectoryBuilder"]
+__all__ = ["STATUSES", "Segment", "Status", "Trajectory", "TrajectoryBuilder", "with_outcome"]
 
 Status = Literal["done", "max_turns", "length", "env_error"]
 STATUSES: tuple[Status, ...] = ("done", "max_turns", "length", "env_error")
@@ -195,3 +195,19 @@ class TrajectoryBuilder:
             weight_versions=tuple(self.weight_versions),
             info=dict(self.info),
         )
+
+
+UNFINISHED: frozenset[Status] = frozenset({"max_turns", "length"})
+
+
+def with_outcome(trajectory: Trajectory, reward: float, *, score_unfinished: bool) -> Trajectory:
+    """``trajectory`` with the reward function's ``reward`` as its outcome: 0 and no turn rewards when
+    its environment failed; 0 when it ran out of turns or tokens before its environment ended it,
+    unless ``score_unfinished`` (such a trajectory gave no final answer: a tool call cut by
+    ``max_turns`` that holds the answer's number must not score as an answer). ``score`` keeps the
+    reward function's value."""
+    if trajectory.status == "env_error":
+        return replace(trajectory, turn_rewards=(0.0,) * trajectory.num_turns).with_reward(0.0, score=0.0)
+    if trajectory.status in UNFINISHED and not score_unfinished:
+        return trajectory.with_reward(0.0, score=reward)
+    return trajectory.with_reward(reward)
