@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from .specs import import_named
 
 __all__ = [
     "Action",
@@ -86,19 +87,9 @@ def resolve_environment(spec: str) -> EnvironmentFactory:
 
     if spec in BUILTIN_ENVIRONMENTS:
         spec = BUILTIN_ENVIRONMENTS[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"rollout.environment={spec!r}: write 'package.module:factory' or a built-in name "
-            f"({', '.join(sorted(BUILTIN_ENVIRONMENTS))})"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"rollout.environment={spec!r}: cannot import {module_name!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise ValueError(f"rollout.environment={spec!r}: {module_name!r} has no callable {attr!r}")
+    factory = import_named("rollout.environment", spec, "package.module:factory", list(BUILTIN_ENVIRONMENTS))
+    if not callable(factory):
+        raise ValueError(f"rollout.environment={spec!r}: {type(factory).__name__} is not callable")
     return factory
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -32,6 +31,7 @@ from .environment import (
     check_step_result,
 )
 from .observation import ObservationRenderer
+from .specs import import_named
 from .trajectory import Trajectory, TrajectoryBuilder
 
 if TYPE_CHECKING:  # torch-free at import: the pre-flight resolves rollout functions by name
@@ -215,20 +215,9 @@ def resolve_rollout_function(spec: str) -> RolloutFn:
     """A registered name or ``package.module:function``."""
     if spec in _REGISTRY:
         return _REGISTRY[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"rollout.rollout_function={spec!r}: use one of {sorted(_REGISTRY)} or 'package.module:function'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"rollout.rollout_function={spec!r}: cannot import {module_name!r}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if fn is None or not asyncio.iscoroutinefunction(fn):
-        raise ValueError(
-            f"rollout.rollout_function={spec!r}: {module_name!r} has no 'async def {attr}(ctx, group)'"
-        )
+    fn = import_named("rollout.rollout_function", spec, "package.module:function", list(_REGISTRY))
+    if not asyncio.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.rollout_function={spec!r}: not an 'async def (ctx, group)' function")
     return fn
 
 
