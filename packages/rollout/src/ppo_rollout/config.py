@@ -19,7 +19,9 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 
 __all__ = [
+    "DynamicSamplingSettings",
     "MultiTurnSettings",
+    "OverlongSettings",
     "RolloutConfig",
     "RolloutSettings",
     "SGLangOptions",
@@ -153,6 +155,56 @@ class MultiTurnSettings:
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
+class OverlongSettings:
+    """DAPO's soft overlong punishment: the ``rollout.overlong`` section (``ppo_rollout.overlong``).
+
+    A trajectory's outcome reward gets ``reward_shaping.overlong_penalty`` of its generated tokens
+    (observation tokens do not count), with ``max_len`` the rollout's ``train_response_limit``; its
+    raw ``score`` is kept. ``buffer_len`` or ``penalty_factor`` 0 turns it off."""
+
+    buffer_len: int = Field(
+        default=0, ge=0, description="tokens before the response limit over which the penalty grows; 0: off"
+    )
+    penalty_factor: float = Field(
+        default=1.0, ge=0, allow_inf_nan=False, description="the penalty at the response limit; 0: off"
+    )
+
+    @property
+    def active(self) -> bool:
+        return self.buffer_len > 0 and self.penalty_factor > 0
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
+class DynamicSamplingSettings:
+    """DAPO's dynamic sampling: the ``rollout.dynamic_sampling`` section (``ppo_rollout.dynamic_sampling``).
+
+    Groups whose raw scores (``Trajectory.score`` plus the environment's turn rewards, never the
+    shaped reward) have a population std ``<= std_tolerance`` are dropped; more prompts are drawn
+    and rolled out until ``prompts_per_step`` groups are kept, in at most ``max_rounds`` rounds."""
+
+    enabled: bool = False
+    std_tolerance: float = Field(
+        default=1e-6,
+        ge=0,
+        allow_inf_nan=False,
+        description="a group whose raw-score std is <= it is dropped (a tolerance: float32 scores of a "
+        "constant group need not be exactly equal)",
+    )
+    max_rounds: int = Field(default=8, ge=1, description="generation rounds per step at most")
+    over_sample: float = Field(
+        default=1.0,
+        ge=1,
+        allow_inf_nan=False,
+        description="each round draws ceil(over_sample x the groups still missing) prompts",
+    )
+    on_exhausted: Literal["stop", "pad"] = Field(
+        default="stop",
+        description="after max_rounds with too few kept groups: stop the run, or fill the batch with "
+        "dropped (zero-variance) groups, first generated first",
+    )
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
 class RolloutSettings:
     """What to generate and how to score it: the ``rollout`` section. Exactly one of ``task`` and
     ``dataset`` is set."""
@@ -211,6 +263,13 @@ class RolloutSettings:
         gt=0,
         description="limit on one call of the reward function; past it the run stops naming the reward",
     )
+    overlong: OverlongSettings | None = Field(
+        default=None, description="DAPO's overlong reward shaping of training responses; null: off"
+    )
+    dynamic_sampling: DynamicSamplingSettings = Field(
+        default=DynamicSamplingSettings(),
+        description="DAPO's dynamic sampling: train only on groups whose raw scores vary",
+    )
 
     @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
@@ -237,6 +296,20 @@ class RolloutSettings:
                 "the chat); set chat_template=true or remove system_prompt"
             )
         self._check_multi_turn()
+        self._check_shaping()
+
+    def _check_shaping(self) -> None:
+        if self.overlong is not None and self.overlong.buffer_len > self.train_response_limit:
+            raise ValueError(
+                f"rollout.overlong.buffer_len={self.overlong.buffer_len} exceeds the response limit "
+                f"{self.train_response_limit} (rollout.sampling.max_new_tokens; "
+                "rollout.multi_turn.max_response_tokens when multi-turn); make it at most that"
+            )
+        if self.dynamic_sampling.enabled and self.sampling.n_samples_per_prompt < 2:
+            raise ValueError(
+                "rollout.dynamic_sampling.enabled needs rollout.sampling.n_samples_per_prompt >= 2 (a group "
+                "of one sample never varies); raise n_samples_per_prompt or disable dynamic sampling"
+            )
 
     def _check_multi_turn(self) -> None:
         function, environment = self.resolved_rollout_function, self.resolved_environment

@@ -17,11 +17,13 @@ from ppo_weight_sync import EngineEndpoint
 from .batch import rank_fields, split_indices
 from .config import RolloutConfig, SamplingSettings
 from .data import PromptRenderer, PromptSource, open_prompts
+from .dynamic_sampling import select_groups
 from .engine.builtin import MEMORY_TAGS
 from .engine.handles import BuiltinEngineHandle, EngineHandle, SGLangEngineHandle
 from .environment import EnvironmentFactory, resolve_environment
 from .generate_client import GenerateClient
 from .observation import ObservationRenderer
+from .overlong import shape_overlong
 from .prompts import encode_texts
 from .rewards import RewardInput, compute_rewards, resolve_reward
 from .rollout_fns import PromptGroup, RolloutContext, resolve_rollout_function
@@ -74,6 +76,14 @@ def _eos_token_ids(model_path: str, tokenizer: Any) -> list[int]:
     if not ids and tokenizer.eos_token_id is not None:
         ids = [int(tokenizer.eos_token_id)]
     return ids
+
+
+def _combined(runs: Sequence[RolloutRun], trajectories: list[Trajectory]) -> RolloutRun:
+    """The rounds of one step as one run: the trained trajectories, the rounds' seconds and engine
+    calls summed, their idle shares weighted by seconds."""
+    seconds = sum(r.seconds for r in runs)
+    idle = sum(r.engine_idle_share * r.seconds for r in runs) / seconds if seconds > 0 else 0.0
+    return RolloutRun(trajectories, seconds, idle, sum(r.engine_calls for r in runs))
 
 
 class RolloutManager:
@@ -322,15 +332,39 @@ class RolloutManager:
 
     # -- steps ---------------------------------------------------------------------------------------
     def generate(self, step: int) -> RolloutBatch:
-        """Roll out ``prompts_per_step`` prompts x ``n_samples_per_prompt`` and pack one Box per dp rank."""
+        """Roll out ``prompts_per_step`` prompts x ``n_samples_per_prompt`` and pack one Box per dp rank.
+
+        Outcome rewards get the overlong penalty (``rollout.overlong``); with
+        ``rollout.dynamic_sampling`` the groups whose raw scores do not vary are dropped and more
+        prompts rolled out until ``prompts_per_step`` groups are kept (``dynamic_sampling``)."""
         if self._offloaded:
             raise RuntimeError("rollout engines are offloaded; call onload() before generate()")
         cfg = self.config
         t0 = time.perf_counter()
-        rows = self.source.next_rows(cfg.prompts_per_step)
-        groups = self._groups(rows, cfg.sampling.n_samples_per_prompt)
-        run = self._rollout(groups, cfg.sampling, step, stream=0)
-        trajectories = self._rewarded(groups, run.trajectories)
+        runs: list[RolloutRun] = []
+
+        def roll(round_: int, prompts: int) -> list[list[Trajectory]]:
+            # Each round draws new rows (the saved data position advances by all of them) and samples
+            # from its own stream: the step stays a function of (seed, step, data position).
+            rows = self.source.next_rows(prompts)
+            groups = self._groups(rows, cfg.sampling.n_samples_per_prompt)
+            run = self._rollout(groups, cfg.sampling, step, stream=0 if round_ == 0 else 2 + round_)
+            runs.append(run)
+            rewarded = shape_overlong(
+                self._rewarded(groups, run.trajectories), cfg.overlong, cfg.train_response_limit
+            )
+            by_prompt: dict[int, list[Trajectory]] = {g.index: [] for g in groups}
+            for t in rewarded:
+                by_prompt[t.prompt_index].append(t)
+            return list(by_prompt.values())
+
+        dynamic: dict[str, float] = {}
+        if cfg.dynamic_sampling.enabled:
+            selection = select_groups(roll, cfg.prompts_per_step, cfg.dynamic_sampling)
+            trajectories, dynamic = selection.trajectories, selection.metrics
+        else:
+            trajectories = [t for g in roll(0, cfg.prompts_per_step) for t in g]
+        run = _combined(runs, trajectories)
         ids = split_indices(trajectories, self.dp_size)
         boxes = [pack_fields(rank_fields([trajectories[i] for i in part])) for part in ids]
         critic_ids, critic_boxes = ids, boxes
@@ -339,7 +373,7 @@ class RolloutManager:
             critic_boxes = [pack_fields(rank_fields([trajectories[i] for i in part])) for part in critic_ids]
         return RolloutBatch(
             boxes=boxes,
-            metrics=self._step_metrics(trajectories, run, time.perf_counter() - t0),
+            metrics=self._step_metrics(trajectories, run, time.perf_counter() - t0) | dynamic,
             sample_ids=ids,
             critic_boxes=critic_boxes,
             critic_sample_ids=critic_ids,
