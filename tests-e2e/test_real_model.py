@@ -150,3 +150,46 @@ def test_ppo_steps_on_the_real_model(smollm2: Path, tmp_path: Path) -> None:
     assert last["eval/samples"] == 2.0
     assert last["eval/sampled_samples"] == 4.0
     assert last["eval/response_length_mean"] > 0
+
+
+def test_smollm2_template_only_appends_and_observations_continue_it(smollm2: Path) -> None:
+    """The template this project ships a model with renders turns 1..k as a prefix of 1..k+1, and an
+    observation's ids are exactly what it writes after the model's turn (multi-turn rollouts)."""
+    from ppo_rollout.observation import ObservationRenderer, check_append_only
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    check_append_only(tok, "user")
+    eos = json.loads((smollm2 / "generation_config.json").read_text())["eos_token_id"]
+    renderer = ObservationRenderer(tok, chat_template=True, max_tokens=64, eos_token_ids=[eos])
+    chat = [{"role": "user", "content": "What is 17 + 25 - 3?"}]
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    ids = encode(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+    turn = [*encode("<calc>17 + 25 - 3</calc>"), eos]
+    ids += turn + renderer.ids("<result>39</result>", turn)
+    chat += [
+        {"role": "assistant", "content": "<calc>17 + 25 - 3</calc>"},
+        {"role": "user", "content": "<result>39</result>"},
+    ]
+    assert ids == encode(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+
+
+def test_validate_takes_a_chat_messages_dataset(smollm2: Path, tmp_path: Path) -> None:
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}], "label": str(2 * a)}
+        for a in range(6)
+    ]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [
+        f"model.path={smollm2}",
+        "rollout.task=null",
+        f"rollout.dataset={data}",
+        "rollout.reward=math_answer",
+        "rollout.prompts_per_step=2",
+        "rollout.eval_prompts=2",
+    ]
+    args = ["validate", str(REPO / "configs" / "smollm2-ppo-1gpu.yaml")]
+    assert main([*args, *(x for s in sets for x in ("--set", s))]) == 0
