@@ -153,16 +153,26 @@ def _doc(section: type) -> str:
     return " ".join(doc.split()) if own else ""
 
 
-def _render_section(path: str, section: type, out: list[str]) -> None:
+OPTIONAL_NOTE = (
+    "Optional: null (the default) leaves it out; a mapping sets it, each setting left out taking the "
+    "default below.\n"
+)
+
+
+def _render_section(path: str, section: type, out: list[str], optional: bool = False) -> None:
     rows: list[str] = []
-    nested: list[tuple[str, type]] = []
+    nested: list[tuple[str, type, bool]] = []
     for name, info in _fields(section).items():
         key = info.alias or name
         dotted = f"{path}.{key}" if path else key
         annotation = info.annotation
         if isinstance(annotation, type) and _is_section(annotation):
-            nested.append((dotted, annotation))
+            nested.append((dotted, annotation, False))
             continue
+        # An optional section (``X | None``): its row, then its own fields under it.
+        sections = [a for a in typing.get_args(annotation) if isinstance(a, type) and _is_section(a)]
+        if len(sections) == 1 and type(None) in typing.get_args(annotation):
+            nested.append((dotted, sections[0], True))
         rows.append(
             f"| `{dotted}` | {_type_name(info.annotation)} | {_default(info)} | {_bounds(info)} | "
             f"{_cell(info.description)} |"
@@ -172,6 +182,8 @@ def _render_section(path: str, section: type, out: list[str]) -> None:
         doc = _doc(section)
         if doc:
             out.append(f"{doc}\n")
+        if optional:
+            out.append(OPTIONAL_NOTE)
     if rows:
         out.append("| setting | type | default | bounds | description |")
         out.append("|---|---|---|---|---|")
@@ -182,8 +194,8 @@ def _render_section(path: str, section: type, out: list[str]) -> None:
         out.append("Rules checked at load:\n")
         out.extend(f"- {_cell(rule)}" for rule in rules)
         out.append("")
-    for dotted, child in nested:
-        _render_section(dotted, child, out)
+    for dotted, child, child_optional in nested:
+        _render_section(dotted, child, out, child_optional)
 
 
 def render() -> str:
