@@ -182,7 +182,7 @@ class DynamicSamplingSettings:
     shaped reward) have a population std ``<= std_tolerance`` are dropped; more prompts are drawn
     and rolled out until ``prompts_per_step`` groups are kept, in at most ``max_rounds`` rounds."""
 
-    enabled: bool = False
+    enabled: bool = Field(default=False, description="drop groups whose raw scores do not vary, refill")
     std_tolerance: float = Field(
         default=1e-6,
         ge=0,
