@@ -23,7 +23,7 @@ def test_grpo_trains_only_on_groups_whose_scores_vary(tmp_path: Path) -> None:
         "rollout.eval_prompts=0",
         "rollout.dynamic_sampling.enabled=true",
         "rollout.dynamic_sampling.max_rounds=4",
-        "rollout.dynamic_sampling.over_sample=1.5",
+        "rollout.dynamic_sampling.over_sample=1.0",
         "rollout.dynamic_sampling.on_exhausted=stop",
         "rollout.overlong.buffer_len=2",
         "rollout.overlong.penalty_factor=0.5",
@@ -41,9 +41,12 @@ def test_grpo_trains_only_on_groups_whose_scores_vary(tmp_path: Path) -> None:
         assert r["rollout/dynamic/kept_groups"] == PROMPTS
         assert r["rollout/dynamic/padded_groups"] == 0
         assert 1 <= r["rollout/dynamic/rounds"] <= 4
-        # 1.5 x 8 prompts in the first round at least: 12 groups generated for 8 trained.
-        assert r["rollout/dynamic/samples_generated_per_trained"] >= 1.5
+        # A second round refills what the first dropped.
+        assert (r["rollout/dynamic/rounds"] > 1) == (r["rollout/dynamic/samples_generated_per_trained"] > 1)
         constant = r["rollout/dynamic/all_correct_groups"] + r["rollout/dynamic/all_wrong_groups"]
         assert 0.0 <= constant < 1.0
         assert "actor/loss" in r
         assert not any(key.startswith("critic/") for key in r)
+    # The random tiny model leaves some groups all wrong: refilling is exercised.
+    assert max(r["rollout/dynamic/rounds"] for r in records) >= 2
+    assert max(r["rollout/dynamic/all_wrong_groups"] for r in records) > 0
