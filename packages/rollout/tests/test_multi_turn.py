@@ -134,7 +134,8 @@ def test_requests_made_together_go_out_as_one_batch_per_engine(
         assert seed == call_seed(5, 3, j, 0, 0)
         expected += engine.core.generate(prompts, sampling, seed)
     assert [t.response_tokens for t in trajectories] == [o.token_ids for o in expected]
-    assert [t.rollout_log_probs for t in trajectories] == [o.log_probs for o in expected]
+    for t, o in zip(trajectories, expected, strict=True):  # the same draws; kernels may round alike or not
+        assert t.rollout_log_probs == pytest.approx(o.log_probs, abs=1e-5)
     assert [t.prompt_index for t in trajectories] == [i for i in range(5) for _ in range(2)]
     assert {t.weight_versions for t in trajectories[:4]} == {(11,)}  # engine 0's version
     assert {t.weight_versions for t in trajectories[4:]} == {(12,)}

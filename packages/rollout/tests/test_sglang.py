@@ -141,6 +141,55 @@ def test_generate_sends_sglang_payload_and_parses_logprobs(
     assert client.generate(prompts, sampling) == outs  # seeded: deterministic
 
 
+def test_multi_turn_continues_from_ids_through_sglang(sglang_manager: tuple[RolloutManager, Path]) -> None:
+    """Each turn is an SGLang ``/generate`` of ``input_ids`` with ``return_logprob`` (SGLang 0.5.23,
+    ``sglang/srt/managers/tokenizer_manager.py`` ``_tokenize_one_request``: given ``input_ids`` are used
+    as they are, only ``text`` is tokenized): the ids of turn k + 1 are the prompt, every earlier turn
+    and every observation."""
+    import concurrent.futures
+    import functools
+
+    from ppo_rollout.config import MultiTurnSettings
+    from ppo_rollout.environments.guess import GuessNumberEnvironment
+    from ppo_rollout.observation import ObservationRenderer
+    from ppo_rollout.rollout_fns import PromptGroup, RolloutContext, multi_turn
+    from ppo_rollout.runner import ClientSeeds, run_rollout
+    from ppo_rollout.tasks import get_task
+
+    manager, record = sglang_manager
+    tokenizer = manager.tokenizer
+    rows = [get_task("guess_digit").row(i, 3) for i in range(3)]
+    groups = [
+        PromptGroup(i, row, row["prompt"], tuple(tokenizer(row["prompt"])["input_ids"]), 2)
+        for i, row in enumerate(rows)
+    ]
+    sampling = SamplingSettings(max_new_tokens=2, n_samples_per_prompt=2, stop_token_ids=tuple(range(4, 14)))
+    limits = MultiTurnSettings(max_turns=3, max_response_tokens=20)
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    environment = functools.partial(GuessNumberEnvironment, higher_text="+", lower_text="-")
+
+    def context(client):  # type: ignore[no-untyped-def]
+        return RolloutContext(
+            client, tokenizer=tokenizer, sampling=sampling, limits=limits, versions=[0],
+            observations=ObservationRenderer(tokenizer, chat_template=False, max_tokens=16),
+            environment=environment, environment_name="guess_number", env_pool=pool,
+        )  # fmt: skip
+
+    run = run_rollout(multi_turn, "multi_turn", groups, manager.engines, context, ClientSeeds(1, 0, 0), 120)
+    pool.shutdown()
+    bodies = [r["body"] for r in _requests(record) if r["path"] == "/generate"]
+    sent = [tuple(ids) for b in bodies for ids in b["input_ids"]]
+    assert all(b["return_logprob"] is True for b in bodies)
+    for t in run.trajectories:
+        position = 0
+        for segment in t.segments:
+            if segment.generated:
+                assert (*t.prompt_tokens, *t.response_tokens[:position]) in sent
+                assert len(segment.log_probs) == len(segment.token_ids)
+            position += len(segment.token_ids)
+    assert max(t.num_turns for t in run.trajectories) > 1
+
+
 def test_manager_batch_from_sglang_engine(sglang_manager: tuple[RolloutManager, Path]) -> None:
     manager, _ = sglang_manager
     (box,) = manager.generate(step=0).boxes
@@ -315,52 +364,3 @@ def _alive(pid: int) -> bool:
             return fh.read().split()[2] != "Z"
     except OSError:
         return False
-
-
-def test_multi_turn_continues_from_ids_through_sglang(sglang_manager: tuple[RolloutManager, Path]) -> None:
-    """Each turn is an SGLang ``/generate`` of ``input_ids`` with ``return_logprob`` (SGLang 0.5.23,
-    ``sglang/srt/managers/tokenizer_manager.py`` ``_tokenize_one_request``: given ``input_ids`` are used
-    as they are, only ``text`` is tokenized): the ids of turn k + 1 are the prompt, every earlier turn
-    and every observation."""
-    import concurrent.futures
-    import functools
-
-    from ppo_rollout.config import MultiTurnSettings
-    from ppo_rollout.environments.guess import GuessNumberEnvironment
-    from ppo_rollout.observation import ObservationRenderer
-    from ppo_rollout.rollout_fns import PromptGroup, RolloutContext, multi_turn
-    from ppo_rollout.runner import ClientSeeds, run_rollout
-    from ppo_rollout.tasks import get_task
-
-    manager, record = sglang_manager
-    tokenizer = manager.tokenizer
-    rows = [get_task("guess_digit").row(i, 3) for i in range(3)]
-    groups = [
-        PromptGroup(i, row, row["prompt"], tuple(tokenizer(row["prompt"])["input_ids"]), 2)
-        for i, row in enumerate(rows)
-    ]
-    sampling = SamplingSettings(max_new_tokens=2, n_samples_per_prompt=2, stop_token_ids=tuple(range(4, 14)))
-    limits = MultiTurnSettings(max_turns=3, max_response_tokens=20)
-    pool = concurrent.futures.ThreadPoolExecutor(4)
-    environment = functools.partial(GuessNumberEnvironment, higher_text="+", lower_text="-")
-
-    def context(client):  # type: ignore[no-untyped-def]
-        return RolloutContext(
-            client, tokenizer=tokenizer, sampling=sampling, limits=limits, versions=[0],
-            observations=ObservationRenderer(tokenizer, chat_template=False, max_tokens=16),
-            environment=environment, environment_name="guess_number", env_pool=pool,
-        )  # fmt: skip
-
-    run = run_rollout(multi_turn, "multi_turn", groups, manager.engines, context, ClientSeeds(1, 0, 0), 120)
-    pool.shutdown()
-    bodies = [r["body"] for r in _requests(record) if r["path"] == "/generate"]
-    sent = [tuple(ids) for b in bodies for ids in b["input_ids"]]
-    assert all(b["return_logprob"] is True for b in bodies)
-    for t in run.trajectories:
-        position = 0
-        for segment in t.segments:
-            if segment.generated:
-                assert (*t.prompt_tokens, *t.response_tokens[:position]) in sent
-                assert len(segment.log_probs) == len(segment.token_ids)
-            position += len(segment.token_ids)
-    assert max(t.num_turns for t in run.trajectories) > 1
