@@ -50,6 +50,10 @@ def test_cpu_default_file_equals_embedded_default() -> None:
         "sglang-hf-template",
         "smollm2-ppo-1gpu",
         "smollm2-grpo-1gpu",
+        "smollm2-dapo-1gpu",
+        "smollm2-tools-ppo-1gpu",
+        "smollm2-tools-grpo-1gpu",
+        "cpu-guess-multiturn",
     ],
 )
 def test_example_configs_validate(name: str) -> None:
@@ -63,7 +67,7 @@ def test_example_configs_validate(name: str) -> None:
         )
 
 
-@pytest.mark.parametrize("name", ["smollm2-ppo-1gpu", "smollm2-grpo-1gpu"])
+@pytest.mark.parametrize("name", ["smollm2-ppo-1gpu", "smollm2-grpo-1gpu", "smollm2-dapo-1gpu"])
 def test_smollm2_configs_train_the_imported_model_with_its_template(name: str) -> None:
     config = load_config(REPO / "configs" / f"{name}.yaml")
     assert config.model.path == "models/smollm2-135m-instruct"
@@ -79,6 +83,24 @@ def test_smollm2_configs_train_the_imported_model_with_its_template(name: str) -
     )
     assert config.algorithm.estimator == ("ppo" if "ppo" in name else "grpo")
     assert config.train.actor_lr <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("name", "estimator"), [("smollm2-tools-ppo-1gpu", "ppo"), ("smollm2-tools-grpo-1gpu", "grpo")]
+)
+def test_tool_configs_roll_out_several_turns_with_the_calculator(name: str, estimator: str) -> None:
+    config = load_config(REPO / "configs" / f"{name}.yaml")
+    r = config.rollout
+    assert (r.task, r.resolved_environment, r.resolved_rollout_function) == (
+        "tool_arithmetic",
+        "calculator",
+        "multi_turn",
+    )
+    assert r.multi_turn.stop == ("</calc>",)
+    assert "<calc>" in (r.system_prompt or "")
+    assert r.train_response_limit == r.multi_turn.max_response_tokens
+    assert config.algorithm.estimator == estimator
+    assert config.use_critic == (estimator == "ppo")
 
 
 def test_real_model_tasks_and_templates_need_a_model_path() -> None:
