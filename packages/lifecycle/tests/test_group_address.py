@@ -11,32 +11,52 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from ppo_lifecycle.process_groups import interface_of
 
 PROBE = """
-import json, socket, sys
+import json, os, socket, sys
 from datetime import timedelta
-import psutil
 from ppo_lifecycle.process_groups import ReloadableProcessGroups
+
+
+def listening():
+    # This process's listening IPv4 TCP sockets: its socket inodes (/proc/self/fd) in /proc/net/tcp.
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            out.add(socket.inet_ntoa(bytes.fromhex(fields[1].split(":")[0])[::-1]))
+    return out
+
+
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 groups = ReloadableProcessGroups()
 groups.init_default("gloo", f"tcp://127.0.0.1:{port}", 1, 0, timedelta(seconds=60))
-listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
-print(json.dumps({"hostname": socket.gethostbyname(socket.gethostname()), "listening": sorted(listening)}))
+print(json.dumps({"hostname": socket.gethostbyname(socket.gethostname()), "listening": sorted(listening())}))
 """
 
 
 def _lan_address() -> str | None:
-    for addresses in psutil.net_if_addrs().values():
-        for a in addresses:
-            if a.family == socket.AF_INET and not a.address.startswith("127."):
-                return str(a.address)
-    return None
+    """The address this machine would send from to the outside (no packet is sent), if not loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("203.0.113.1", 9))  # TEST-NET-3
+        except OSError:
+            return None
+        address = str(s.getsockname()[0])
+    return None if address.startswith("127.") else address
 
 
 def test_the_loopback_interface_is_found() -> None:
