@@ -41,7 +41,7 @@ PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "value_transport": ("ppo-value-transport", ()),
     "trainer": ("ppo-trainer", ()),
     "rollout": ("ppo-rollout", ()),
-    "ppo_driver": ("ppo-driver", ("tensorboard",)),
+    "ppo_driver": ("ppo-driver", ("tensorboard", "import")),
     "testsupport": ("ppo-testsupport", ()),
 }
 
