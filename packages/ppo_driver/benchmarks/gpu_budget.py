@@ -7,7 +7,7 @@ of exactly 256 tokens (``rollout.sampling.ignore_eos``), 32 prompts x 8 samples 
 step, 5 steps, no checkpoint saves (their cost is a separate budget). Training must stay sane: losses
 finite every step, every engine's weights checksum equal to the actor's after every update
 (``train.check_weights``, the budget's ``check_weights`` part), and at the end. Prints, per scenario,
-the step budget (``ppo_driver.budget``) as a Markdown table for the root README's performance
+the step budget (``ppo_driver.budget``) as a Markdown table for the benchmark pages' performance
 section, and writes them to ``$OUT/budget.md`` (or ``--out``), each also to ``budget-<scenario>.md`` as soon
 as it is done. The colocated scenario on one H200 (``--scenario colocate-1gpu``) took 166 s with start-up
 (2026-12-01); under a 10-minute limit per command, run one ``--scenario`` per call.

@@ -14,7 +14,7 @@ as published at these commits (read from the repositories, not imported: neither
   ``openrlhf/trainer/ppo_utils/experience_maker.py`` (get_advantages_and_returns, group_norm,
   dr_grpo, the batch normalisation of GAE advantages).
 
-Where this project chooses differently on purpose (the trainer README's table of conventions), the
+Where this project chooses differently on purpose (docs/reference/trainer.md's table of conventions), the
 test states the relation instead of equality.
 """
 

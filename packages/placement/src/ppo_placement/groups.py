@@ -53,7 +53,7 @@ def _probe_task(use_gpus: bool, cpus: float) -> Any:
     import ray
 
     # A one-shot task, not an actor: it runs on an already started worker, where an actor per
-    # bundle starts a process each (several times slower; the README has the figures).
+    # bundle starts a process each (several times slower; docs/benchmarks/placement.md has the figures).
     # It takes a whole bundle, so the probes never wait for one another, and get_gpu_ids() names
     # exactly the bundle's GPU (the logical id on a Ray started with num_gpus=N and no CUDA).
     # max_calls=0 keeps the worker for the next probe instead of Ray's one-call default for GPUs.

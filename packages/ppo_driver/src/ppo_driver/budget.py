@@ -272,7 +272,7 @@ def phase_tflops(history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 
 def markdown_table(history: Sequence[Mapping[str, Any]]) -> str:
-    """The budget table in Markdown (the root README's performance section takes it as it is)."""
+    """The budget table in Markdown (the benchmark pages under docs/benchmarks take it as it is)."""
     rows = budget_rows(history)
     lines = [
         "| part | first step s | share | MB | mean s (steps 2+) | share | MB | GB/s | hidden s |",

@@ -16,8 +16,8 @@ is skipped by the loop for the previous one. Nothing here unpickles: JSON for st
 for tensors.
 
 The hashes are taken from the files as written (read back from the page cache while they are
-fsynced), one thread per file; SHA-256 costs about 0.9 s per GB on one core of the 2-core Xeon
-measured here, 0.5 s per GB with two files on two cores (the README has the figures), paid when a
+fsynced), one thread per file; SHA-256 costs about 0.9 s per GB on one core of a 2-core Xeon,
+0.5 s per GB with two files on two cores (docs/benchmarks/ppo_driver.md has the figures), paid when a
 checkpoint completes and again when a resume verifies it (in the background, while Ray and the roles
 start).
 """

@@ -144,8 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     startup.since_origin("python start + imports")
     # Under `uv run`, Ray 2.60 re-launches every worker through `uv run` with the working directory
     # packaged as a runtime env: slow, and unneeded since the workers run in this environment (and every
-    # node of a cluster has the workspace installed, as the README says). Ray reads the switch when it is
-    # first imported, which loading the config does, so it is set here; exporting it overrides this.
+    # node of a cluster has the workspace installed, as docs/guide/cluster.md says). Ray reads the
+    # switch when it is first imported, which loading the config does, so it is set here; exporting it
+    # overrides this.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     args = build_parser().parse_args(argv)
     if args.command == "train" and not _joins_cluster(args):

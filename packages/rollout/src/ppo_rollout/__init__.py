@@ -1,6 +1,6 @@
 """Rollout engines (built-in and SGLang), the rollout manager, tasks and rewards.
 
-The public interface (the README's "Stable interface") is imported from the module that defines it,
+The public interface (the README's "Public interface") is imported from the module that defines it,
 so that reading the settings costs no torch, transformers or Ray (``ppo-driver validate``):
 
 - ``ppo_rollout.config``: ``RolloutSettings``, ``RolloutConfig``, ``SamplingSettings``,

@@ -474,8 +474,8 @@ class TrainerConfig(TrainSettings):
       gradient all-reduce per optimizer step), ``fsdp2`` (each rank holds ``1 / world_size`` of them,
       gathered layer by layer; ``torch.distributed.fsdp.fully_shard``), or ``auto``: ``fsdp2`` where it
       helps, on CUDA with more than one rank when the replicated training state would take more than
-      ``AUTO_SHARD_FRACTION`` of a GPU, else ``replicate`` (faster while memory allows; measured in the
-      README).
+      ``AUTO_SHARD_FRACTION`` of a GPU, else ``replicate`` (faster while memory allows; measured in
+      docs/benchmarks/trainer.md).
     """
 
     role: Role

@@ -6,9 +6,9 @@ there (a padding logit, an overflowing ratio) changes no result. Every function 
 vectorised over the batch; none touches a model, an optimizer or a process group (whitening takes an
 optional ``all_reduce`` callable so that it can span DP ranks).
 
-The formulas agree with verl's ``core_algos.py`` and OpenRLHF's ``loss.py`` / ``utils.py`` (the trainer
-README's table of conventions lists where, and why, they differ; ``tests/test_reference_parity.py``
-re-states the references' formulas).
+The formulas agree with verl's ``core_algos.py`` and OpenRLHF's ``loss.py`` / ``utils.py`` (the table
+of conventions in docs/reference/trainer.md lists where, and why, they differ;
+``tests/test_reference_parity.py`` re-states the references' formulas).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ __all__ = [
 
 _POLL_S = 0.00002  # the verdict is awaited on the update's path: poll finely (a sleep is ~60 us more)
 # Where a tensor's own reduction beats the fused multi-tensor norm, and how many side streams carry them
-# (chosen from benchmarks/bench_finite.py on an H200; see the README's scan table).
+# (chosen from benchmarks/bench_finite.py on an H200; see docs/benchmarks/weight_sync.md).
 SCAN_SPLIT_BYTES = 64 << 20
 SCAN_STREAMS = 4
 _side_streams: dict[tuple[int, int], list[torch.cuda.Stream]] = {}
