@@ -89,9 +89,15 @@ ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 CONSTANT = (str, int, float, bool, tuple, frozenset)
 
 
+def _portable(text: str) -> str:
+    """``text`` without what differs between machines: object addresses, this interpreter's path (a
+    default such as SGLang's launch command holds it)."""
+    return ADDRESS.sub("", text).replace(repr(sys.executable), "'<python>'")
+
+
 def _signature(obj: Any) -> str:
     try:
-        return ADDRESS.sub("", str(inspect.signature(obj)))
+        return _portable(str(inspect.signature(obj)))
     except (TypeError, ValueError):
         return "(...)"
 
@@ -118,7 +124,7 @@ def _describe(obj: Any) -> Any:
     if isinstance(obj, frozenset):  # its repr's order follows the string hash seed
         return f"frozenset({sorted(map(repr, obj))})"
     if isinstance(obj, CONSTANT):
-        return ADDRESS.sub("", repr(obj))
+        return _portable(repr(obj))
     return type(obj).__name__
 
 
