@@ -65,8 +65,8 @@ class _Pending:
 class GenerateClient:
     """Requests to ``engines`` from one asyncio event loop (create and use it inside that loop).
 
-    ``timeout_s`` bounds each engine call; ``max_rows`` caps the rows of one call (``None``: all that
-    wait). ``busy_seconds[j]`` and ``calls[j]`` count engine ``j``'s work through this client.
+    ``timeout_s`` bounds each engine call. ``busy_seconds[j]`` and ``calls[j]`` count engine ``j``'s
+    work through this client.
     """
 
     def __init__(
@@ -77,14 +77,12 @@ class GenerateClient:
         step: int,
         stream: int,
         timeout_s: float,
-        max_rows: int | None = None,
     ) -> None:
         if not engines:
             raise ValueError("GenerateClient needs at least one engine")
         self._engines = list(engines)
         self._seed, self._step, self._stream = seed, step, stream
         self._timeout_s = timeout_s
-        self._max_rows = max_rows
         self._loop = asyncio.get_running_loop()
         self._queue: list[_Pending] = []
         self._busy = [False] * len(engines)
@@ -93,7 +91,6 @@ class GenerateClient:
         self._in_flight: set[asyncio.Future[list[GenerationOutput]]] = set()
         self.calls = [0] * len(engines)
         self.busy_seconds = [0.0] * len(engines)
-        self.started = time.perf_counter()
 
     async def generate(self, ids: Sequence[int], sampling: SamplingConfig) -> list[Generated]:
         """``sampling.n_samples_per_prompt`` continuations of ``ids`` (``sampling.seed`` is not used:
@@ -126,15 +123,10 @@ class GenerateClient:
             self._schedule_flush()
 
     def _take_batch(self) -> list[_Pending]:
-        """The waiting requests with the first one's sampling, in arrival order, up to ``max_rows``."""
+        """Every waiting request with the first one's sampling, in arrival order."""
         key = self._queue[0].sampling
-        rows_each = key.n_samples_per_prompt
-        batch: list[_Pending] = []
-        rest: list[_Pending] = []
-        for pending in self._queue:
-            fits = self._max_rows is None or (len(batch) + 1) * rows_each <= max(self._max_rows, rows_each)
-            (batch if pending.sampling == key and fits else rest).append(pending)
-        self._queue = rest
+        batch = [p for p in self._queue if p.sampling == key]
+        self._queue = [p for p in self._queue if p.sampling != key]
         return batch
 
     def _dispatch(self, engine: int, chunk: list[_Pending]) -> None:

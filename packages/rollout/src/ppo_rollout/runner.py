@@ -44,38 +44,30 @@ def run_rollout(
     timeout_s: float,
 ) -> RolloutRun:
     """Runs ``fn`` on every group; the first failure cancels the rest and is raised as it is."""
-    return asyncio.run(_run(fn, fn_name, groups, engines, make_context, seeds, timeout_s))
 
+    async def every_group() -> RolloutRun:
+        client = GenerateClient(
+            engines, seed=seeds.seed, step=seeds.step, stream=seeds.stream, timeout_s=timeout_s
+        )
+        ctx = make_context(client)
+        started = time.perf_counter()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                running: list[asyncio.Task[list[Trajectory]]] = [
+                    tasks.create_task(fn(ctx, group)) for group in groups
+                ]
+        except BaseExceptionGroup as group_error:
+            await client.drain()  # no engine call of this step may outlive it
+            raise group_error.exceptions[0] from None
+        finally:
+            client.close()
+        seconds = time.perf_counter() - started
+        trajectories: list[Trajectory] = []
+        for group, task in zip(groups, running, strict=True):
+            trajectories.extend(_checked(task.result(), group, fn_name))
+        return RolloutRun(trajectories, seconds, client.idle_share(seconds), sum(client.calls))
 
-async def _run(
-    fn: RolloutFn,
-    fn_name: str,
-    groups: Sequence[PromptGroup],
-    engines: Sequence[BatchGenerator],
-    make_context: Callable[[GenerateClient], RolloutContext],
-    seeds: ClientSeeds,
-    timeout_s: float,
-) -> RolloutRun:
-    client = GenerateClient(
-        engines, seed=seeds.seed, step=seeds.step, stream=seeds.stream, timeout_s=timeout_s
-    )
-    ctx = make_context(client)
-    started = time.perf_counter()
-    try:
-        async with asyncio.TaskGroup() as tasks:
-            running: list[asyncio.Task[list[Trajectory]]] = [
-                tasks.create_task(fn(ctx, group)) for group in groups
-            ]
-    except BaseExceptionGroup as group_error:
-        await client.drain()  # no engine call of this step may outlive it
-        raise group_error.exceptions[0] from None
-    finally:
-        client.close()
-    seconds = time.perf_counter() - started
-    trajectories: list[Trajectory] = []
-    for group, task in zip(groups, running, strict=True):
-        trajectories.extend(_checked(task.result(), group, fn_name))
-    return RolloutRun(trajectories, seconds, client.idle_share(seconds), sum(client.calls))
+    return asyncio.run(every_group())
 
 
 def _checked(result: object, group: PromptGroup, fn_name: str) -> list[Trajectory]:
