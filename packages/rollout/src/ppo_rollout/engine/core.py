@@ -14,6 +14,7 @@ distribution while the log-prob stays the untruncated one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import threading
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from ..config import SamplingConfig
+from .continuous import GenerationRequest, SlotStats, generate_in_slots, row_seed
 from .decode_graphs import SDPA_BACKENDS, DecodeGraphs
 from .static_decode import (
     KV_BLOCK,
@@ -43,6 +45,8 @@ __all__ = [
     "DECODE_MODES",
     "GenerationCore",
     "GenerationOutput",
+    "GenerationRequest",
+    "first_token",
     "make_sampler",
     "pick_with_noise",
     "sample_tokens",
@@ -130,6 +134,18 @@ def make_sampler(sampling: SamplingConfig) -> Sampler:
     return sample
 
 
+def first_token(
+    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill's token from its logits [B, V] (float32), drawn exactly as the plain loop draws it."""
+    probs, logp_all = sampling_distribution(logits, sampling)
+    if probs is None:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = pick_with_noise(probs, torch.empty_like(probs).exponential_(1, generator=generator))
+    return tokens, logp_all.gather(-1, tokens[:, None])[:, 0]
+
+
 def _as_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -160,6 +176,11 @@ class GenerationCore:
     ``decode`` picks the decode path (:data:`DECODE_MODES`); :attr:`last_decode_path` says which one
     the last call took ("loop", "static-eager" or "cuda-graphs") and :attr:`graph_failure` why graphs
     were given up, if they were.
+
+    Calls with per-request limits (:meth:`generate_requests`, or ``generate`` with ``max_new_tokens``
+    or ``stop`` per prompt) run continuously batched (``engine.continuous``): at most ``max_running``
+    rows decode at once, and every ``refill_every`` decode steps finished rows leave and waiting
+    requests take their slots. :attr:`last_slot_stats` is the last such call's slot use.
     """
 
     def __init__(
@@ -169,9 +190,18 @@ class GenerationCore:
         dtype: str = "float32",
         *,
         decode: str = "auto",
+        max_running: int = 256,
+        refill_every: int = 8,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1 (rows decoded at once), got {max_running}")
+        if refill_every < 1:
+            raise ValueError(f"refill_every must be >= 1 (decode steps between refills), got {refill_every}")
+        self.max_running = max_running
+        self.refill_every = refill_every
+        self.last_slot_stats: SlotStats | None = None
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if decode not in DECODE_MODES:
@@ -204,6 +234,8 @@ class GenerationCore:
         self.last_decode_path: str | None = None
         self.graph_failure: str | None = None
         self.graph_capture_seconds = 0.0  # every decode graph captured so far
+        # The continuous path's decoder where ``decode`` picked the loop (eager, made at first use).
+        self._slot_decoder: LlamaStaticDecoder | None = None
 
     def _pick_decoder(self, decode: str) -> LlamaStaticDecoder | None:
         if decode == "loop":
@@ -242,12 +274,25 @@ class GenerationCore:
         sampling: SamplingConfig,
         seed: int | None = None,
         step_guard: Callable[[], AbstractContextManager[Any]] | None = None,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
+        stop: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> list[GenerationOutput]:
         """``n_samples_per_prompt`` samples per prompt, consecutive, in prompt order.
 
         The same prompts, sampling and seed give the same tokens. ``step_guard`` wraps every forward
         pass (the engine uses it to pause between decode steps and to keep weight loads out of them).
+
+        ``max_new_tokens`` (one limit per prompt, in place of ``sampling.max_new_tokens``) and ``stop``
+        (per prompt, token sequences that end its samples, included in them) make the call
+        continuously batched (:meth:`generate_requests`); sample ``r`` then draws from
+        ``row_seed(seed, r)``.
         """
+        if max_new_tokens is not None or stop is not None:
+            requests = self._requests(prompts, sampling, seed, max_new_tokens, stop)
+            n = sampling.n_samples_per_prompt
+            outs = self.generate_requests(requests, sampling, step_guard=step_guard)
+            return [dataclasses.replace(o, prompt_position=i // n) for i, o in enumerate(outs)]
         self.check_prompts(prompts, sampling.max_new_tokens)
         n = sampling.n_samples_per_prompt
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
@@ -285,6 +330,107 @@ class GenerationCore:
                 )
             )
         return results
+
+    def _requests(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int | None,
+        max_new_tokens: Sequence[int] | None,
+        stop: Sequence[Sequence[Sequence[int]]] | None,
+    ) -> list[GenerationRequest]:
+        for field, values in (("max_new_tokens", max_new_tokens), ("stop", stop)):
+            if values is not None and len(values) != len(prompts):
+                raise ValueError(
+                    f"{field} needs one entry per prompt: {len(values)} for {len(prompts)} prompts"
+                )
+        base = int(sampling.seed if seed is None else seed)
+        n = sampling.n_samples_per_prompt
+        requests = []
+        for p, prompt in enumerate(prompts):
+            limit = sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens[p])
+            stops = () if stop is None else tuple(tuple(int(t) for t in seq) for seq in stop[p])
+            for k in range(n):
+                row = p * n + k
+                try:
+                    requests.append(
+                        GenerationRequest(tuple(map(int, prompt)), limit, row_seed(base, row), stops)
+                    )
+                except ValueError as exc:
+                    raise ValueError(f"prompt {p}: {exc}") from None
+        return requests
+
+    @torch.inference_mode()
+    def generate_requests(
+        self,
+        requests: Sequence[GenerationRequest],
+        sampling: SamplingConfig,
+        *,
+        step_guard: Callable[[], AbstractContextManager[Any]] | None = None,
+        max_running: int | None = None,
+        refill_every: int | None = None,
+    ) -> list[GenerationOutput]:
+        """One output per request, in request order (``prompt_position`` is the request's index).
+
+        Each request brings its own length limit, stop sequences and seed; ``sampling`` gives the
+        temperature, top-k/top-p, extra stop token ids and ``ignore_eos`` (its ``max_new_tokens``,
+        ``n_samples_per_prompt`` and ``seed`` are not used). ``max_running`` and ``refill_every``
+        override the core's settings for this call.
+        """
+        if not requests:
+            raise ValueError("generate_requests needs at least one request; got an empty list")
+        for i, request in enumerate(requests):
+            try:
+                self.check_prompts([request.prompt], request.max_new_tokens)
+            except ValueError as exc:
+                raise ValueError(f"request {i}: {exc}") from None
+        decoder = self._continuous_decoder()
+        stop_ids = sorted({*(() if sampling.ignore_eos else self.eos_token_ids), *sampling.stop_token_ids})
+        own = self._graphs_lock.acquire(blocking=False)
+        try:
+            kept = self._graphs if own and decoder is self._decoder else None
+            runner = kept or DecodeGraphs(decoder, use_graphs=self._use_graphs and decoder is self._decoder)
+            captured = runner.capture_seconds
+            try:
+                outputs, stats = generate_in_slots(
+                    decoder,
+                    runner,
+                    requests,
+                    sampling,
+                    stop_token_ids=stop_ids,
+                    pad_token_id=self.pad_token_id,
+                    slots=self.max_running if max_running is None else max_running,
+                    refill_every=self.refill_every if refill_every is None else refill_every,
+                    weights_key=tuple(t.data_ptr() for t in self.model.state_dict().values()),
+                    guard=step_guard or contextlib.nullcontext,
+                    make_sampler=make_sampler,
+                    first_token=first_token,
+                )
+            finally:
+                self.graph_capture_seconds += runner.capture_seconds - captured
+            self.last_decode_path = "cuda-graphs" if runner.use_graphs else "static-eager"
+            self.graph_failure = runner.graph_failure
+        finally:
+            if own:
+                self._graphs_lock.release()
+        self.last_slot_stats = stats
+        return [
+            GenerationOutput(prompt_position=i, token_ids=ids, log_probs=logps, finish_reason=reason)
+            for i, (ids, logps, reason) in enumerate(outputs)
+        ]
+
+    def _continuous_decoder(self) -> LlamaStaticDecoder:
+        if self._decoder is not None:
+            return self._decoder
+        if self._slot_decoder is None:
+            reason = unsupported_reason(self.model)
+            if reason is not None:
+                raise ValueError(
+                    f"per-request max_new_tokens and stop need the static decoder, which does not support "
+                    f"this model: {reason}; give every request the same sampling.max_new_tokens instead"
+                )
+            self._slot_decoder = LlamaStaticDecoder(self.model)
+        return self._slot_decoder
 
     def _generate_loop(self, call: _Call) -> _Outputs:
         """The Hugging Face forward with its dynamic cache, one Python iteration per token."""
@@ -375,13 +521,7 @@ class GenerationCore:
             logits = decoder.forward(
                 call.input_ids, positions, b, decoder.prefill_bias(valid), width, col=None
             ).float()
-        # Token 0 from the prefill's logits, drawn exactly as the plain loop draws it.
-        probs, logp_all = sampling_distribution(logits, sampling)
-        if probs is None:
-            tok0 = logits.argmax(dim=-1)
-        else:
-            tok0 = pick_with_noise(probs, torch.empty_like(probs).exponential_(1, generator=call.generator))
-        logp0 = logp_all.gather(-1, tok0[:, None])[:, 0]
+        tok0, logp0 = first_token(logits, sampling, call.generator)
 
         # The decode state: rows past ``rows`` pad the batch bucket; they are finished from the start
         # and attend to one (zero) cache column.

@@ -42,18 +42,22 @@ class DecodeGraphs:
         self._pool: Any = None
         self._stream: Any = None
 
-    def prepare(self, batch: int, capacity: int, max_new: int, weights_key: Hashable) -> DecodeBuffers:
-        """Buffers for ``batch`` rows, at least ``capacity`` cache columns and ``max_new`` tokens."""
+    def prepare(
+        self, batch: int, capacity: int, max_new: int, weights_key: Hashable, per_row: bool = False
+    ) -> DecodeBuffers:
+        """Buffers for ``batch`` rows, at least ``capacity`` cache columns and ``max_new`` tokens
+        (``per_row``: the continuous-batching form, see ``DecodeBuffers``)."""
         b = self.buffers
         if (
             b is None
+            or b.per_row != per_row
             or b.batch != batch
             or b.capacity < capacity
             or b.max_new < max_new
             or weights_key != self._weights_key
         ):
             self.drop()
-            self.buffers = b = self.decoder.allocate(batch, capacity, max_new)
+            self.buffers = b = self.decoder.allocate(batch, capacity, max_new, per_row=per_row)
             self._weights_key = weights_key
         return b
 
@@ -64,7 +68,7 @@ class DecodeGraphs:
             raise RuntimeError("DecodeGraphs.step before prepare")
         if not self.use_graphs:
             with sdpa_kernel(SDPA_BACKENDS):
-                self.decoder.decode_step(b, kv_len, sampler, pad_token_id)
+                self.decoder.step(b, kv_len, sampler, pad_token_id)
             return
         graph = self._graphs.get((kv_len, sampling_key))
         if graph is not None:
@@ -82,7 +86,7 @@ class DecodeGraphs:
         # The real step, run eagerly on the capture stream: also the warm-up before capture.
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), sdpa_kernel(SDPA_BACKENDS):
-            self.decoder.decode_step(b, kv_len, sampler, pad_token_id)
+            self.decoder.step(b, kv_len, sampler, pad_token_id)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         t0 = time.perf_counter()
@@ -93,7 +97,7 @@ class DecodeGraphs:
                 torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"),
                 sdpa_kernel(SDPA_BACKENDS),
             ):
-                self.decoder.decode_step(b, kv_len, sampler, pad_token_id)
+                self.decoder.step(b, kv_len, sampler, pad_token_id)
         except RuntimeError as exc:
             # Decode on without graphs (slower, same outputs) rather than fail the rollout.
             self.graph_failure = f"{type(exc).__name__}: {exc}"

@@ -149,6 +149,8 @@ class DecodeBuffers:
     """Every tensor a captured decode step reads or writes (fixed addresses for the graphs).
 
     ``col`` is the cache column of the token in ``tok``; ``step`` the output column it samples into.
+    With ``per_row`` (continuous batching: every row a request of its own, placed at its own time)
+    both are ``[batch]``, one per row, and a row stops advancing once ``step`` reaches its ``limits``.
     """
 
     keys: list[torch.Tensor]  # per layer [batch, kv_heads, capacity, head_dim]
@@ -164,6 +166,8 @@ class DecodeBuffers:
     stop_ids: torch.Tensor  # [STOP_SLOTS] int64, -1 padded
     tokens_out: torch.Tensor  # [batch, max_new] int64
     logps_out: torch.Tensor  # [batch, max_new] float32
+    limits: torch.Tensor  # [batch] int64: with per_row, each row's max_new_tokens
+    per_row: bool = False
 
     @property
     def batch(self) -> int:
@@ -216,8 +220,9 @@ class LlamaStaticDecoder:
         self._joint_qk = [QKProjections.of(layer.self_attn) for layer in self.layers]
 
     # -- buffers ------------------------------------------------------------------------------------
-    def allocate(self, batch: int, capacity: int, max_new: int) -> DecodeBuffers:
+    def allocate(self, batch: int, capacity: int, max_new: int, per_row: bool = False) -> DecodeBuffers:
         dev = self.device
+        counters = batch if per_row else 1
         shape = (batch, self.kv_heads, capacity, self.head_dim)
 
         def cache() -> list[torch.Tensor]:
@@ -231,14 +236,16 @@ class LlamaStaticDecoder:
             valid=torch.zeros((batch, capacity), dtype=torch.bool, device=dev),
             tok=torch.zeros(batch, dtype=torch.long, device=dev),
             pos=torch.zeros(batch, dtype=torch.long, device=dev),
-            col=torch.zeros(1, dtype=torch.long, device=dev),
-            step=torch.zeros(1, dtype=torch.long, device=dev),
+            col=torch.zeros(counters, dtype=torch.long, device=dev),
+            step=torch.zeros(counters, dtype=torch.long, device=dev),
             noise=torch.ones((batch, self.vocab), dtype=torch.float32, device=dev),
             finished=torch.zeros(batch, dtype=torch.bool, device=dev),
             lengths=torch.zeros(batch, dtype=torch.long, device=dev),
             stop_ids=torch.full((STOP_SLOTS,), -1, dtype=torch.long, device=dev),
             tokens_out=torch.zeros((batch, max_new), dtype=torch.long, device=dev),
             logps_out=torch.zeros((batch, max_new), dtype=torch.float32, device=dev),
+            limits=torch.zeros(batch, dtype=torch.long, device=dev),
+            per_row=per_row,
         )
 
     # -- forward ------------------------------------------------------------------------------------
@@ -310,14 +317,17 @@ class LlamaStaticDecoder:
         bias: torch.Tensor,
         kv_len: int,
         col: torch.Tensor | None,
+        per_row: bool = False,
     ) -> torch.Tensor:
         """Logits [B, V] of the last position of ``ids`` [B, T].
 
         ``col`` None: a prefill, whose keys and values go to columns ``[0, T)`` of rows ``[0, B)``;
-        otherwise T is 1 and they go to column ``col`` of every row. ``bias`` [B, 1, T, kv_len] is the
-        additive attention mask over the first ``kv_len`` columns.
+        otherwise T is 1 and they go to column ``col`` of every row (``per_row``: column ``col[r]`` of
+        row ``r``). ``bias`` [B, 1, T, kv_len] is the additive attention mask over the first ``kv_len``
+        columns.
         """
         rows, width = ids.shape
+        row_index = torch.arange(rows, device=ids.device) if per_row else None
         fused = self.fused
         rope = self._rope_tables(positions)
         gqa = self.kv_heads != self.heads
@@ -332,6 +342,9 @@ class LlamaStaticDecoder:
             if col is None:
                 keys[:rows, :, :width].copy_(k)
                 values[:rows, :, :width].copy_(v)
+            elif row_index is not None:
+                keys[row_index, :, col] = k[:, :, 0]
+                values[row_index, :, col] = v[:, :, 0]
             else:
                 keys.index_copy_(2, col, k)
                 values.index_copy_(2, col, v)
@@ -377,6 +390,36 @@ class LlamaStaticDecoder:
     def _bias(self, allowed: torch.Tensor) -> torch.Tensor:
         zeros = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         return zeros.masked_fill(~allowed, float("-inf"))
+
+    def step(self, buffers: DecodeBuffers, kv_len: int, sampler: Sampler, pad_token_id: int) -> None:
+        """One decode step in the form ``buffers`` were allocated for (the body of a captured graph)."""
+        if buffers.per_row:
+            self.slot_step(buffers, kv_len, sampler, pad_token_id)
+        else:
+            self.decode_step(buffers, kv_len, sampler, pad_token_id)
+
+    def slot_step(self, buffers: DecodeBuffers, kv_len: int, sampler: Sampler, pad_token_id: int) -> None:
+        """One token for every unfinished row of per-row buffers, in place.
+
+        Each row writes its own cache column and output column; a finished row (or an empty slot)
+        samples a pad token into the column after its last token and advances nothing, so its
+        outputs stay exact and its cache columns stay within its request's capacity.
+        """
+        b = buffers
+        row_index = torch.arange(b.batch, device=b.tok.device)
+        b.valid[row_index, b.col] = True
+        bias = self._bias(b.valid[:, None, None, :kv_len])
+        logits = self.forward(b.tok[:, None], b.pos[:, None], b, bias, kv_len, b.col, per_row=True)
+        tokens, logp = sampler(logits, b.noise)
+        tokens = tokens.masked_fill(b.finished, pad_token_id)
+        b.tokens_out[row_index, b.step] = tokens
+        b.logps_out[row_index, b.step] = logp
+        live = (~b.finished).long()
+        b.step.add_(live)
+        b.col.add_(live)
+        b.pos.add_(live)
+        b.finished.logical_or_(b.step >= b.limits)
+        b.tok.copy_(tokens)
 
     def decode_step(self, buffers: DecodeBuffers, kv_len: int, sampler: Sampler, pad_token_id: int) -> None:
         """One token for every row, entirely in place on ``buffers`` (the body of a captured graph)."""

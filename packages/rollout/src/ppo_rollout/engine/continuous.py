@@ -1,0 +1,279 @@
+"""Continuous batching on the static decoder: requests of their own lengths and stops share slots.
+
+A call holds ``slots`` rows of one static KV cache. Each waiting request is prefilled on its own into
+a free slot's rows of the cache (columns ``[0, prompt)``) and samples its first token; then every
+decode step advances all slots at once (``LlamaStaticDecoder.slot_step``: each row has its own cache
+column, position and output column). Every ``refill_every`` steps -- or as soon as every occupied
+slot has reached its length limit -- the host reads the tokens, ends the rows that hit a stop, frees
+their slots and prefills waiting requests into them. A row that reaches its ``max_new_tokens`` stops
+on the device at once; a row that hits a stop sequence decodes on until the next check and the
+tokens past its stop are cut off, so the check interval costs slot-steps, never changes an output.
+
+Finish rules follow SGLang 0.5.23 (``sglang/srt/managers/schedule_batch.py``,
+``Req.update_finish_state``, formerly ``check_finished``): a stop -- a stop token id, eos unless
+``ignore_eos``, or a stop sequence -- ends the row with the stop's tokens included and
+``finish_reason`` "stop", and wins over the length limit reached at the same token; otherwise the
+row ends at ``max_new_tokens`` with "length". SGLang matches stop strings on decoded text; here the
+engine matches token sequences and the caller tokenizes its strings (or cuts decoded text itself,
+as ``rollout_fns.cut_at_stop`` does).
+
+Exactness: each request draws its sampling noise from a generator of its own, seeded with the
+request's seed, in the shape a one-row call draws it (``[1, vocab]`` per token, see
+``core.pick_with_noise``), so a request's tokens are a fixed function of its prompt, sampling and
+seed whatever slot or wave it runs in: the same as ``GenerationCore.generate([prompt], ...,
+seed=seed)`` up to the rounding of a batched matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.attention import sdpa_kernel
+
+from ..config import SamplingConfig
+from .decode_graphs import SDPA_BACKENDS, DecodeGraphs
+from .static_decode import (
+    KV_BLOCK,
+    DecodeBuffers,
+    LlamaStaticDecoder,
+    Sampler,
+    batch_bucket,
+    kv_bucket,
+    round_up,
+)
+
+__all__ = ["GenerationRequest", "SlotStats", "generate_in_slots", "idle_share", "row_seed"]
+
+_SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sample to generate: its prompt, length limit, stop token sequences and sampling seed."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    seed: int = 0
+    stop: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("prompt is empty; every request needs at least one token (e.g. <bos>)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for i, seq in enumerate(self.stop):
+            if not seq:
+                raise ValueError(f"stop[{i}] is an empty token sequence; give at least one token or drop it")
+            if any(t < 0 for t in seq):
+                raise ValueError(f"stop[{i}] holds a negative token id: {list(seq)}")
+
+
+@dataclass(frozen=True)
+class SlotStats:
+    """How a call used its slots. ``slots`` is the rows the device computes: ``max_running`` (or the
+    request count, if smaller) rounded up to its batch bucket, every one of them used."""
+
+    slots: int
+    steps: int  # decode steps run
+    busy_slot_steps: int  # slot-steps that made a token some output keeps
+
+    @property
+    def slot_steps(self) -> int:
+        return self.slots * self.steps
+
+    @property
+    def idle_share(self) -> float:
+        """The share of slot-steps spent on finished rows, empty slots and tokens past a stop."""
+        return 1.0 - self.busy_slot_steps / self.slot_steps if self.steps else 0.0
+
+
+def idle_share(lengths: Sequence[int], slots: int, steps: int) -> float:
+    """The idle share of ``steps`` decode steps over ``slots`` rows that returned outputs of ``lengths``
+    tokens (each output's first token comes from its prefill, the others from one decode step each)."""
+    if slots < 1 or steps < 0:
+        raise ValueError(f"idle_share needs slots >= 1 and steps >= 0, got slots={slots}, steps={steps}")
+    return SlotStats(slots, steps, sum(max(n - 1, 0) for n in lengths)).idle_share
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row`` of a call seeded ``seed`` (a fixed mix, so each row's draws are its own)."""
+    return (int(seed) * 1_000_003 + row * 2_654_435_761 + 1) & _SEED_MASK
+
+
+@dataclass
+class _Slot:
+    request: int
+    prompt_len: int
+    limit: int
+    made: int  # tokens in the output buffer so far (host count, exact: the device advances alike)
+    checked: int  # tokens already searched for stops
+    generator: torch.Generator
+
+
+@dataclass(frozen=True)
+class _Finish:
+    length: int
+    reason: str
+
+
+def _find_stop(tokens: Sequence[int], start: int, stops: Sequence[tuple[int, ...]]) -> int | None:
+    """The length of the shortest prefix of ``tokens`` longer than ``start`` that ends with a stop."""
+    for end in range(start + 1, len(tokens) + 1):
+        for seq in stops:
+            if end >= len(seq) and tuple(tokens[end - len(seq) : end]) == seq:
+                return end
+    return None
+
+
+Outputs = list[tuple[tuple[int, ...], tuple[float, ...], str]]
+
+
+def generate_in_slots(
+    decoder: LlamaStaticDecoder,
+    runner: DecodeGraphs,
+    requests: Sequence[GenerationRequest],
+    sampling: SamplingConfig,
+    *,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+    slots: int,
+    refill_every: int,
+    weights_key: Hashable,
+    guard: Callable[[], AbstractContextManager[Any]],
+    make_sampler: Callable[[SamplingConfig], Sampler],
+    first_token: Callable[[torch.Tensor, SamplingConfig, torch.Generator], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[Outputs, SlotStats]:
+    """(token ids, log-probs, finish reason) per request in request order, and the slot use.
+
+    ``stop_token_ids`` (eos and the sampling's stop tokens) end every request; each request's own
+    ``stop`` sequences end it alone. ``first_token(logits [1, V], sampling, generator)`` samples a
+    prefill's token as a one-row call does.
+    """
+    if slots < 1:
+        raise ValueError(f"max_running must be >= 1, got {slots}")
+    if refill_every < 1:
+        raise ValueError(f"refill_every must be >= 1, got {refill_every}")
+    batch = batch_bucket(min(slots, len(requests)))
+    capacity = round_up(max(len(r.prompt) + r.max_new_tokens for r in requests), KV_BLOCK)
+    # One spare output column: a finished row samples its pad tokens there.
+    width = max(r.max_new_tokens for r in requests) + 1
+    b = runner.prepare(batch, capacity, width, weights_key, per_row=True)
+    capacity = b.capacity
+    _empty_all(b, pad_token_id)
+    shared_stops = tuple((int(t),) for t in stop_token_ids)
+    sampler = make_sampler(sampling)
+    sampling_key = ("slots", sampling.temperature, sampling.top_k, sampling.top_p)
+    greedy = sampling.temperature == 0.0
+
+    waiting = deque(range(len(requests)))
+    occupied: dict[int, _Slot] = {}
+    results: dict[int, tuple[tuple[int, ...], tuple[float, ...], str]] = {}
+    steps = 0
+    while waiting or occupied:
+        for s in range(batch):
+            if s not in occupied and waiting:
+                i = waiting.popleft()
+                occupied[s] = _place(decoder, b, s, i, requests[i], sampling, guard, first_token)
+        since_check = 0
+        while since_check < refill_every and any(slot.made < slot.limit for slot in occupied.values()):
+            columns = max(slot.prompt_len + slot.made for slot in occupied.values())
+            if not greedy:
+                for s, slot in occupied.items():
+                    if slot.made < slot.limit:
+                        b.noise[s : s + 1].exponential_(1, generator=slot.generator)
+            with guard():
+                runner.step(kv_bucket(columns, capacity), sampling_key, sampler, pad_token_id)
+            for slot in occupied.values():
+                slot.made = min(slot.made + 1, slot.limit)
+            steps += 1
+            since_check += 1
+        # The check: stops in the tokens made since the last one, then the length limits.
+        rows = sorted(occupied)
+        made = b.tokens_out[rows, : max(occupied[s].made for s in rows)].cpu().tolist()
+        for s, tokens in zip(rows, made, strict=True):
+            slot = occupied[s]
+            finish = _finish(tokens[: slot.made], slot, shared_stops + requests[slot.request].stop)
+            slot.checked = slot.made
+            if finish is None:
+                continue
+            logps = b.logps_out[s, : finish.length].cpu().tolist()
+            results[slot.request] = (tuple(tokens[: finish.length]), tuple(logps), finish.reason)
+            del occupied[s]
+            _empty(b, s, pad_token_id)
+    busy = sum(len(out[0]) - 1 for out in results.values())
+    return [results[i] for i in range(len(requests))], SlotStats(batch, steps, busy)
+
+
+def _finish(tokens: Sequence[int], slot: _Slot, stops: Sequence[tuple[int, ...]]) -> _Finish | None:
+    end = _find_stop(tokens, slot.checked, stops) if stops else None
+    if end is not None:
+        return _Finish(end, "stop")
+    if slot.made >= slot.limit:
+        return _Finish(slot.limit, "length")
+    return None
+
+
+def _empty_all(b: DecodeBuffers, pad: int) -> None:
+    b.finished.fill_(True)
+    b.valid.zero_()
+    b.valid[:, 0] = True
+    b.tok.fill_(pad)
+    b.pos.zero_()
+    b.col.zero_()
+    b.step.zero_()
+    b.limits.zero_()
+
+
+def _empty(b: DecodeBuffers, s: int, pad: int) -> None:
+    """An empty slot: finished, attending to its column 0 only (finite, never NaN)."""
+    b.finished[s] = True
+    b.valid[s].zero_()
+    b.valid[s, 0] = True
+    b.tok[s] = pad
+    b.pos[s] = 0
+    b.col[s] = 0
+    b.step[s] = 0
+
+
+def _place(
+    decoder: LlamaStaticDecoder,
+    b: DecodeBuffers,
+    s: int,
+    index: int,
+    request: GenerationRequest,
+    sampling: SamplingConfig,
+    guard: Callable[[], AbstractContextManager[Any]],
+    first_token: Callable[[torch.Tensor, SamplingConfig, torch.Generator], tuple[torch.Tensor, torch.Tensor]],
+) -> _Slot:
+    """Prefills ``request`` into slot ``s`` (its rows of the cache) and samples its first token."""
+    dev = decoder.device
+    n = len(request.prompt)
+    generator = torch.Generator(device=dev)
+    generator.manual_seed(int(request.seed) & _SEED_MASK)
+    ids = torch.tensor([request.prompt], dtype=torch.long, device=dev)
+    positions = torch.arange(n, device=dev)[None]
+    # The slot's rows of the cache, as a one-row buffer: the prefill writes there and nowhere else.
+    view = dataclasses.replace(
+        b, keys=[k[s : s + 1] for k in b.keys], values=[v[s : s + 1] for v in b.values]
+    )
+    valid = torch.ones((1, n), dtype=torch.bool, device=dev)
+    with guard(), sdpa_kernel(SDPA_BACKENDS):
+        logits = decoder.forward(ids, positions, view, decoder.prefill_bias(valid), n, col=None).float()
+    tok0, logp0 = first_token(logits, sampling, generator)
+    b.valid[s].zero_()
+    b.valid[s, :n] = True
+    b.tok[s] = tok0[0]
+    b.pos[s] = n
+    b.col[s] = n
+    b.step[s] = 1
+    b.tokens_out[s, 0] = tok0[0]
+    b.logps_out[s, 0] = logp0[0]
+    b.limits[s] = request.max_new_tokens
+    b.finished[s] = request.max_new_tokens == 1
+    return _Slot(index, n, request.max_new_tokens, 1, 0, generator)

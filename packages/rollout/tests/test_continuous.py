@@ -1,0 +1,160 @@
+"""Per-request limits and stops, and continuous batching, in the built-in engine's generation core."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppo_rollout.config import SamplingConfig
+from ppo_rollout.engine.continuous import GenerationRequest, idle_share, row_seed
+from ppo_rollout.engine.core import GenerationCore, GenerationOutput
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model: Path) -> GenerationCore:
+    return GenerationCore(tiny_model, decode="static-eager", max_running=3, refill_every=2)
+
+
+def _requests(count: int, seed: int = 0) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9, (count,), generator=g).tolist()
+    limits = torch.randint(1, 14, (count,), generator=g).tolist()
+    return [
+        GenerationRequest(tuple(torch.randint(3, 20, (n,), generator=g).tolist()), m, seed=100 + i)
+        for i, (n, m) in enumerate(zip(lengths, limits, strict=True))
+    ]
+
+
+def _alone(core: GenerationCore, request: GenerationRequest, sampling: SamplingConfig) -> GenerationOutput:
+    """The request generated on its own: a one-prompt call of the static batch path."""
+    one = SamplingConfig(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        max_new_tokens=request.max_new_tokens,
+        ignore_eos=sampling.ignore_eos,
+    )
+    return core.generate([list(request.prompt)], one, seed=request.seed)[0]
+
+
+def _same(a: GenerationOutput, b: GenerationOutput) -> None:
+    assert a.token_ids == b.token_ids
+    assert a.finish_reason == b.finish_reason
+    assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_continuous_batching_gives_each_request_its_own_output(
+    core: GenerationCore, temperature: float
+) -> None:
+    requests = _requests(9)
+    sampling = SamplingConfig(temperature=temperature, top_k=12, ignore_eos=True)
+    outs = core.generate_requests(requests, sampling)
+    assert core.last_slot_stats is not None
+    assert core.last_slot_stats.slots == 4 < len(requests)
+    for request, out in zip(requests, outs, strict=True):
+        assert len(out.token_ids) == request.max_new_tokens  # per-request limits, exactly
+        assert out.finish_reason == "length"
+        _same(out, _alone(core, request, sampling))
+    # Another slot count and refill interval: the same outputs (nothing depends on the slot or wave).
+    again = core.generate_requests(list(reversed(requests)), sampling, max_running=2, refill_every=5)
+    for out, other in zip(outs, reversed(again), strict=True):
+        _same(out, other)
+
+
+def test_greedy_is_transformers_greedy(core: GenerationCore) -> None:
+    requests = _requests(5, seed=3)
+    outs = core.generate_requests(requests, SamplingConfig(temperature=0.0, ignore_eos=True))
+    for request, out in zip(requests, outs, strict=True):
+        ids = torch.tensor([request.prompt])
+        with torch.inference_mode():
+            ref = core.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=request.max_new_tokens,
+                min_new_tokens=request.max_new_tokens,
+                do_sample=False,
+                pad_token_id=core.pad_token_id,
+            )
+        assert list(out.token_ids) == ref[0, ids.shape[1] :].tolist()
+
+
+def test_stop_sequences_end_a_row_with_the_stop_included(core: GenerationCore) -> None:
+    sampling = SamplingConfig(temperature=1.0, ignore_eos=True)
+    base = GenerationRequest((5, 6, 7), 12, seed=7)
+    full = _alone(core, base, sampling).token_ids
+    # A two-token sequence first seen at positions 3..4 ends the row after position 4.
+    stop = (full[3], full[4])
+    first = next(end for end in range(2, len(full) + 1) if full[end - 2 : end] == stop)
+    other = GenerationRequest((9, 4), 6, seed=8)
+    outs = core.generate_requests(
+        [GenerationRequest(base.prompt, 12, seed=7, stop=(stop, (10_000,))), other], sampling
+    )
+    assert outs[0].token_ids == full[:first]
+    assert outs[0].finish_reason == "stop"
+    _same(outs[1], _alone(core, other, sampling))  # the other row is unaffected
+    # A stop on the last allowed token is a stop, not a length finish (SGLang's order).
+    at_limit = core.generate_requests([GenerationRequest(base.prompt, first, seed=7, stop=(stop,))], sampling)
+    assert at_limit[0].token_ids == full[:first]
+    assert at_limit[0].finish_reason == "stop"
+
+
+def test_eos_and_stop_token_ids_end_rows(core: GenerationCore) -> None:
+    sampling = SamplingConfig(temperature=1.0, ignore_eos=True)
+    request = GenerationRequest((5, 6, 7), 12, seed=7)
+    full = _alone(core, request, sampling).token_ids
+    token = full[2]
+    outs = core.generate_requests(
+        [request], SamplingConfig(temperature=1.0, ignore_eos=True, stop_token_ids=(token,))
+    )
+    assert outs[0].token_ids == full[: full.index(token) + 1]
+    assert outs[0].finish_reason == "stop"
+
+
+def test_generate_with_per_prompt_limits_and_stops(core: GenerationCore) -> None:
+    sampling = SamplingConfig(temperature=1.0, n_samples_per_prompt=2, ignore_eos=True)
+    prompts = [[5, 6], [7, 8, 9]]
+    outs = core.generate(prompts, sampling, seed=11, max_new_tokens=[3, 9], stop=[[], [[10_000]]])
+    assert [o.prompt_position for o in outs] == [0, 0, 1, 1]
+    assert [len(o.token_ids) for o in outs] == [3, 3, 9, 9]
+    for row, out in enumerate(outs):
+        request = GenerationRequest(tuple(prompts[row // 2]), len(out.token_ids), seed=row_seed(11, row))
+        _same(out, _alone(core, request, sampling))
+
+
+def test_idle_share_of_a_scripted_case(core: GenerationCore) -> None:
+    # Two slots, lengths 2, 5, 3, refill every step: slot 0 runs request 0 (1 step) then request 2
+    # (2 steps); slot 1 runs request 1 (4 steps). 4 steps x 2 slots, 1 + 4 + 2 = 7 of them busy.
+    requests = [GenerationRequest((5, 6), n, seed=i) for i, n in enumerate((2, 5, 3))]
+    core.generate_requests(
+        requests, SamplingConfig(temperature=0.0, ignore_eos=True), max_running=2, refill_every=1
+    )
+    stats = core.last_slot_stats
+    assert stats is not None
+    assert (stats.slots, stats.steps, stats.busy_slot_steps) == (2, 4, 7)
+    assert stats.idle_share == pytest.approx(1 / 8)
+    assert idle_share([2, 5, 3], slots=2, steps=4) == pytest.approx(1 / 8)
+    # Static batches of two: [2, 5] takes 4 steps, [3] alone (bucket 1) 2 steps.
+    assert idle_share([2, 5], slots=2, steps=4) == pytest.approx(3 / 8)
+
+
+def test_bad_input_names_the_field(core: GenerationCore, tiny_model: Path) -> None:
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        GenerationRequest((1, 2), -1)
+    with pytest.raises(ValueError, match=r"stop\[1\] is an empty token sequence"):
+        GenerationRequest((1, 2), 4, stop=((3,), ()))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        GenerationRequest((), 4)
+    sampling = SamplingConfig()
+    with pytest.raises(ValueError, match="prompt 1: max_new_tokens must be >= 1"):
+        core.generate([[1], [2]], sampling, max_new_tokens=[3, 0])
+    with pytest.raises(ValueError, match=r"prompt 0: stop\[0\] is an empty"):
+        core.generate([[1]], sampling, stop=[[[]]])
+    with pytest.raises(ValueError, match="max_new_tokens needs one entry per prompt"):
+        core.generate([[1], [2]], sampling, max_new_tokens=[3])
+    with pytest.raises(ValueError, match="max_running must be >= 1"):
+        core.generate_requests([GenerationRequest((1,), 2)], sampling, max_running=0)
+    with pytest.raises(ValueError, match="refill_every must be >= 1"):
+        GenerationCore(tiny_model, refill_every=0)
