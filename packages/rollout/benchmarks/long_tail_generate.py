@@ -94,7 +94,8 @@ def build(size: Size, folder: Path, dtype: torch.dtype, device: str, max_positio
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+        model: Any = LlamaForCausalLM(config)
+        model = model.to(dtype)
     model.save_pretrained(folder)
     del model
     return folder
@@ -307,10 +308,11 @@ def bench(args: argparse.Namespace, dtype: str, tmp: Path) -> int:
     mode = "auto" if device == "cuda" else "static-eager"
     core = GenerationCore(path, device=device, dtype=dtype, decode=mode)
     drawn = lengths(args.requests, args.median, args.max, args.sigma, args.seed)
+    low, high = args.prompt_len
     requests = [
         GenerationRequest(p, n, seed=i)
         for i, (p, n) in enumerate(
-            zip(prompts(args.requests, *args.prompt_len, core.vocab_size, args.seed), drawn, strict=True)
+            zip(prompts(args.requests, low, high, core.vocab_size, args.seed), drawn, strict=True)
         )
     ]
     total = sum(drawn)
