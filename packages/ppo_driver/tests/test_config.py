@@ -49,6 +49,7 @@ def test_cpu_default_file_equals_embedded_default() -> None:
         "2gpu-disaggregate",
         "sglang-hf-template",
         "smollm2-ppo-1gpu",
+        "smollm2-lora-ppo-1gpu",
         "smollm2-grpo-1gpu",
         "smollm2-dapo-1gpu",
         "smollm2-tools-ppo-1gpu",
@@ -301,6 +302,20 @@ def test_rules_name_the_field(overrides: list[str], field: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert field in str(info.value)
+
+
+def test_lora_reaches_both_roles_and_megatron_refuses_it() -> None:
+    from ppo_driver import build
+
+    config = load_config(None, ["train.lora.rank=4", "train.lora.target_modules=[q_proj,v_proj]"])
+    actor = build.actor_trainer_config(config, "model")
+    critic = build.critic_trainer_config(actor, config)
+    assert actor.lora is not None
+    assert (actor.lora.rank, actor.lora.target_modules) == (4, ("q_proj", "v_proj"))
+    assert actor.lora_applies
+    assert critic.lora_applies
+    with pytest.raises(ConfigError, match="train.lora"):
+        load_config(None, ["train.lora.rank=4", "train.backend=megatron"])
 
 
 def test_grpo_and_dr_grpo_settings_reach_the_trainer() -> None:

@@ -28,10 +28,11 @@ from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ppo_trainer import objective, packing, sharding
+from ppo_trainer import converters, objective, packing, sharding
 from ppo_trainer.backend_protocol import (
     Batch,
     DataParallel,
@@ -44,8 +45,8 @@ from ppo_trainer.backend_protocol import (
 )
 from ppo_trainer.batch import Samples
 from ppo_trainer.checkpoint import torch_optimizer
-from ppo_trainer.compiled import compile_decoder_layers
 from ppo_trainer.config import TrainerConfig
+from ppo_trainer.converters import lora
 from ppo_trainer.lr_schedule import set_scheduled_lr
 from ppo_trainer.models import (
     CriticModel,
@@ -74,23 +75,20 @@ class TorchTrainer:
         self.autocast_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else None
         self.sharded = self.dp.shard_group is not None
         started = time.perf_counter()
+        # With adapters on the actor, the reference is the same model with them off: no copy.
+        self.shares_reference = config.role == "actor" and config.lora_applies
         self.model, self.reference = self._load_models()
-        if config.pack_sequences:
-            for module in self._models():
-                packing.use_attention(module, config.packed_attention)
         # The class transformers writes into config.json; FSDP renames the class it wraps.
         self.architecture = type(self.model).__name__
-        if config.compile_layers:  # before sharding, as torchtitan does: FSDP2 wraps the compiled blocks
-            for module in self._models():
-                compile_decoder_layers(module)
         # FSDP averages gradients over its group; the losses are already divided by the global count.
         self._loss_scale = 1.0
-        if self.dp.shard_group is not None:
-            with self.region(self.WEIGHTS_TAG):
-                group = self.dp.shard_group()
-                sharding.shard_model(self.model, group, self.device.type, self.autocast_dtype)
-                if self.reference is not None:
-                    sharding.shard_model(self.reference, group, self.device.type, None)
+        with self.region(self.WEIGHTS_TAG):
+            group = self.dp.shard_group() if self.dp.shard_group is not None else None
+            self.converters = self._converters(group, trained=True)
+            self.model = converters.apply(self.converters, self.model)
+            if self.reference is not None:
+                self.reference = converters.apply(self._converters(group, trained=False), self.reference)
+        if group is not None:
             self._loss_scale = float(group.size())
         built = time.perf_counter()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -108,6 +106,18 @@ class TorchTrainer:
         # What the worker reports of its start-up: loading (and sharding) the models, the optimizer.
         self.setup_seconds = {"model": built - started, "optimizer": time.perf_counter() - built}
 
+    def _converters(
+        self, group: dist.ProcessGroup | None, *, trained: bool
+    ) -> list[converters.ModelConverter]:
+        # Sharded, the trained model computes in the autocast dtype's copies; the reference keeps its own.
+        return converters.for_model(
+            self.config,
+            trained=trained,
+            shard_group=group,
+            device_type=self.device.type,
+            param_dtype=self.autocast_dtype if trained else None,
+        )
+
     def _load_models(self) -> tuple[nn.Module, nn.Module | None]:
         """The trained model and, when this role needs it, the frozen reference, on their device."""
         config = self.config
@@ -123,7 +133,7 @@ class TorchTrainer:
                 model = load_critic(config.model_path, config.seed).to(load_to)
             # Reward-level KL: the critic holds the reference (it shapes the rewards before anyone
             # trains); the KL loss term: the actor does.
-            if config.algorithm.reference_for(config.role):
+            if config.algorithm.reference_for(config.role) and not self.shares_reference:
                 ref_dtype = torch.bfloat16 if self.autocast_dtype is not None else torch.float32
                 reference = nn.Module.to(load_reference(config.model_path, config.seed, ref_dtype), load_to)
         if self.device.type == "cpu":
@@ -161,13 +171,22 @@ class TorchTrainer:
         Whole tensors, cast to ``dtype`` (None: as they are). Sharded, every rank must iterate in
         step: each tensor is gathered, in ``dtype``, by a collective over the ranks.
         """
-        gathered: dict[int, torch.Tensor] = {}
-        # keep_vars: tied weights come back as the same Parameter under each name (one gather each).
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
-            key = id(tensor)
-            if key not in gathered:
-                gathered[key] = sharding.full_tensor(tensor.detach(), dtype)
-            yield name, gathered[key]
+        # keep_vars: tied weights come back as the same Parameter under each name (gathered once).
+        state = iter(self.model.state_dict(keep_vars=True).items())
+        for name, tensor in converters.export(self.converters, state, dtype):
+            tensor = tensor.detach()
+            yield name, tensor if dtype is None else tensor.to(dtype)
+
+    @property
+    def lora(self) -> lora.LoRAConverter | None:
+        """The LoRA converter of the trained model (None: every weight trains)."""
+        found = [c for c in self.converters if isinstance(c, lora.LoRAConverter)]
+        return found[0] if found else None
+
+    def export_state(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole tensors in the trained model's names (a captured ``state_dict``) as ``named_weights``
+        exports them: Hugging Face names, adapters merged into their base weights."""
+        return dict(converters.export(self.converters, iter(state.items()), None))
 
     @property
     def layout(self) -> str:
@@ -269,7 +288,7 @@ class TorchTrainer:
     # ------------------------------------------------------------------ the objective's ModelBackend
     @property
     def has_reference(self) -> bool:
-        return self.reference is not None
+        return self.reference is not None or self.shares_reference
 
     def _autocast(self) -> ContextManager[object]:
         if self.autocast_dtype is None:
@@ -285,13 +304,13 @@ class TorchTrainer:
                 values = self.model(mb.input_ids, mb.attention_mask)  # [b, L]
             return Forward(values=values.float().gather(1, mb.logit_positions))
         model = self._scored(reference)
-        with self._autocast():
+        with self._autocast(), self._as_reference(reference):
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
         return policy_forward(logits, mb, entropy, self.config.logprob_chunk_tokens)
 
     def _packed_forward(self, mb: packing.PackedMicroBatch, reference: bool, entropy: bool) -> Forward:
         """``forward`` over samples packed back to back: no compute on padding, the LM head in chunks."""
-        with self._autocast():
+        with self._autocast(), self._as_reference(reference):
             if self.config.role == "critic" and not reference:
                 return Forward(values=packing.value_forward(self.model, mb))
             log_probs, entropies = packing.policy_forward(
@@ -306,7 +325,15 @@ class TorchTrainer:
         self.release_gathered()  # FSDP keeps what a forward without backward gathered
 
     def _scored(self, reference: bool) -> nn.Module:
+        if reference and self.shares_reference:
+            return self.model
         return scored_model(self.model, self.reference, reference, self.config.role)
+
+    def _as_reference(self, reference: bool) -> ContextManager[object]:
+        """Inside: the shared model computes as the reference (adapters off) when ``reference``."""
+        if reference and self.shares_reference:
+            return lora.adapters_disabled(self.model)
+        return contextlib.nullcontext()
 
     def train_mode(self) -> None:
         self.model.train()

@@ -304,6 +304,30 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
+class LoraSettings:
+    """``train.lora``: low-rank adapters instead of training every weight (torch backend).
+
+    Each chosen linear layer of the decoder layers trains ``A`` (``rank x in``) and ``B``
+    (``out x rank``) beside its frozen weight ``W``; it computes ``W + (alpha / rank) B A``. The
+    optimizer holds the adapters (and the critic's value head) only; the engines get merged weights.
+    """
+
+    rank: int = Field(default=16, ge=1, description="the adapters' rank r")
+    alpha: float = Field(default=32.0, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input (training)")
+    target_modules: tuple[str, ...] = Field(
+        default=(),
+        description="names of the decoder layers' linear layers to adapt (q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj in Llama); empty: all of them",
+    )
+    roles: tuple[Role, ...] = Field(
+        default=("actor", "critic"),
+        min_length=1,
+        description="the roles trained with adapters; the others train every weight",
+    )
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
 class TrainSettings:
     """The optimizer and batching settings of both roles: the trainer's part of the ``train`` section."""
 
@@ -377,6 +401,11 @@ class TrainSettings:
         "tensor and data parallelism (CUDA, Python >= 3.12, the ppo-trainer[megatron] extra; Llama and "
         "Qwen2 models)",
     )
+    lora: LoraSettings | None = Field(
+        default=None,
+        description="LoRA adapters (LoraSettings: rank, alpha, dropout, target_modules, roles) instead of "
+        "full fine-tuning; torch backend, replicated data parallelism; null: every weight trains",
+    )
     tensor_parallel: int = Field(
         default=1,
         ge=1,
@@ -389,6 +418,15 @@ class TrainSettings:
             raise ValueError(
                 f"train.tensor_parallel={self.tensor_parallel} needs train.backend='megatron' "
                 "(the torch backend is data parallel only); set the backend or tensor_parallel=1"
+            )
+        if self.lora is not None and self.backend == "megatron":
+            raise ValueError(
+                "train.lora is a torch-backend option; set train.backend='torch' or remove train.lora"
+            )
+        if self.lora is not None and self.data_parallel == "fsdp2":
+            raise ValueError(
+                "train.lora trains replicated (the adapters and their optimizer state are small and the "
+                "export merges whole tensors); set train.data_parallel='replicate' or 'auto'"
             )
         if self.compile_layers and self.backend == "megatron":
             raise ValueError(
@@ -553,6 +591,11 @@ class TrainerConfig(TrainSettings):
             )
 
     @property
+    def lora_applies(self) -> bool:
+        """Whether this role trains adapters (``train.lora`` set and naming the role)."""
+        return self.lora is not None and self.role in self.lora.roles
+
+    @property
     def lr(self) -> float:
         """This role's learning rate."""
         return self.actor_lr if self.role == "actor" else self.critic_lr
@@ -563,6 +606,8 @@ class TrainerConfig(TrainSettings):
         ``state_share``: the replicated training state (float32 weights, gradients and two AdamW
         moments: 16 bytes a parameter) over one GPU's memory; only ``auto`` reads it.
         """
+        if self.lora_applies:
+            return False  # train.lora refuses fsdp2; auto replicates
         if self.data_parallel == "auto":
             return self.device == "cuda" and world_size > 1 and state_share > AUTO_SHARD_FRACTION
         return self.data_parallel == "fsdp2"

@@ -30,6 +30,7 @@ from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.backend_protocol import TrainerBackend
 from ppo_trainer.checkpoint import format as fmt
 from ppo_trainer.checkpoint import torch_optimizer
+from ppo_trainer.converters import lora
 from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_trainer.models import CriticModel, load_policy_state_into_critic, map_policy_state_to_critic
 from ppo_weight_sync import non_finite_names
@@ -47,6 +48,8 @@ class PolicyExport:
     state_dict: dict[str, torch.Tensor] | None
     architecture: str | None  # set: record this class name in config.json (FSDP renames the class)
     tokenizer_source: Path
+    # LoRA: adapter_config.json's content and the adapter tensors in PEFT's names (``hf_adapter/``)
+    adapter: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,9 @@ def private_copy(state: ShardState) -> ShardState:
     policy = state.policy
     if policy is not None and policy.state_dict is not None:
         policy = dataclasses.replace(policy, state_dict=tree(policy.state_dict))
+    if policy is not None and policy.adapter is not None:
+        adapter_config, adapter_tensors = policy.adapter
+        policy = dataclasses.replace(policy, adapter=(adapter_config, tree(adapter_tensors) or {}))
     return dataclasses.replace(state, model=tree(state.model), optimizer=optimizer, policy=policy)
 
 
@@ -150,11 +156,19 @@ def whole_state(
     policy = None
     if trainer.config.role == "actor":
         as_given = trainer.sharded or given
+        converter = trainer.lora
+        exported: dict[str, torch.Tensor] | None = dict(model_state) if as_given else None
+        adapter = None
+        if converter is not None:
+            # hf/ holds the merged weights under the base's names; hf_adapter/ the adapters alone.
+            exported = trainer.export_state(model_state)
+            adapter = lora.peft_adapter(converter, model_state, trainer.config.model_path)
         policy = PolicyExport(
             model=cast(PreTrainedModel, trainer.model),  # the actor's model is a causal LM
-            state_dict=dict(model_state) if as_given else None,
+            state_dict=exported,
             architecture=trainer.architecture if trainer.sharded else None,
             tokenizer_source=Path(trainer.config.model_path),
+            adapter=adapter,
         )
     return ShardState(
         rank=rank,
@@ -219,6 +233,12 @@ def write_shard(state: ShardState, folder: Path) -> None:
         if policy.architecture is not None:
             _name_architecture(hf / "config.json", policy.architecture)
         fmt.copy_tokenizer(policy.tokenizer_source, hf)
+        if policy.adapter is not None:
+            adapter_config, adapter_tensors = policy.adapter
+            peft = folder / "hf_adapter"
+            peft.mkdir()
+            (peft / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+            save_file(adapter_tensors, str(peft / "adapter_model.safetensors"))
 
 
 def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
