@@ -127,6 +127,25 @@ def test_only_adapters_and_the_value_head_train(
     )
 
 
+def test_a_bfloat16_run_stores_the_frozen_base_in_bfloat16(
+    tiny_model: Path, fields_factory: Callable
+) -> None:
+    samples = Samples.from_fields(fields_factory(8, seed=6))
+    t = trainer(tiny_model, role="critic", dtype="bfloat16", micro_batch_size=4)
+    dtypes = {p.dtype for p in t.model.parameters() if not p.requires_grad}
+    assert dtypes == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in t.params)
+    assert {n for n, p in t.model.named_parameters() if p.requires_grad} >= {"value_head.weight"}
+    losses = [t.train_critic(samples)[0]["value_loss"] for _ in range(4)]
+    assert losses[-1] < losses[0]
+    actor = trainer(tiny_model, dtype="bfloat16")
+    exported = dict(actor.named_weights())
+    base = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert exported[name].dtype == torch.bfloat16
+    assert torch.equal(exported[name], base[name].to(torch.bfloat16))  # B = 0: the base, rounded
+
+
 def test_engine_holds_the_merged_weights_with_the_trainers_checksum(
     tiny_model: Path, fields_factory: Callable
 ) -> None:

@@ -75,7 +75,8 @@ def for_model(
 ) -> list[ModelConverter]:
     """The converters of the trained model (``trained``) or of the frozen reference, from ``config``.
 
-    ``shard_group``: FSDP2's group (None: replicated); ``param_dtype``: the dtype FSDP2 computes in.
+    ``shard_group``: FSDP2's group (None: replicated); ``param_dtype``: the dtype the model computes in
+    (autocast's, FSDP2's parameter dtype; None: float32), which LoRA stores the frozen base in.
     The reference gets no adapters (it is the initial policy).
     """
     # Imported here: each module imports this one for the protocol's types.
@@ -89,7 +90,7 @@ def for_model(
         out.append(PackedAttentionConverter(config.packed_attention))
     if trained and config.lora is not None and config.role in config.lora.roles:
         keep = ("value_head",) if config.role == "critic" else ()
-        out.append(LoRAConverter(config.lora, keep_trainable=keep, seed=config.seed))
+        out.append(LoRAConverter(config.lora, keep_trainable=keep, seed=config.seed, base_dtype=param_dtype))
     if config.compile_layers:
         out.append(CompileConverter())
     if shard_group is not None:

@@ -13,6 +13,10 @@ renames the base (``base_model.model.<path>.base_layer.weight``), while here eve
 its Hugging Face name and the adapters sit beside it (``<path>.lora_A.weight``), so checkpoints,
 the optimizer's names and the weight update stay predictable. ``export`` merges: the engines and the
 ``hf/`` folder get ``W + (alpha / rank) B A`` under the base's name and no adapter tensor.
+
+With a bfloat16 compute dtype (CUDA's default) the frozen base is stored in bfloat16 (2 bytes a
+parameter instead of 4); the adapters and the critic's value head stay float32, as their gradients
+and AdamW state do. The merge is computed in float32 and returned in the base's dtype.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class LoRALinear(nn.Linear):
         a = torch.empty(rank, self.in_features)
         # a=sqrt(5): nn.Linear's own initialisation, which peft and torchtitan use for A.
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        like = {"device": base.weight.device, "dtype": base.weight.dtype}
+        # float32 like every trained tensor, whatever dtype the frozen base is stored in.
+        like = {"device": base.weight.device, "dtype": torch.float32}
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **like)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **like)
         with torch.no_grad():
@@ -133,10 +138,17 @@ class LoRAConverter:
 
     name = "lora"
 
-    def __init__(self, settings: LoraSettings, keep_trainable: tuple[str, ...] = (), seed: int = 0):
+    def __init__(
+        self,
+        settings: LoraSettings,
+        keep_trainable: tuple[str, ...] = (),
+        seed: int = 0,
+        base_dtype: torch.dtype | None = None,
+    ):
         self.settings = settings
         self.keep_trainable = keep_trainable
         self.seed = seed
+        self.base_dtype = base_dtype
         self.scales: dict[str, float] = {}
         self.targets: tuple[str, ...] = ()
 
@@ -173,6 +185,14 @@ class LoRAConverter:
             self.scales[path] = wrapped.scale
         for path in self.keep_trainable:
             model.get_submodule(path).requires_grad_(True)
+        if self.base_dtype is not None:
+            # The frozen base needs no float32 master copy: autocast computes in base_dtype anyway
+            # (the same dtype the full fine-tuning's reference model is held in), and it halves the
+            # largest share of a LoRA role's memory.
+            with torch.no_grad():
+                for p in model.parameters():
+                    if not p.requires_grad:
+                        p.data = p.data.to(self.base_dtype)
         return model
 
     def export(self, weights: NamedTensors, dtype: torch.dtype | None) -> NamedTensors:
