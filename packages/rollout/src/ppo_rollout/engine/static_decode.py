@@ -327,7 +327,7 @@ class LlamaStaticDecoder:
         columns.
         """
         rows, width = ids.shape
-        row_index = torch.arange(rows, device=ids.device) if per_row else None
+        flat_cols = self._flat_columns(buffers, col) if per_row and col is not None else None
         fused = self.fused
         rope = self._rope_tables(positions)
         gqa = self.kv_heads != self.heads
@@ -342,9 +342,10 @@ class LlamaStaticDecoder:
             if col is None:
                 keys[:rows, :, :width].copy_(k)
                 values[:rows, :, :width].copy_(v)
-            elif row_index is not None:
-                keys[row_index, :, col] = k[:, :, 0]
-                values[row_index, :, col] = v[:, :, 0]
+            elif flat_cols is not None:
+                # [B, H, C, D] as [B * H * C, D]: row r, head h, column col[r] is one row of it.
+                keys.view(-1, self.head_dim).index_copy_(0, flat_cols, k.reshape(-1, self.head_dim))
+                values.view(-1, self.head_dim).index_copy_(0, flat_cols, v.reshape(-1, self.head_dim))
             else:
                 keys.index_copy_(2, col, k)
                 values.index_copy_(2, col, v)
@@ -364,6 +365,14 @@ class LlamaStaticDecoder:
             residual = hidden
             hidden = residual + layer.mlp(self._post_norms[i](hidden, fused))
         return self.lm_head(self._final_norm(hidden[:, -1:, :], fused))[:, 0, :]
+
+    def _flat_columns(self, buffers: DecodeBuffers, col: torch.Tensor) -> torch.Tensor:
+        """Row indices of a flattened cache layer for column ``col[r]`` of every row and KV head."""
+        heads = torch.arange(self.kv_heads, device=col.device)
+        rows = torch.arange(col.shape[0], device=col.device)
+        return (((rows[:, None] * self.kv_heads + heads[None, :]) * buffers.capacity) + col[:, None]).reshape(
+            -1
+        )
 
     def _attend_matmul(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
@@ -406,14 +415,17 @@ class LlamaStaticDecoder:
         outputs stay exact and its cache columns stay within its request's capacity.
         """
         b = buffers
+        # Per-row positions as indices into the flattened buffers: index_fill_ and index_copy_, the
+        # operations the batch step's graphs already hold.
         row_index = torch.arange(b.batch, device=b.tok.device)
-        b.valid[row_index, b.col] = True
+        b.valid.view(-1).index_fill_(0, row_index * b.capacity + b.col, True)
         bias = self._bias(b.valid[:, None, None, :kv_len])
         logits = self.forward(b.tok[:, None], b.pos[:, None], b, bias, kv_len, b.col, per_row=True)
         tokens, logp = sampler(logits, b.noise)
         tokens = tokens.masked_fill(b.finished, pad_token_id)
-        b.tokens_out[row_index, b.step] = tokens
-        b.logps_out[row_index, b.step] = logp
+        out_index = row_index * b.max_new + b.step
+        b.tokens_out.view(-1).index_copy_(0, out_index, tokens)
+        b.logps_out.view(-1).index_copy_(0, out_index, logp)
         live = (~b.finished).long()
         b.step.add_(live)
         b.col.add_(live)
