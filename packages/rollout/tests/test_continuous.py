@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from ppo_rollout.config import SamplingConfig
+from ppo_rollout.engine.builtin import BuiltinEngine
 from ppo_rollout.engine.continuous import GenerationRequest, idle_share, row_seed
 from ppo_rollout.engine.core import GenerationCore, GenerationOutput
+from ppo_rollout.engine.sglang import _per_prompt_limits
+from ppo_rollout.generate_client import GenerateClient, Generated
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +164,56 @@ def test_bad_input_names_the_field(core: GenerationCore, tiny_model: Path) -> No
         core.generate_requests([GenerationRequest((1,), 2)], sampling, max_running=0)
     with pytest.raises(ValueError, match="refill_every must be >= 1"):
         GenerationCore(tiny_model, refill_every=0)
+
+
+class _RecordingEngine:
+    """A generation core behind ``submit_generate`` (the client's engine seam), every call recorded."""
+
+    def __init__(self, core: GenerationCore) -> None:
+        self.core = core
+        self.calls: list[tuple[int, list[int] | None]] = []
+
+    def submit_generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
+    ) -> Callable[[float], list[GenerationOutput]]:
+        self.calls.append((len(prompts), None if max_new_tokens is None else list(max_new_tokens)))
+        outs = self.core.generate(prompts, sampling, seed, max_new_tokens=max_new_tokens)
+        return lambda timeout_s: outs
+
+
+def test_the_client_batches_requests_that_differ_only_in_max_new_tokens(core: GenerationCore) -> None:
+    engine = _RecordingEngine(core)
+
+    async def go() -> list[list[Generated]]:
+        client = GenerateClient([engine], seed=1, step=0, stream=0, timeout_s=60.0)
+        try:
+            sampling = SamplingConfig(temperature=1.0, ignore_eos=True)
+            asks = [
+                client.generate([5, 6, k], replace(sampling, max_new_tokens=n))
+                for k, n in enumerate((3, 7, 5))
+            ]
+            return list(await asyncio.gather(*asks))
+        finally:
+            client.close()
+
+    results = asyncio.run(go())
+    assert engine.calls == [(3, [3, 7, 5])]  # one engine call, a limit per request
+    assert [len(r[0].token_ids) for r in results] == [3, 7, 5]
+
+
+def test_builtin_engine_and_sglang_take_per_prompt_limits(tiny_model: Path) -> None:
+    engine = BuiltinEngine(tiny_model)
+    sampling = SamplingConfig(temperature=0.0, ignore_eos=True)
+    outs = engine.generate([[5, 6], [7]], sampling, seed=2, max_new_tokens=[2, 6], stop=[[], [[10_000]]])
+    assert [len(o.token_ids) for o in outs] == [2, 6]
+    assert _per_prompt_limits([[1], [2]], sampling, [4, 9]) == [4, 9]
+    assert _per_prompt_limits([[1]], sampling, None) == [sampling.max_new_tokens]
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        _per_prompt_limits([[1]], sampling, [0])
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        _per_prompt_limits([[1], [2]], sampling, [3])

@@ -1,9 +1,10 @@
 """Per-request generation over the engines: ``await client.generate(ids, sampling)``, continuous.
 
 Rollout functions ask for one prompt's continuation at a time; the client batches what is waiting.
-Whenever an engine is idle and requests wait, the waiting requests with the same sampling go out
-together, split into contiguous, near-equal chunks over the idle engines (one ``generate`` call
-each); when a call returns, its requests' futures resolve and the next waiting requests go out. So
+Whenever an engine is idle and requests wait, the waiting requests with the same sampling -- their
+``max_new_tokens`` aside: a call carries one limit per request -- go out together, split into
+contiguous, near-equal chunks over the idle engines (one ``generate`` call each); when a call
+returns, its requests' futures resolve and the next waiting requests go out. So
 a trajectory that waits for its environment never holds the engines: the others' requests keep them
 busy.
 
@@ -35,7 +36,12 @@ class BatchGenerator(Protocol):
     """What the client needs of an engine (``engine.handles.EngineHandle`` is one): a batch call."""
 
     def submit_generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> Waiter: ...
 
 
@@ -58,7 +64,8 @@ class Generated:
 @dataclass
 class _Pending:
     ids: list[int]
-    sampling: SamplingConfig  # seed 0: the key requests are batched by
+    sampling: SamplingConfig  # seed 0 and max_new_tokens 1: the key requests are batched by
+    max_new_tokens: int
     future: asyncio.Future[list[Generated]]
 
 
@@ -98,7 +105,8 @@ class GenerateClient:
         if not ids:
             raise ValueError("generate needs a non-empty list of input ids")
         future: asyncio.Future[list[Generated]] = self._loop.create_future()
-        self._queue.append(_Pending([int(t) for t in ids], replace(sampling, seed=0), future))
+        key = replace(sampling, seed=0, max_new_tokens=1)
+        self._queue.append(_Pending([int(t) for t in ids], key, sampling.max_new_tokens, future))
         self._schedule_flush()
         return await future
 
@@ -130,11 +138,16 @@ class GenerateClient:
         return batch
 
     def _dispatch(self, engine: int, chunk: list[_Pending]) -> None:
-        sampling = chunk[0].sampling
+        limits = [p.max_new_tokens for p in chunk]
+        sampling = replace(chunk[0].sampling, max_new_tokens=max(limits))
         seed = call_seed(self._seed, self._step, engine, self._stream, self.calls[engine])
         self.calls[engine] += 1
         self._busy[engine] = True
-        waiter = self._engines[engine].submit_generate([p.ids for p in chunk], sampling, seed)
+        prompts = [p.ids for p in chunk]
+        if len(set(limits)) == 1:  # one limit: the plain batch call
+            waiter = self._engines[engine].submit_generate(prompts, sampling, seed)
+        else:
+            waiter = self._engines[engine].submit_generate(prompts, sampling, seed, max_new_tokens=limits)
         started = time.perf_counter()
         future = self._loop.run_in_executor(self._pool, waiter, self._timeout_s)
         self._in_flight.add(future)

@@ -55,6 +55,8 @@ class BuiltinEngine(ReceivingEngine):
         name: str = "builtin-engine",
         timeout_s: float = 300.0,
         torch_threads: int | None = None,
+        max_running: int = 256,
+        refill_every: int = 8,
     ) -> None:
         self._setup = SetupTimer()  # the start-up the driver reports (its imports ended here)
         if torch_threads is not None:
@@ -68,7 +70,9 @@ class BuiltinEngine(ReceivingEngine):
         self.device = dev
         self._memory = default_backend(dev)
         with self._setup.part("model"), self._memory.region("weights"):
-            self._core = GenerationCore(model_path, device=dev, dtype=dtype)
+            self._core = GenerationCore(
+                model_path, device=dev, dtype=dtype, max_running=max_running, refill_every=refill_every
+            )
         self._memory.track("weights", lambda: list(self._core.model.state_dict().values()))
         self._memory.track("kv_cache", list)
         self._released: set[str] = set()
@@ -85,9 +89,15 @@ class BuiltinEngine(ReceivingEngine):
 
     # -- generation --------------------------------------------------------------------------------
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int | None = None,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
+        stop: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> list[GenerationOutput]:
-        """See :meth:`GenerationCore.generate`."""
+        """See :meth:`GenerationCore.generate` (per-prompt ``max_new_tokens`` and ``stop`` included)."""
         with self._cond:
             if "weights" in self._released:
                 raise RuntimeError(
@@ -97,7 +107,14 @@ class BuiltinEngine(ReceivingEngine):
             self._active += 1
             epoch = self._abort_epoch
         try:
-            return self._core.generate(prompts, sampling, seed=seed, step_guard=lambda: self._step(epoch))
+            return self._core.generate(
+                prompts,
+                sampling,
+                seed=seed,
+                step_guard=lambda: self._step(epoch),
+                max_new_tokens=max_new_tokens,
+                stop=stop,
+            )
         finally:
             with self._cond:
                 self._active -= 1

@@ -32,8 +32,16 @@ class EngineHandle(Protocol):
         ...
 
     def submit_generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
-    ) -> Waiter: ...
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
+    ) -> Waiter:
+        """``max_new_tokens``: one limit per prompt in place of ``sampling.max_new_tokens``."""
+        ...
+
     def endpoint(self) -> EngineEndpoint: ...
     def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply: ...
     def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply: ...
@@ -98,9 +106,15 @@ class BuiltinEngineHandle:
         return report
 
     def submit_generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> Waiter:
-        ref = self.actor.generate.remote([list(p) for p in prompts], sampling, seed)
+        limits = None if max_new_tokens is None else [int(n) for n in max_new_tokens]
+        ref = self.actor.generate.remote([list(p) for p in prompts], sampling, seed, max_new_tokens=limits)
         name = self.name
 
         def wait(timeout_s: float) -> list[GenerationOutput]:
@@ -220,9 +234,16 @@ class SGLangEngineHandle:
         return self.client.base_url
 
     def submit_generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> Waiter:
-        future = self._pool.submit(self.client.generate, prompts, sampling, seed)
+        future = self._pool.submit(
+            self.client.generate, prompts, sampling, seed, max_new_tokens=max_new_tokens
+        )
 
         def wait(timeout_s: float) -> list[GenerationOutput]:
             try:

@@ -259,10 +259,18 @@ class SGLangClient:
 
     # -- generation --------------------------------------------------------------------------------
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int | None = None,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> list[GenerationOutput]:
+        """``max_new_tokens``: one limit per prompt in place of ``sampling.max_new_tokens`` (SGLang takes
+        a limit per request)."""
         if not prompts:
             raise ValueError("generate needs at least one prompt; got an empty list")
+        limits = _per_prompt_limits(prompts, sampling, max_new_tokens)
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -275,7 +283,7 @@ class SGLangClient:
                 "temperature": sampling.temperature,
                 "top_p": sampling.top_p,
                 "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-                "max_new_tokens": sampling.max_new_tokens,
+                "max_new_tokens": limits[k // n],
                 # SGLang seeds per request; distinct seeds keep the n samples of a prompt apart.
                 "sampling_seed": (base_seed * 1_000_003 + k) % (2**31 - 1),
             }
@@ -438,3 +446,18 @@ def _protocol_of(endpoint: HttpEngineEndpoint) -> SGLangProtocol:
     if endpoint.sglang is None:  # for_sglang always sets it; this keeps the type exact
         raise SGLangError(f"SGLang server {endpoint.name}: no protocol was read from /server_info")
     return endpoint.sglang
+
+
+def _per_prompt_limits(
+    prompts: Sequence[Sequence[int]], sampling: SamplingConfig, max_new_tokens: Sequence[int] | None
+) -> list[int]:
+    if max_new_tokens is None:
+        return [sampling.max_new_tokens] * len(prompts)
+    if len(max_new_tokens) != len(prompts):
+        raise ValueError(
+            f"max_new_tokens needs one entry per prompt: {len(max_new_tokens)} for {len(prompts)} prompts"
+        )
+    bad = [int(n) for n in max_new_tokens if int(n) < 1]
+    if bad:
+        raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {bad[:5]}")
+    return [int(n) for n in max_new_tokens]
