@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ LLAMA_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj
 
 
 def trainer(
-    model: Path, role: str = "actor", lora_settings: LoraSettings | None = None, **kwargs
-) -> TorchTrainer:  # type: ignore[no-untyped-def]
+    model: Path, role: str = "actor", lora_settings: LoraSettings | None = None, **kwargs: Any
+) -> TorchTrainer:
     alg = kwargs.pop("algorithm", AlgorithmConfig(lam=1.0, num_mini_batches=1))
     config = TrainerConfig(
         role=role,  # type: ignore[arg-type]
@@ -39,7 +40,7 @@ def trainer(
     return TorchTrainer(config)
 
 
-def _trained_actor(model: Path, fields_factory: Callable, **kwargs) -> tuple[TorchTrainer, Samples]:  # type: ignore[no-untyped-def]
+def _trained_actor(model: Path, fields_factory: Callable, **kwargs: Any) -> tuple[TorchTrainer, Samples]:
     samples = Samples.from_fields(fields_factory(8, seed=9))
     t = trainer(model, micro_batch_size=4, **kwargs)
     t.train_actor(samples, torch.zeros(len(samples), samples.max_response))
