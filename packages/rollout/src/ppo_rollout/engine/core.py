@@ -236,6 +236,11 @@ class GenerationCore:
         self.graph_capture_seconds = 0.0  # every decode graph captured so far
         # The continuous path's decoder where ``decode`` picked the loop (eager, made at first use).
         self._slot_decoder: LlamaStaticDecoder | None = None
+        # The continuous path's kept buffers and graphs, apart from the batch path's: a run that uses
+        # both keeps both sets of captured graphs.
+        self._slot_graphs = (
+            DecodeGraphs(self._decoder, use_graphs=self._use_graphs) if self._decoder is not None else None
+        )
 
     def _pick_decoder(self, decode: str) -> LlamaStaticDecoder | None:
         if decode == "loop":
@@ -388,7 +393,7 @@ class GenerationCore:
         stop_ids = sorted({*(() if sampling.ignore_eos else self.eos_token_ids), *sampling.stop_token_ids})
         own = self._graphs_lock.acquire(blocking=False)
         try:
-            kept = self._graphs if own and decoder is self._decoder else None
+            kept = self._slot_graphs if own else None
             runner = kept or DecodeGraphs(decoder, use_graphs=self._use_graphs and decoder is self._decoder)
             captured = runner.capture_seconds
             try:
@@ -567,8 +572,9 @@ class GenerationCore:
     def drop_decode_state(self) -> None:
         """Frees the kept KV cache and decode graphs (the engine calls this when it releases memory)."""
         with self._graphs_lock:
-            if self._graphs is not None:
-                self._graphs.drop()
+            for kept in (self._graphs, self._slot_graphs):
+                if kept is not None:
+                    kept.drop()
 
     # -- weights -----------------------------------------------------------------------------------
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
