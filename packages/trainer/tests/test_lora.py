@@ -75,12 +75,13 @@ def test_merged_and_unmerged_outputs_agree(tiny_model: Path, fields_factory: Cal
         torch.testing.assert_close(_logits(t.model, tokens), _logits(merged, tokens), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 def test_the_reference_is_the_base_with_adapters_off_and_no_copy(
-    tiny_model: Path, fields_factory: Callable
+    tiny_model: Path, fields_factory: Callable, packed: bool
 ) -> None:
     samples = Samples.from_fields(fields_factory(8, seed=8, samples_per_prompt=4))
     alg = AlgorithmConfig(num_mini_batches=1, estimator="grpo", use_kl_loss=True, kl_loss_coef=0.1)
-    t = trainer(tiny_model, algorithm=alg, micro_batch_size=4)
+    t = trainer(tiny_model, algorithm=alg, micro_batch_size=4, pack_sequences=packed)
     assert t.reference is None
     assert t.has_reference
     base_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
@@ -92,7 +93,7 @@ def test_the_reference_is_the_base_with_adapters_off_and_no_copy(
     second = t.train_actor(samples, None)
     assert second["ref_kl"] > 0.0
     # The reference's log-probs are still the untrained model's.
-    plain = trainer(tiny_model, algorithm=alg, micro_batch_size=4)
+    plain = trainer(tiny_model, algorithm=alg, micro_batch_size=4, pack_sequences=packed)
     from ppo_trainer import objective
 
     torch.testing.assert_close(
