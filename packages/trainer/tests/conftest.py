@@ -163,3 +163,17 @@ def same_split(boxes: list[Any], counts: list[int]) -> list[Any]:
         ids.append(list(range(start, start + n)))
         start += n
     return pair_values(boxes, ids, ids)
+
+
+def lora_config(model: Path, role: str = "actor", **overrides: Any) -> Any:
+    """A ``TrainerConfig`` with ``train.lora`` (rank 4, alpha 8) at a learning rate of 1e-2 for both roles;
+    ``overrides``: any other setting (``lora``, ``algorithm``, ``micro_batch_size``, ...)."""
+    from ppo_trainer.config import AlgorithmConfig, LoraSettings, TrainerConfig
+
+    settings: dict[str, Any] = {
+        "algorithm": AlgorithmConfig(lam=1.0, num_mini_batches=1),
+        "actor_lr": 1e-2,
+        "critic_lr": 1e-2,
+        "lora": LoraSettings(rank=4, alpha=8.0),
+    }
+    return TrainerConfig(role=role, model_path=str(model), **{**settings, **overrides})  # type: ignore[arg-type]

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import lora_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.checkpoint import torch_io
-from ppo_trainer.config import AlgorithmConfig, LoraSettings, TrainerConfig, TrainSettings
+from ppo_trainer.config import AlgorithmConfig, LoraSettings, TrainSettings
 from ppo_trainer.converters import lora
 from ppo_weight_sync import checksum
 from ppo_weight_sync.testing.engine import TensorEngine
@@ -27,17 +28,9 @@ LLAMA_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj
 def trainer(
     model: Path, role: str = "actor", lora_settings: LoraSettings | None = None, **kwargs: Any
 ) -> TorchTrainer:
-    alg = kwargs.pop("algorithm", AlgorithmConfig(lam=1.0, num_mini_batches=1))
-    config = TrainerConfig(
-        role=role,  # type: ignore[arg-type]
-        model_path=str(model),
-        algorithm=alg,
-        actor_lr=1e-2,
-        critic_lr=1e-2,
-        lora=LoraSettings(rank=4, alpha=8.0) if lora_settings is None else lora_settings,
-        **kwargs,
-    )
-    return TorchTrainer(config)
+    if lora_settings is not None:
+        kwargs["lora"] = lora_settings
+    return TorchTrainer(lora_config(model, role, **kwargs))
 
 
 def _trained_actor(model: Path, fields_factory: Callable, **kwargs: Any) -> tuple[TorchTrainer, Samples]:
