@@ -4,9 +4,10 @@ Each chosen ``nn.Linear`` becomes a ``LoRALinear`` holding the same ``weight`` a
 under the same names, plus ``lora_A`` (``rank x in``) and ``lora_B`` (``out x rank``):
 ``y = x W^T + b + (alpha / rank) * B A dropout(x)``. ``A`` starts Kaiming-uniform and ``B`` at zero, so
 the converted model computes exactly what the base does until the first step (the initialisation and
-scale of LoRA's paper, and of peft's ``LoraLayer.reset_lora_parameters``, peft 0.17
-``src/peft/tuners/lora/layer.py``; torchtitan's ``LoRALinear`` in ``torchtitan/components/lora.py``,
-commit 0b83f010, keeps the base weight in place the same way).
+scale of LoRA's paper, and of peft 0.21.2's ``LoraLayer`` in ``peft/tuners/lora/layer.py``:
+``reset_lora_parameters``, and the scale ``lora_alpha / r`` without rsLoRA; torchtitan's
+``LoRALinear`` in ``torchtitan/components/lora.py``, commit 0b83f010, keeps the base weight in place
+the same way).
 
 Written here rather than taken from peft: peft is no dependency of the trainer, and its wrapper
 renames the base (``base_model.model.<path>.base_layer.weight``), while here every base tensor keeps
@@ -226,9 +227,10 @@ def peft_adapter(
     """``adapter_config.json``'s content and ``adapter_model.safetensors``' tensors of a PEFT adapter
     folder, from a causal LM's ``state`` (its adapter tensors are picked).
 
-    PEFT's format as its ``save_pretrained`` writes it (peft 0.17: ``src/peft/utils/constants.py``
-    names the two files, ``src/peft/utils/save_and_load.py``'s ``get_peft_model_state_dict`` drops
-    the adapter's name from the keys): ``base_model.model.<module path>.lora_A.weight`` and
+    PEFT's format as its ``save_pretrained`` writes it (peft 0.21.2: ``peft/utils/constants.py``
+    names the two files, ``peft/utils/save_and_load.py``'s ``get_peft_model_state_dict`` drops the
+    adapter's name from the keys; ``PeftModel.from_pretrained`` of peft 0.21.2 loads the folder and its
+    ``merge_and_unload`` gives the weights of ``hf/``): ``base_model.model.<module path>.lora_A.weight`` and
     ``.lora_B.weight``; ``PeftModel.from_pretrained(base, folder)`` loads it onto the base model.
     """
     tensors = {
