@@ -164,3 +164,15 @@ def test_an_accepted_dataset_change_marks_the_saved_position(tmp_path: Path) -> 
     marked = resume._data_position(saved, load_config(None, ["checkpoint.accept_changes=[dataset]"]))
     assert marked["data"] == {**saved["data"], "on_change": NEXT_EPOCH}
     assert "on_change" not in saved["data"]  # the checkpoint's own state is left as it was
+
+
+def test_a_changed_lora_setting_is_refused(tmp_path: Path) -> None:
+    lora = ["train.lora.rank=4"]
+    _checkpoint(tmp_path / "ck", 5, load_config(None, lora), run_dir=None)
+    resume_checks.check(
+        load_config(None, [*lora, "train.lora.dropout=0.1"]), tmp_path / "run", tmp_path / "ck"
+    )
+    text = _refusal(load_config(None, ["train.lora.rank=8"]), tmp_path / "run", tmp_path / "ck")
+    assert "train.lora is {rank: 8, alpha: 32.0" in text
+    assert "the checkpoint was trained with {rank: 4, alpha: 32.0" in text
+    assert "null (every weight trains)" in _refusal(load_config(), tmp_path / "run", tmp_path / "ck")

@@ -72,6 +72,7 @@ def check(config: RunConfig, run_dir: Path, ckpt_root: Path) -> None:
     if "other_run" not in accepted:
         problems += _other_run(extra.get("run_dir"), run_dir, ckpt_root, step)
     problems += _model_shape(saved, config, folder)
+    problems += _lora(saved, config, folder)
     if "dataset" not in accepted:
         problems += _dataset(doc.get("rollout"), config, folder)
     if "lr_rise" not in accepted:
@@ -164,6 +165,32 @@ def _dataset(rollout: Any, config: RunConfig, folder: Path) -> list[str]:
     if problem is None:
         return []
     return [f"rollout.dataset {dataset}: {problem} ({folder}); {CHANGED_FIX}"]
+
+
+def _lora(saved: Mapping[str, Any], config: RunConfig, folder: Path) -> list[str]:
+    """``train.lora`` set, unset or changed: the checkpoint's tensors (adapters, their AdamW state) and
+    what they compute belong to the other setting. ``dropout`` may change (it holds no tensor)."""
+    train = saved.get("train") if isinstance(saved.get("train"), dict) else None
+    if train is None or "lora" not in train:
+        return []
+    before = train["lora"] if isinstance(train["lora"], dict) else None
+    now = config.model_dump(mode="json")["train"]["lora"]
+    keys = ("rank", "alpha", "target_modules", "roles")
+    if before is None and now is None:
+        return []
+    if before is not None and now is not None and all(before.get(k) == now[k] for k in keys):
+        return []
+    return [
+        f"train.lora is {_lora_text(now)}; the checkpoint was trained with {_lora_text(before)}: its "
+        f"weights and optimizer state belong to that setting; set it back, or set checkpoint.resume=false "
+        f"(or another run folder) to start a new run; {folder}"
+    ]
+
+
+def _lora_text(value: Mapping[str, Any] | None) -> str:
+    if value is None:
+        return "null (every weight trains)"
+    return "{" + ", ".join(f"{k}: {value.get(k)}" for k in ("rank", "alpha", "target_modules", "roles")) + "}"
 
 
 def _lr_rise(saved: Mapping[str, Any], config: RunConfig, step: int) -> list[str]:
