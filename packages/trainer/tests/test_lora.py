@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.checkpoint import torch_io
-from ppo_trainer.config import AlgorithmConfig, LoraSettings, TrainSettings
+from ppo_trainer.config import AlgorithmConfig, LoraSettings, TrainerConfig, TrainSettings
 from ppo_trainer.converters import lora
 from ppo_weight_sync import checksum
 from ppo_weight_sync.testing.engine import TensorEngine
@@ -93,6 +93,21 @@ def test_the_reference_is_the_base_with_adapters_off_and_no_copy(
         objective.score(t, samples, reference=True), plain.compute_log_probs(samples), atol=1e-6, rtol=1e-6
     )
     assert all(m.adapters_enabled for _, m in lora.lora_modules(t.model))  # back on after scoring
+
+
+def test_a_lora_critic_with_reward_kl_holds_a_full_reference(
+    tiny_model: Path, fields_factory: Callable
+) -> None:
+    """The critic's backbone has no LM head, so reward-level KL keeps a separate reference policy."""
+    samples = Samples.from_fields(fields_factory(8, seed=21))
+    alg = AlgorithmConfig(lam=1.0, gamma=1.0, kl_coef=0.5, kl_estimator="k1", num_mini_batches=1)
+    critic = trainer(tiny_model, role="critic", algorithm=alg, micro_batch_size=4)
+    assert critic.reference is not None
+    assert not any(isinstance(m, lora.LoRALinear) for m in critic.reference.modules())
+    plain = TorchTrainer(TrainerConfig(role="critic", model_path=str(tiny_model), algorithm=alg))
+    with_lora, _ = critic.token_rewards(samples)
+    without, _ = plain.token_rewards(samples)
+    torch.testing.assert_close(with_lora, without, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
