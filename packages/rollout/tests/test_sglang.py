@@ -17,6 +17,7 @@ from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.handles import SGLangEngineHandle
 from ppo_rollout.engine.sglang import SGLangClient, SGLangError, SGLangServer, SGLangServerSpec
 from ppo_rollout.manager import RolloutManager
+from ppo_rollout.stops import RequestStop
 from ppo_value_transport import unpack_fields
 from ppo_weight_sync import EngineReply, EngineUnavailableError, WeightSender, free_port, reply_from_http
 
@@ -139,6 +140,20 @@ def test_generate_sends_sglang_payload_and_parses_logprobs(
         assert out.finish_reason == ref.finish_reason
         assert out.log_probs == pytest.approx(ref.log_probs, abs=1e-6)
     assert client.generate(prompts, sampling) == outs  # seeded: deterministic
+
+
+def test_stop_strings_go_to_sglang_as_its_stop_parameter(sglang_manager: tuple[RolloutManager, Path]) -> None:
+    manager, record = sglang_manager
+    handle = manager.engines[0]
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=3, n_samples_per_prompt=2)
+    stops = [RequestStop(("</a>", "+"), ((7, 8),)), RequestStop()]
+    outs = handle.submit_generate([[1, 5, 6], [1, 7]], sampling, 4, stop=stops)(60.0)
+    assert len(outs) == 4
+    sp = [r for r in _requests(record) if r["path"] == "/generate"][-1]["body"]["sampling_params"]
+    # SGLang matches the strings on decoded text itself; the token sequences are the built-in engine's.
+    assert [p.get("stop") for p in sp] == [["</a>", "+"], ["</a>", "+"], None, None]
+    with pytest.raises(ValueError, match="stop needs one entry per prompt"):
+        handle.client.generate([[1, 5]], sampling, stop=[["+"], ["-"]])
 
 
 def test_multi_turn_continues_from_ids_through_sglang(sglang_manager: tuple[RolloutManager, Path]) -> None:

@@ -2,7 +2,8 @@
 
 Rollout functions ask for one prompt's continuation at a time; the client batches what is waiting.
 Whenever an engine is idle and requests wait, the waiting requests with the same sampling -- their
-``max_new_tokens`` aside: a call carries one limit per request -- go out together, split into
+``max_new_tokens`` and stop strings aside: a call carries one limit and one
+:class:`~ppo_rollout.stops.RequestStop` per request -- go out together, split into
 contiguous, near-equal chunks over the idle engines (one ``generate`` call each); when a call
 returns, its requests' futures resolve and the next waiting requests go out. So
 a trajectory that waits for its environment never holds the engines: the others' requests keep them
@@ -23,11 +24,12 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from .config import SamplingConfig
 from .engine.core import GenerationOutput
 from .engine.handles import Waiter
+from .stops import RequestStop
 
 __all__ = ["BatchGenerator", "GenerateClient", "Generated", "call_seed"]
 
@@ -42,6 +44,7 @@ class BatchGenerator(Protocol):
         seed: int,
         *,
         max_new_tokens: Sequence[int] | None = None,
+        stop: Sequence[RequestStop] | None = None,
     ) -> Waiter: ...
 
 
@@ -66,6 +69,7 @@ class _Pending:
     ids: list[int]
     sampling: SamplingConfig  # seed 0 and max_new_tokens 1: the key requests are batched by
     max_new_tokens: int
+    stop: RequestStop
     future: asyncio.Future[list[Generated]]
 
 
@@ -99,14 +103,19 @@ class GenerateClient:
         self.calls = [0] * len(engines)
         self.busy_seconds = [0.0] * len(engines)
 
-    async def generate(self, ids: Sequence[int], sampling: SamplingConfig) -> list[Generated]:
+    async def generate(
+        self, ids: Sequence[int], sampling: SamplingConfig, stop: RequestStop | None = None
+    ) -> list[Generated]:
         """``sampling.n_samples_per_prompt`` continuations of ``ids`` (``sampling.seed`` is not used:
-        the client seeds each engine call)."""
+        the client seeds each engine call). ``stop``: what the engine may stop each continuation at
+        (a continuation ends with the stop's tokens; the caller cuts at the stop string itself)."""
         if not ids:
             raise ValueError("generate needs a non-empty list of input ids")
         future: asyncio.Future[list[Generated]] = self._loop.create_future()
         key = replace(sampling, seed=0, max_new_tokens=1)
-        self._queue.append(_Pending([int(t) for t in ids], key, sampling.max_new_tokens, future))
+        self._queue.append(
+            _Pending([int(t) for t in ids], key, sampling.max_new_tokens, stop or RequestStop(), future)
+        )
         self._schedule_flush()
         return await future
 
@@ -144,10 +153,13 @@ class GenerateClient:
         self.calls[engine] += 1
         self._busy[engine] = True
         prompts = [p.ids for p in chunk]
-        if len(set(limits)) == 1:  # one limit: the plain batch call
-            waiter = self._engines[engine].submit_generate(prompts, sampling, seed)
-        else:
-            waiter = self._engines[engine].submit_generate(prompts, sampling, seed, max_new_tokens=limits)
+        # Only what the call needs: one limit and no stops is the engine's plain batch call.
+        options: dict[str, Any] = {}
+        if len(set(limits)) > 1:
+            options["max_new_tokens"] = limits
+        if any(p.stop for p in chunk):
+            options["stop"] = [p.stop for p in chunk]
+        waiter = self._engines[engine].submit_generate(prompts, sampling, seed, **options)
         started = time.perf_counter()
         future = self._loop.run_in_executor(self._pool, waiter, self._timeout_s)
         self._in_flight.add(future)

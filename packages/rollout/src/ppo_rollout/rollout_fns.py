@@ -32,6 +32,7 @@ from .environment import (
 )
 from .observation import ObservationRenderer
 from .specs import import_named
+from .stops import RequestStop, stop_token_sequences
 from .trajectory import Trajectory, TrajectoryBuilder
 
 if TYPE_CHECKING:  # torch-free at import: the pre-flight resolves rollout functions by name
@@ -108,6 +109,7 @@ class RolloutContext:
         environment_args: Mapping[str, Any] | None = None,
         env_pool: concurrent.futures.Executor | None = None,
         step: int = 0,
+        engine_stops: bool = True,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
@@ -120,6 +122,8 @@ class RolloutContext:
         self.environment_args = dict(environment_args or {})
         self.env_pool = env_pool
         self.step = step
+        self.engine_stops = engine_stops
+        self._stop: RequestStop | None = None
 
     # -- generation ----------------------------------------------------------------------------------
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -134,8 +138,26 @@ class RolloutContext:
         sampling = SamplingConfig.of(
             replace(self.sampling, max_new_tokens=limit, n_samples_per_prompt=n), seed=0
         )
-        outputs = await self.client.generate(input_ids, sampling)
+        outputs = await self.client.generate(input_ids, sampling, self.request_stop())
         return [self._turn(o.token_ids, o.log_probs, o.finish_reason, o.engine) for o in outputs]
+
+    def request_stop(self) -> RequestStop | None:
+        """The stop strings as the engines take them (``stops``), made once per context; None without
+        stop strings or with ``engine_stops`` off (the engines then decode to each turn's limit).
+
+        Either way each turn is cut at the first stop string in its text (:meth:`_turn`): an engine
+        stop only saves the tokens after it.
+        """
+        if not self.limits.stop or not self.engine_stops:
+            return None
+        if self._stop is None:
+            sequences = stop_token_sequences(
+                self.limits.stop,
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                self.decode,
+            )
+            self._stop = RequestStop(tuple(self.limits.stop), sequences)
+        return self._stop
 
     def _turn(self, ids: tuple[int, ...], log_probs: tuple[float, ...], finish: str, engine: int) -> Turn:
         cut = cut_at_stop(ids, self.limits.stop, self.decode)

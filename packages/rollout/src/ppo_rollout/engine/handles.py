@@ -12,6 +12,7 @@ from ppo_lifecycle.startup import SetupTimer
 from ppo_weight_sync import EngineEndpoint, EngineReply, RayEngineEndpoint, free_port
 
 from ..config import SamplingConfig
+from ..stops import RequestStop
 from .builtin import BuiltinEngineActor
 from .core import GenerationOutput
 from .sglang import SGLangClient, SGLangError, SGLangServer, SGLangServerSpec
@@ -38,8 +39,11 @@ class EngineHandle(Protocol):
         seed: int,
         *,
         max_new_tokens: Sequence[int] | None = None,
+        stop: Sequence[RequestStop] | None = None,
     ) -> Waiter:
-        """``max_new_tokens``: one limit per prompt in place of ``sampling.max_new_tokens``."""
+        """``max_new_tokens``: one limit per prompt in place of ``sampling.max_new_tokens``; ``stop``:
+        one :class:`~ppo_rollout.stops.RequestStop` per prompt (the built-in engine matches its token
+        sequences, SGLang its strings)."""
         ...
 
     def endpoint(self) -> EngineEndpoint: ...
@@ -112,9 +116,13 @@ class BuiltinEngineHandle:
         seed: int,
         *,
         max_new_tokens: Sequence[int] | None = None,
+        stop: Sequence[RequestStop] | None = None,
     ) -> Waiter:
         limits = None if max_new_tokens is None else [int(n) for n in max_new_tokens]
-        ref = self.actor.generate.remote([list(p) for p in prompts], sampling, seed, max_new_tokens=limits)
+        sequences = None if stop is None else [[list(seq) for seq in s.token_ids] for s in stop]
+        ref = self.actor.generate.remote(
+            [list(p) for p in prompts], sampling, seed, max_new_tokens=limits, stop=sequences
+        )
         name = self.name
 
         def wait(timeout_s: float) -> list[GenerationOutput]:
@@ -240,9 +248,11 @@ class SGLangEngineHandle:
         seed: int,
         *,
         max_new_tokens: Sequence[int] | None = None,
+        stop: Sequence[RequestStop] | None = None,
     ) -> Waiter:
+        strings = None if stop is None else [list(s.strings) for s in stop]
         future = self._pool.submit(
-            self.client.generate, prompts, sampling, seed, max_new_tokens=max_new_tokens
+            self.client.generate, prompts, sampling, seed, max_new_tokens=max_new_tokens, stop=strings
         )
 
         def wait(timeout_s: float) -> list[GenerationOutput]:

@@ -265,12 +265,16 @@ class SGLangClient:
         seed: int | None = None,
         *,
         max_new_tokens: Sequence[int] | None = None,
+        stop: Sequence[Sequence[str]] | None = None,
     ) -> list[GenerationOutput]:
         """``max_new_tokens``: one limit per prompt in place of ``sampling.max_new_tokens`` (SGLang takes
-        a limit per request)."""
+        a limit per request); ``stop``: stop strings per prompt, SGLang's ``stop`` sampling parameter
+        (matched on decoded text, ``Req.update_finish_state`` in SGLang 0.5.23's schedule_batch.py)."""
         if not prompts:
             raise ValueError("generate needs at least one prompt; got an empty list")
         limits = _per_prompt_limits(prompts, sampling, max_new_tokens)
+        if stop is not None and len(stop) != len(prompts):
+            raise ValueError(f"stop needs one entry per prompt: {len(stop)} for {len(prompts)} prompts")
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -291,6 +295,8 @@ class SGLangClient:
                 sp["stop_token_ids"] = list(sampling.stop_token_ids)
             if sampling.ignore_eos:
                 sp["ignore_eos"] = True
+            if stop is not None and stop[k // n]:
+                sp["stop"] = [str(x) for x in stop[k // n]]
             params.append(sp)
         results: list[Any] = [None] * len(input_ids)
         todo = list(range(len(input_ids)))
