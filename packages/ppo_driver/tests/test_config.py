@@ -314,8 +314,27 @@ def test_lora_reaches_both_roles_and_megatron_refuses_it() -> None:
     assert (actor.lora.rank, actor.lora.target_modules) == (4, ("q_proj", "v_proj"))
     assert actor.lora_applies
     assert critic.lora_applies
-    with pytest.raises(ConfigError, match="train.lora"):
+    with pytest.raises(ConfigError, match=r"train.lora"):
         load_config(None, ["train.lora.rank=4", "train.backend=megatron"])
+
+
+def test_a_lora_actor_sends_the_builtin_engine_its_adapters_and_sglang_merged_weights() -> None:
+    from ppo_driver import build
+    from ppo_rollout.config import AdapterUpdates
+
+    config = load_config(None, ["train.lora.rank=4", "train.lora.alpha=8"])
+    actor = build.actor_trainer_config(config, "model")
+    assert actor.lora is not None
+    assert actor.lora.update == "adapters"  # unset: the built-in engine merges the adapters itself
+    assert build.rollout_config(config, "model").lora == AdapterUpdates(rank=4, alpha=8.0)
+    merged = load_config(None, ["train.lora.rank=4", "train.lora.update=merged"])
+    assert build.actor_trainer_config(merged, "model").lora.update == "merged"  # type: ignore[union-attr]
+    assert build.rollout_config(merged, "model").lora is None
+    critic_only = load_config(None, ["train.lora.rank=4", "train.lora.roles=[critic]"])
+    assert build.rollout_config(critic_only, "model").lora is None
+    sglang = ["rollout.engine=sglang", "train.check_weights=false", "train.lora.rank=4"]
+    with pytest.raises(ConfigError, match=r"train.lora.update='adapters'.*'merged'"):
+        load_config(None, [*sglang, "train.lora.update=adapters"])
 
 
 def test_grpo_and_dr_grpo_settings_reach_the_trainer() -> None:

@@ -7,9 +7,10 @@ config), then prints, per role and for the two roles together:
 - trainable parameters;
 - parameters + gradients + AdamW state, bytes (every parameter as stored, a gradient per trainable
   parameter in its dtype, AdamW's two moments and step as allocated at setup);
-- bytes per weight update: what the actor sends an engine in ``--sync-dtype`` (the merged model; the
-  adapter-only figure, the adapters alone, is what an update would weigh if the engines merged
-  adapters themselves, which is not built);
+- bytes per weight update: what the actor sends an engine in ``--sync-dtype``: the merged model
+  (``train.lora.update: merged``, SGLang's), and the tensors an adapter-only update sends
+  (``train.lora.update: adapters``, the built-in engine's: ``TorchTrainer.trainable_weights``, the
+  list the worker hands the weight sender);
 - on CUDA, the peak memory of one train step (forward over ``--tokens`` random tokens, backward, the
   optimizer step), from ``torch.cuda.max_memory_allocated``;
 
@@ -36,7 +37,6 @@ from transformers import LlamaConfig
 
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.config import LoraSettings, TrainerConfig
-from ppo_trainer.converters import lora
 
 PRESETS = {
     # hidden, layers, heads, kv heads, MLP, vocabulary, tied
@@ -77,8 +77,9 @@ def measure(config: TrainerConfig, sync_dtype: torch.dtype, tokens: int) -> dict
     out["state_bytes"] = out["parameters_bytes"] + out["gradient_bytes"] + out["optimizer_bytes"]
     if config.role == "actor":
         out["update_bytes_merged"] = float(sum(w.numel() for _, w in t.named_weights()) * sync_dtype.itemsize)
-        adapters = lora.adapter_state(t.model)
-        out["update_bytes_adapters"] = float(sum(a.numel() for a in adapters.values()) * sync_dtype.itemsize)
+        if t.lora is not None:
+            # the list an adapter-only update hands the weight sender, as the worker builds it
+            out["update_bytes_adapters"] = float(nbytes(w for _, w in t.trainable_weights(sync_dtype)))
     if t.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -157,7 +158,7 @@ def main() -> None:
     full_update = figures["full"]["actor"]["update_bytes_merged"]
     for label, key in (
         ("merged", "update_bytes_merged"),
-        ("adapters only (not built)", "update_bytes_adapters"),
+        ("adapters only", "update_bytes_adapters"),
     ):
         sent = figures["lora"]["actor"][key]
         print(

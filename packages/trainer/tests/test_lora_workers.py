@@ -1,11 +1,15 @@
 """``train.lora`` through the Ray workers: a PPO step of a LoRA actor and critic with sleep and wake
-around each phase, the weight update to an engine (merged weights, the checksums equal), and the
-training state the workers report (AdamW state for the adapters and the value head only)."""
+around each phase, the weight update to an engine (merged weights, the checksums equal), the
+adapter-only update to the built-in engine (only adapter tensors sent; the engine merges them from
+the base it keeps, with the trainer's checksum and the merged engine's weights and generations), and
+the training state the workers report (AdamW state for the adapters and the value head only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -23,9 +27,49 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
 ALGORITHM = AlgorithmConfig(lam=1.0, gamma=1.0, entropy_coef=0.0, num_mini_batches=1)
 
 
-def _group(role: Role, model: Path) -> TrainGroup:
+def _group(role: Role, model: Path, update: str | None = None) -> TrainGroup:
     config = lora_config(model, role, algorithm=ALGORITHM, micro_batch_size=4)
+    config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, update=update))
     return TrainGroup(role, LocalSlots(1), config, timeout_s=240)
+
+
+def _train_step(actor: TrainGroup, critic: TrainGroup, seed: int) -> None:
+    box = pack_fields(make_fields(8, seed=seed))
+    values = critic.train(1, [box]).values
+    assert values is not None
+    assert actor.train(1, [box], same_split(values, [8])).metrics["optimizer_steps"] == 1.0
+
+
+# float32 bytes x 2 layers x rank 4 x (in + out) of the seven projections (hidden 32, MLP 64)
+ADAPTER_BYTES = 2 * 4 * 4 * (4 * (32 + 32) + 3 * (32 + 64))
+
+
+def test_an_adapter_only_update_sends_the_adapters_alone(tiny_model: Path) -> None:
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actor = _group("actor", tiny_model, update="adapters")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    # an engine that accepts the adapters' names and records what arrives
+    spec: dict[str, Any] = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("_proj.weight"):
+            path = name.removesuffix(".weight")
+            spec[f"{path}.lora_A.weight"] = ("float32", [4, t.shape[1]])
+            spec[f"{path}.lora_B.weight"] = ("float32", [t.shape[0], 4])
+    handle = ray.remote(TensorEngine).options(max_concurrency=4, num_cpus=0).remote(spec, seed=5)
+    try:
+        actor.connect_engines([RayEngineEndpoint(handle, num_gpus=1, name="engine-0")])
+        sent = actor.update_weights("1")
+        print(f"adapter-only update of the tiny model: {sent['weight_sync/bytes']:.0f} bytes")
+        assert ADAPTER_BYTES == 17_408  # 4,352 float32 parameters
+        assert sent["weight_sync/bytes"] == ADAPTER_BYTES
+        # The engine refuses a name outside its spec, so nothing but adapters was sent; every B arrived
+        # (the trainer's B starts at zero, the engine's own tensors are random).
+        held = ray.get(handle.named_tensors.remote())
+        assert len(held) == 2 * 14
+        assert all(not t.any() for n, t in held.items() if n.endswith("lora_B.weight"))
+    finally:
+        ray.kill(handle)
+        actor.shutdown()
 
 
 def test_a_lora_step_with_offload_and_the_engines_checksum(tiny_model: Path) -> None:
@@ -75,3 +119,50 @@ def test_a_lora_critics_value_head_is_trained(tiny_model: Path) -> None:
         assert state["optimizer_state_entries"] == 2 * 7 * 2 + 2
     finally:
         critic.shutdown()
+
+
+def test_the_builtin_engine_merges_adapter_only_updates_from_its_base(tiny_model: Path) -> None:
+    """Two actors of one seed train on the same batches; after each step one sends its adapters alone to a
+    built-in engine, the other merged weights to another. Both engines then hold the trainers' checksum
+    (the adapters' engine merged from its base, not onto its previous merge) and generate the same."""
+    builtin = pytest.importorskip("ppo_rollout.engine.builtin")  # the workspace's rollout package
+    from ppo_rollout.config import AdapterUpdates, SamplingConfig
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    critic = _group("critic", tiny_model)
+    actor, merged_actor = _group("actor", tiny_model, "adapters"), _group("actor", tiny_model, "merged")
+    options: dict[str, Any] = {"max_concurrency": 4, "num_cpus": 0}
+    lora = AdapterUpdates(rank=4, alpha=8.0)
+    engine = builtin.BuiltinEngineActor.options(**options).remote(
+        str(tiny_model), name="adapters", torch_threads=1, lora=lora
+    )
+    merged = builtin.BuiltinEngineActor.options(**options).remote(
+        str(tiny_model), name="merged", torch_threads=1
+    )
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [9]]
+    try:
+        actor.connect_engines([RayEngineEndpoint(engine, num_gpus=1, name="adapters")])
+        merged_actor.connect_engines([RayEngineEndpoint(merged, num_gpus=1, name="merged")])
+        seen = {ray.get(engine.weights_checksum.remote())}
+        for step in (1, 2):
+            box = pack_fields(make_fields(8, seed=40 + step))
+            values = critic.train(1, [box]).values
+            assert values is not None
+            for group in (actor, merged_actor):
+                group.train(1, [box], same_split(values, [8]))
+            assert actor.update_weights(str(step))["weight_sync/bytes"] == ADAPTER_BYTES
+            merged_actor.update_weights(str(step))
+            expected = actor.weights_checksum()
+            assert merged_actor.weights_checksum() == expected  # the same training, bit for bit
+            assert ray.get(engine.weights_checksum.remote()) == expected
+            assert ray.get(merged.weights_checksum.remote()) == expected
+            seen.add(expected)
+            ours, theirs = ray.get([e.generate.remote(prompts, sampling, 0) for e in (engine, merged)])
+            assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+        assert len(seen) == 3  # each update changed the weights: step 2 merged from the base, not onto step 1
+    finally:
+        for handle in (engine, merged):
+            ray.kill(handle)
+        for group in (actor, critic, merged_actor):
+            group.shutdown()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ppo_driver.config import RunConfig
 from ppo_lifecycle.plan import OffloadPlan
 from ppo_placement import PlacementSpec, plan_layout
-from ppo_rollout.config import RolloutConfig, RolloutSettings
+from ppo_rollout.config import AdapterUpdates, RolloutConfig, RolloutSettings
 from ppo_trainer.config import AlgorithmConfig, TrainerConfig, TrainSettings
 
 if TYPE_CHECKING:  # ppo_weight_sync imports torch: `ppo-driver validate` must not (preflight.py)
@@ -39,9 +39,32 @@ def placement_spec(config: RunConfig) -> PlacementSpec:
     )
 
 
+def lora_update(config: RunConfig) -> Literal["merged", "adapters"] | None:
+    """What the actor's weight update sends under ``train.lora`` (None: no LoRA actor):
+    ``train.lora.update``, unset meaning the adapters alone to the built-in engine (which merges them onto
+    the base it keeps) and merged weights to SGLang."""
+    lora = config.train.lora
+    if lora is None or "actor" not in lora.roles:
+        return None
+    if lora.update is not None:
+        return lora.update
+    return "adapters" if config.rollout.engine == "builtin" else "merged"
+
+
+def engine_lora(config: RunConfig) -> AdapterUpdates | None:
+    """The adapters the built-in engines take in an update (None: they are sent merged weights)."""
+    lora = config.train.lora
+    if lora is None or lora_update(config) != "adapters":
+        return None
+    return AdapterUpdates(rank=lora.rank, alpha=lora.alpha)
+
+
 def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerConfig:
+    settings = _settings(config.train, TrainSettings)
+    if settings["lora"] is not None:
+        settings["lora"] = dataclasses.replace(settings["lora"], update=lora_update(config))
     return TrainerConfig(
-        **_settings(config.train, TrainSettings),
+        **settings,
         role="actor",
         model_path=str(model_path),
         algorithm=trainer_algorithm(config),
@@ -84,6 +107,7 @@ def rollout_config(config: RunConfig, model_path: Path | str) -> RolloutConfig:
         dtype=_rollout_dtype(config),
         seed=config.train.seed,
         timeout_s=config.ray.timeout_s,
+        lora=engine_lora(config),
     )
 
 

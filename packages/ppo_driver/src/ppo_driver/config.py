@@ -395,6 +395,12 @@ class RunConfig(_Section):
                     "train.check_weights needs the engines' weights checksums, which SGLang servers do not "
                     "give; set train.check_weights=false or rollout.engine='builtin'"
                 )
+            if t.lora is not None and t.lora.update == "adapters" and "actor" in t.lora.roles:
+                raise ValueError(
+                    "train.lora.update='adapters' needs an engine that merges adapters itself; SGLang is "
+                    "sent merged weights: set train.lora.update='merged' (or leave it unset) or "
+                    "rollout.engine='builtin'"
+                )
             if p.device != "cuda":
                 raise ValueError("rollout.engine='sglang' needs placement.device='cuda'")
             if self.model.path is None:

@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 
 __all__ = [
+    "AdapterUpdates",
     "DynamicSamplingSettings",
     "MultiTurnSettings",
     "OverlongSettings",
@@ -363,6 +364,19 @@ class RolloutSettings:
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
+class AdapterUpdates:
+    """LoRA adapters a built-in engine takes in a weight update instead of merged weights: ``train.lora``'s
+    ``rank`` and ``alpha`` (the engine sets each adapted weight to ``base + alpha / rank * B A``)."""
+
+    rank: int = Field(ge=1, description="the adapters' rank r")
+    alpha: float = Field(gt=0, description="the update is scaled by alpha / rank")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
 class RolloutConfig(RolloutSettings):
     """What the rollout manager runs: the ``RolloutSettings`` plus where and how the engines run.
 
@@ -377,9 +391,17 @@ class RolloutConfig(RolloutSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int = 0
     timeout_s: float = Field(default=600.0, gt=0, description="any single wait on an engine")
+    lora: AdapterUpdates | None = Field(
+        default=None, description="the built-in engines take LoRA adapters in weight updates (None: merged)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.lora is not None and self.engine != "builtin":
+            raise ValueError(
+                "adapter-only weight updates (lora) need rollout.engine='builtin'; "
+                "SGLang is sent merged weights"
+            )
         if self.engine == "sglang" and self.gpus_per_engine < 1:
             raise ValueError(
                 "rollout.gpus_per_engine must be >= 1 with engine 'sglang' (SGLang serves on GPUs)"

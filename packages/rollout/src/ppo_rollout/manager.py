@@ -172,6 +172,7 @@ class RolloutManager:
                 cfg.gpus_per_engine,
                 actor_options(slots, i * per_engine, share),
                 cfg.timeout_s,
+                lora=cfg.lora,
             )
         gpu_ids = tuple(slots.gpu_ids) if slots is not None else ()
         base_gpu = gpu_ids[i * per_engine] if gpu_ids else i * per_engine

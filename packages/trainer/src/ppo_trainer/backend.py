@@ -177,6 +177,20 @@ class TorchTrainer:
             tensor = tensor.detach()
             yield name, tensor if dtype is None else tensor.to(dtype)
 
+    def trainable_weights(self, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+        """The parameters that train (under ``train.lora``: the adapters, whose names are the model's,
+        ``<module path>.lora_A.weight`` and ``.lora_B.weight``), copies in ``dtype``: what an
+        adapter-only update sends, since every other tensor stays as the engine first loaded it."""
+        if self.sharded:
+            raise ValueError(
+                "an adapter-only weight update needs replicated training (train.lora refuses fsdp2)"
+            )
+        return [
+            (name, p.detach().to(dtype, copy=True))
+            for name, p in self.model.named_parameters()
+            if p.requires_grad
+        ]
+
     @property
     def lora(self) -> lora.LoRAConverter | None:
         """The LoRA converter of the trained model (None: every weight trains)."""

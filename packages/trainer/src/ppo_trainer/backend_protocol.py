@@ -178,6 +178,9 @@ class TrainerBackend(Protocol):
     # Weights in Hugging Face names (whole tensors; collective when ``sharded``).
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
 
+    # What trains (under train.lora: the adapters), in the model's names: an adapter-only update.
+    def trainable_weights(self, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]: ...
+
     # What the memory backend moves, and the lifecycle hooks.
     def weight_tensors(self) -> list[torch.Tensor]: ...
 

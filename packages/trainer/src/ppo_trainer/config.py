@@ -309,7 +309,8 @@ class LoraSettings:
 
     Each chosen linear layer of the decoder layers trains ``A`` (``rank x in``) and ``B``
     (``out x rank``) beside its frozen weight ``W``; it computes ``W + (alpha / rank) B A``. The
-    optimizer holds the adapters (and the critic's value head) only; the engines get merged weights.
+    optimizer holds the adapters (and the critic's value head) only; the engines get merged weights,
+    or the adapters alone (``update``).
     """
 
     rank: int = Field(default=16, ge=1, description="the adapters' rank r")
@@ -324,6 +325,13 @@ class LoraSettings:
         default=("actor", "critic"),
         min_length=1,
         description="the roles trained with adapters; the others train every weight",
+    )
+    update: Literal["merged", "adapters"] | None = Field(
+        default=None,
+        description="what the actor's weight update sends: 'adapters' (the lora_A/lora_B tensors only, "
+        "in the sync dtype; the engine merges them onto the base it keeps: the built-in engine) or "
+        "'merged' (W + alpha/rank B A under the base's names, every tensor: any engine); null: "
+        "'adapters' with rollout.engine='builtin', 'merged' with 'sglang'",
     )
 
 

@@ -428,6 +428,11 @@ class MegatronTrainer:
                 cast[key] = tensor.to(dtype) if dtype is not None else tensor
             yield name, cast[key]
 
+    def trainable_weights(self, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+        raise ValueError(
+            "train.lora.update='adapters' needs train.lora, a torch-backend option; set train.backend='torch'"
+        )
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The float32 main weights (what the optimizer steps; the bf16 weights are their rounding)
         in Hugging Face names, whole CPU tensors. Every rank calls it: the data-parallel shards and

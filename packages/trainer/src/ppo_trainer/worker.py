@@ -386,10 +386,20 @@ class TrainWorker:
         }
 
     # ------------------------------------------------------------------ weights to the engines
-    def _sync_weights(self, keep: bool) -> list[tuple[str, torch.Tensor]]:
+    @property
+    def sends_adapters(self) -> bool:
+        """Whether a weight update sends the adapters alone (``train.lora.update='adapters'``)."""
+        lora = self.config.lora
+        return self.config.lora_applies and lora is not None and lora.update == "adapters"
+
+    def _sync_weights(self, keep: bool, *, update: bool = False) -> list[tuple[str, torch.Tensor]]:
         """The weights as sent, on a rank that sends (``keep``). Sharded, every rank must call it: each
-        tensor is gathered by a collective; a rank that does not keep them drops what it gathered."""
+        tensor is gathered by a collective; a rank that does not keep them drops what it gathered.
+        ``update`` with adapter-only updates: the trainable tensors alone (the engine merges them; its
+        merged weights are what the other calls return, the checksum's)."""
         dtype = _SYNC_DTYPES[self.config.weight_sync_dtype]
+        if update and self.sends_adapters:
+            return self.trainer.trainable_weights(dtype) if keep else []
         if self.trainer.sharded:
             gathered = self.trainer.named_weights(dtype)  # fresh tensors, not the parameters' storage
             if keep:
@@ -439,7 +449,7 @@ class TrainWorker:
             # Sharded, every rank gathers before any rank talks to the engines: were a rank to fail to
             # connect while its peers waited in a gather, they would hang until the collective timeout.
             # After the gather no collective is left: each sending rank updates its own engines.
-            weights = self._sync_weights(keep=publisher.sends_weights)
+            weights = self._sync_weights(keep=publisher.sends_weights, update=True)
             if not publisher.sends_weights:
                 return {}
             return publisher.update(weights, version) | {"reconnected": float(was_asleep)}

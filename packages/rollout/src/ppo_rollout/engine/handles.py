@@ -11,7 +11,7 @@ import ray
 from ppo_lifecycle.startup import SetupTimer
 from ppo_weight_sync import EngineEndpoint, EngineReply, RayEngineEndpoint, free_port
 
-from ..config import SamplingConfig
+from ..config import AdapterUpdates, SamplingConfig
 from ..stops import RequestStop
 from .builtin import BuiltinEngineActor
 from .core import GenerationOutput
@@ -82,6 +82,7 @@ class BuiltinEngineHandle:
         gpus: int,
         actor_options: dict[str, Any],
         timeout_s: float,
+        lora: AdapterUpdates | None = None,
     ) -> None:
         self.name = name
         self._gpus = max(1, gpus)
@@ -96,6 +97,7 @@ class BuiltinEngineHandle:
                 name=name,
                 timeout_s=timeout_s,
                 torch_threads=1 if device == "cpu" else None,
+                lora=lora,
             )
         )
         self._ready = self.actor.ready.remote()

@@ -34,6 +34,7 @@ from torch import nn
 from ppo_trainer.config import LoraSettings
 from ppo_trainer.converters import NamedTensors
 from ppo_trainer.sharding import decoder_blocks
+from ppo_weight_sync.lora import ADAPTER_LEAVES, merge_lora
 
 __all__ = [
     "LoRAConverter",
@@ -44,8 +45,6 @@ __all__ = [
     "linear_layer_names",
     "peft_adapter",
 ]
-
-ADAPTER_LEAVES = ("lora_A.weight", "lora_B.weight")
 
 
 class LoRALinear(nn.Linear):
@@ -84,11 +83,8 @@ class LoRALinear(nn.Linear):
             return merge(self.weight, self.lora_A.weight, self.lora_B.weight, self.scale)
 
 
-def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``weight + scale * b @ a`` computed in float32, returned in ``weight``'s dtype."""
-    with torch.no_grad():
-        merged = torch.addmm(weight.float(), b.float(), a.float(), alpha=scale)
-    return merged.to(weight.dtype)
+# The engines merge adapter-only updates with the same function: the same bits from the same inputs.
+merge = merge_lora
 
 
 def linear_layer_names(model: nn.Module) -> list[str]:
@@ -197,8 +193,9 @@ class LoRAConverter:
         return model
 
     def export(self, weights: NamedTensors, dtype: torch.dtype | None) -> NamedTensors:
-        """The base weight of each converted layer merged with its adapters (under the base's name);
-        the adapter tensors themselves left out; everything else as it comes."""
+        """The base weight of each converted layer merged with its adapters (under the base's name),
+        from the three tensors cast to ``dtype`` first (None: as they are); the adapter tensors themselves
+        left out; everything else as it comes."""
         held: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             path, leaf = _split_adapter_name(name, self.scales)
@@ -206,7 +203,9 @@ class LoRAConverter:
                 yield name, tensor
                 continue
             parts = held.setdefault(path, {})
-            parts[leaf] = tensor
+            # Cast before the merge (to the sync dtype on a weight update): an engine given the adapters
+            # alone merges them, in that dtype, onto the base it holds; both then hold the same bits.
+            parts[leaf] = tensor if dtype is None else tensor.detach().to(dtype)
             if len(parts) == 3:
                 del held[path]
                 merged = merge(
