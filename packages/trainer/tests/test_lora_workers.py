@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 from conftest import lora_config, make_fields, same_split
 from transformers import AutoModelForCausalLM
 
@@ -166,3 +167,27 @@ def test_the_builtin_engine_merges_adapter_only_updates_from_its_base(tiny_model
             ray.kill(handle)
         for group in (actor, critic, merged_actor):
             group.shutdown()
+
+
+def test_bfloat16_adapters_give_the_engine_the_trainers_bits(tiny_model: Path) -> None:
+    """In bfloat16 (the CUDA sync dtype) too: the trainer's merged export rounds base and adapters to the
+    sync dtype before the merge, as the engine receives them, so the checksums stay equal (one process,
+    no Ray: the dtype path alone)."""
+    builtin = pytest.importorskip("ppo_rollout.engine.builtin")
+    from ppo_rollout.config import AdapterUpdates
+    from ppo_trainer.backend import TorchTrainer
+    from ppo_weight_sync import checksum
+
+    trainer = TorchTrainer(lora_config(tiny_model, weight_sync_dtype="bfloat16"))
+    with torch.no_grad():  # adapters as training leaves them: B no longer zero
+        g = torch.Generator().manual_seed(1)
+        for p in trainer.params:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    engine = builtin.BuiltinEngine(
+        tiny_model, "cpu", "bfloat16", lora=AdapterUpdates(rank=4, alpha=8.0), torch_threads=1
+    )
+    sent = trainer.trainable_weights(torch.bfloat16)
+    assert {t.dtype for _, t in sent} == {torch.bfloat16}
+    assert sum(t.numel() * t.element_size() for _, t in sent) == ADAPTER_BYTES // 2
+    engine._load_weights(sent)
+    assert engine.weights_checksum() == checksum(list(trainer.named_weights(torch.bfloat16)))
