@@ -45,6 +45,11 @@ PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "testsupport": ("ppo-testsupport", ()),
 }
 
+# Sibling wheels a package's tests install beside its own closure: the trainer's tests send LoRA adapter
+# updates to the built-in engine of ppo-rollout (the trainer itself never imports it; ppo-rollout's
+# third-party requirements are a subset of the trainer's, so `uv pip check` still holds).
+TEST_SIBLINGS: dict[str, tuple[str, ...]] = {"ppo-trainer": ("ppo-rollout",)}
+
 
 def _sync(
     session: nox.Session,
@@ -111,6 +116,7 @@ def _install_wheel(session: nox.Session, dist: str, extras: tuple[str, ...], *, 
     session.run(*export, external=True)
     session.install("-r", str(requirements))
     wanted = _sibling_closure(dist) + (["ppo-testsupport"] if test and dist != "ppo-testsupport" else [])
+    wanted += [name for name in TEST_SIBLINGS.get(dist, ()) if test and name not in wanted]
     wheels = [str(next(out.glob(f"{name.replace('-', '_')}-*.whl"))) for name in wanted]
     session.install("--no-deps", *wheels)
     session.run("uv", "pip", "check", external=True)

@@ -74,3 +74,17 @@ def test_critic_only_warmup_steps(local_ray: None, tmp_path: Path) -> None:
     assert last["handoff/values_used"] == 1
     assert last["weight_sync/updates"] >= 1
     assert result.weights_match
+
+
+@pytest.mark.timeout(300)
+def test_lora_actor_sends_the_engine_its_adapters_alone(local_ray: None, tmp_path: Path) -> None:
+    """`train.lora` on both roles with the built-in engine: each weight update carries the actor's
+    adapters only, and the engine, merging them onto the base it keeps, ends with the actor's weights."""
+    config = load_config(None, [*QUIET, "train.steps=3", "train.lora.rank=4"])
+    assert config.train.lora is not None
+    result = train(config, tmp_path / "run", console=Console(quiet=True))
+    # float32 x rank 4 x (in + out) of the seven projections of the built-in tiny model's decoder
+    # layers: the adapters alone, against 339,200 bytes for the whole model.
+    sent = {record["weight_sync/bytes"] for record in result.history}
+    assert sent == {34_816.0}
+    assert result.weights_match

@@ -126,8 +126,8 @@ def test_the_builtin_engine_merges_adapter_only_updates_from_its_base(tiny_model
     """Two actors of one seed train on the same batches; after each step one sends its adapters alone to a
     built-in engine, the other merged weights to another. Both engines then hold the trainers' checksum
     (the adapters' engine merged from its base, not onto its previous merge) and generate the same."""
-    builtin = pytest.importorskip("ppo_rollout.engine.builtin")  # the workspace's rollout package
     from ppo_rollout.config import AdapterUpdates, SamplingConfig
+    from ppo_rollout.engine import builtin  # a test-only sibling (noxfile's TEST_SIBLINGS)
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     critic = _group("critic", tiny_model)
@@ -173,8 +173,8 @@ def test_bfloat16_adapters_give_the_engine_the_trainers_bits(tiny_model: Path) -
     """In bfloat16 (the CUDA sync dtype) too: the trainer's merged export rounds base and adapters to the
     sync dtype before the merge, as the engine receives them, so the checksums stay equal (one process,
     no Ray: the dtype path alone)."""
-    builtin = pytest.importorskip("ppo_rollout.engine.builtin")
     from ppo_rollout.config import AdapterUpdates
+    from ppo_rollout.engine import builtin
     from ppo_trainer.backend import TorchTrainer
     from ppo_weight_sync import checksum
 
