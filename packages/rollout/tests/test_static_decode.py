@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.core import GenerationCore, make_sampler, pick_with_noise, sampling_distribution
-from ppo_rollout.engine.decode_fusions import QKProjections, RmsNorm, rotate_rolled, signed_sin
+from ppo_rollout.engine.decode_fusions import QKV, FusedLinear, RmsNorm, rotate_rolled, signed_sin
 from ppo_rollout.engine.static_decode import (
     LlamaStaticDecoder,
     batch_bucket,
@@ -355,9 +355,9 @@ def test_fused_forward_gives_the_earlier_forwards_logits(kind: str) -> None:
     fused, plain = LlamaStaticDecoder(model), LlamaStaticDecoder(model, fused=False)
     assert fused.fused  # the default
     assert not plain.fused
-    # The fused paths are the ones taken: every norm computed by F.rms_norm, q/k projected jointly.
+    # The fused paths are the ones taken: every norm computed by F.rms_norm, q/k/v and gate/up joined.
     assert all(n.eps == 1e-6 for n in [*fused._input_norms, *fused._post_norms, fused._final_norm])
-    assert all(p is not None for p in fused._joint_qk)
+    assert all(p is not None and p.joined() is not None for p in [*fused._qkv, *fused._gate_up])
     ours, theirs = _prefill_then_decode(fused), _prefill_then_decode(plain)
     for name, a, b in zip(OUTPUTS, ours, theirs, strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-6), f"{kind} {name}: {(a - b).abs().max():.3g}"
@@ -394,13 +394,14 @@ def test_norms_and_projections_of_other_classes_are_called_as_they_are() -> None
     fused, plain = LlamaStaticDecoder(model), LlamaStaticDecoder(model, fused=False)
     assert fused._input_norms[1].eps is None
     assert fused._input_norms[0].eps is not None
-    assert fused._joint_qk[1] is None
-    assert fused._joint_qk[0] is not None
+    assert fused._qkv[1] is None
+    assert fused._qkv[0] is not None
+    assert fused._gate_up[1] is not None
     ours, theirs = _prefill_then_decode(fused), _prefill_then_decode(plain)
     for name, a, b in zip(OUTPUTS, ours, theirs, strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-6), f"{name}: {(a - b).abs().max():.3g}"
     assert RmsNorm.of(other).eps is None
-    assert QKProjections.of(model.model.layers[0].self_attn) is not None
+    assert FusedLinear.of(model.model.layers[0].self_attn, QKV) is not None
 
 
 @settings(max_examples=40, deadline=None)
@@ -489,17 +490,15 @@ def test_fused_decode_step_runs_fewer_operations_per_layer(kind: str) -> None:
         "aten.softmax.int": 1,
         "aten.silu.default": 1,
     }, earlier
-    qk_matmul = "aten.mm.out" if kind == "llama" else "aten.addmm.out"  # Qwen2's q/k have biases
     assert fused == {
         "aten.rms_norm.default": 2,
         "aten.roll.default": 1,  # one rotation for q and k together
         "aten.mul.Tensor": 2 + 2 + 1 + 1,  # norm weights, rotary, attention scale, MLP
         "aten.add.Tensor": 1 + 1 + 2,  # rotary, attention mask, residuals
-        qk_matmul: 2,  # q and k into one buffer
-        "aten.linear.default": 5,  # v, o, gate, up, down
+        "aten.linear.default": 4,  # q/k/v joined, o, gate/up joined, down
         "aten.index_copy_.default": 2,
         "aten.matmul.default": 2,
         "aten.softmax.int": 1,
         "aten.silu.default": 1,
     }, fused
-    assert (sum(earlier.values()), sum(fused.values())) == (40, 26)
+    assert (sum(earlier.values()), sum(fused.values())) == (40, 23)

@@ -28,6 +28,7 @@ from torch.nn.attention import sdpa_kernel
 
 from ..config import SamplingConfig
 from .continuous import GenerationRequest, SlotStats, generate_in_slots, row_seed
+from .decode_fusions import fuse_projections
 from .decode_graphs import SDPA_BACKENDS, DecodeGraphs
 from .static_decode import (
     KV_BLOCK,
@@ -210,6 +211,11 @@ class GenerationCore:
         model: Any = AutoModelForCausalLM.from_pretrained(str(model_path))
         self.model: Any = model.to(device=self.device, dtype=_DTYPES[dtype]).eval().requires_grad_(False)
         _own_storage(self.model)
+        if unsupported_reason(self.model) is None:
+            # q/k/v and gate/up weights joined into one buffer each (the parameters views into it) here,
+            # while the weights are allocated, so that a memory backend that tracks allocations (a
+            # region) owns the buffers; the static decoders find them joined.
+            fuse_projections(self.model)
         config = self.model.config
         gen_config = getattr(self.model, "generation_config", None)
         eos = _as_list(getattr(gen_config, "eos_token_id", None)) or _as_list(

@@ -7,20 +7,26 @@ is several hundred small kernels whose launches, not their work, set its time. S
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "QKProjections",
+    "GATE_UP",
+    "QKV",
+    "FusedLinear",
     "RmsNorm",
     "RopeTables",
-    "joint_rows",
-    "linear_into",
+    "fuse_linears",
+    "fuse_projections",
     "rotate_rolled",
     "signed_sin",
 ]
+
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
 
 
 def _llama_rms_norm_classes() -> tuple[type[torch.nn.Module], ...]:
@@ -69,29 +75,86 @@ class RmsNorm:
 
 
 @dataclass(frozen=True)
-class QKProjections:
-    """A layer's q and k projections when both are plain ``nn.Linear``: their matmuls can then write
-    into one buffer (``out=``), so one rotation covers q and k."""
+class FusedLinear:
+    """Plain ``nn.Linear`` modules with one input that run as one matmul: a layer's q/k/v projections,
+    or its gate/up projections.
 
-    q: torch.nn.Linear
-    k: torch.nn.Linear
+    :func:`fuse_linears` stores their weights (and biases) as consecutive row blocks of one buffer and
+    makes each module's parameters views into it, so the model holds no second copy and a weight update
+    that writes into a module's parameter (``copy_``, as ``load_weights`` does) writes the buffer.
+    :meth:`joined` reads the buffer back at call time and gives None when the parameters are not (or no
+    longer) laid out so -- a parameter replaced by a tensor of its own -- and the decoder then calls the
+    modules one by one: there is no joined copy that could go stale.
+    """
+
+    parts: tuple[torch.nn.Linear, ...]
 
     @classmethod
-    def of(cls, attn: torch.nn.Module) -> QKProjections | None:
-        q, k = attn.get_submodule("q_proj"), attn.get_submodule("k_proj")
+    def of(cls, module: torch.nn.Module, names: tuple[str, ...]) -> FusedLinear | None:
+        parts = [module.get_submodule(n) for n in names]
         # A subclass (LoRA, quantised) may compute something else than weight @ x + bias.
-        if type(q) is not torch.nn.Linear or type(k) is not torch.nn.Linear:
+        linears = tuple(p for p in parts if type(p) is torch.nn.Linear and isinstance(p, torch.nn.Linear))
+        if len(linears) != len(parts):
             return None
-        return cls(q, k)
+        first = linears[0]
+        for p in linears:
+            if p.in_features != first.in_features or p.weight.dtype != first.weight.dtype:
+                return None
+            if p.weight.device != first.weight.device or (p.bias is None) != (first.bias is None):
+                return None
+        return cls(linears)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(p.out_features for p in self.parts)
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The weight [sum of out_features, in_features] (and bias) the parts' parameters are row blocks
+        of, as views of their storage; None when they are not consecutive blocks of one storage."""
+        weight = _consecutive([p.weight for p in self.parts])
+        biases = [p.bias for p in self.parts if p.bias is not None]
+        if weight is None or not biases:
+            return None if weight is None else (weight, None)
+        bias = _consecutive(biases)
+        return None if bias is None else (weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``cat([part(x) for part in parts], -1)`` as one matmul; None when the parts are not joined."""
+        joined = self.joined()
+        return None if joined is None else F.linear(x, joined[0], joined[1])
 
 
-def linear_into(out: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear) -> None:
-    """``linear(x)`` for a 2-D ``x``, written into the contiguous ``out``: the matmul ``F.linear`` runs
-    for it (``mm``, or ``addmm`` with the bias), so the same result."""
-    if linear.bias is None:
-        torch.mm(x, linear.weight.t(), out=out)
-    else:
-        torch.addmm(linear.bias, x, linear.weight.t(), out=out)
+def _consecutive(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors stacked along dim 0 as one view of their storage, if they are contiguous,
+    consecutive blocks of one storage; else None."""
+    first = tensors[0]
+    base = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != offset:
+            return None
+        if t.untyped_storage().data_ptr() != base:
+            return None
+        offset += t.numel()
+    rows = sum(int(t.shape[0]) for t in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def fuse_linears(fused: FusedLinear) -> None:
+    """Moves the parts' weights (and biases) into one buffer each and makes every part's parameter a
+    view into it (in place: the parameters stay the same objects). Nothing to do if already joined."""
+    if fused.joined() is not None:
+        return
+    with torch.no_grad():
+        weight = torch.cat([p.weight.detach() for p in fused.parts])
+        biases = [p.bias.detach() for p in fused.parts if p.bias is not None]
+        bias = torch.cat(biases) if biases else None
+    start = 0
+    for part, width in zip(fused.parts, fused.widths, strict=True):
+        part.weight.data = weight[start : start + width]
+        if bias is not None and part.bias is not None:
+            part.bias.data = bias[start : start + width]
+        start += width
 
 
 def rotate_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -112,25 +175,23 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RopeTables:
-    """One forward's rotary tables.
-
-    ``cos``/``sin`` [B, 1, T, D] broadcast over the heads; ``sin_signed`` (fused) as
-    :func:`rotate_rolled` takes it. ``joint_cos``/``joint_sin`` (fused, one-position forwards such as
-    decode steps): the same values laid out as q and k sit in the joint projection buffer, one row per
-    (token, q head), then one per (token, k head), so the buffer is rotated in one go."""
+    """One forward's rotary tables: ``cos``/``sin`` [B, 1, T, D] broadcast over the heads;
+    ``sin_signed`` (fused) as :func:`rotate_rolled` takes it."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     sin_signed: torch.Tensor | None
-    joint_cos: torch.Tensor | None
-    joint_sin: torch.Tensor | None
 
 
-def joint_rows(table: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """[B, 1, T, D] -> [B * T * (heads + kv_heads), D]: each token's row once per q head (all tokens),
-    then once per k head, the order of the joint q/k buffer."""
-    b, _, t, d = table.shape
-    per_token = table[:, 0, :, None, :]
-    return torch.cat(
-        (per_token.expand(b, t, heads, d).reshape(-1, d), per_token.expand(b, t, kv_heads, d).reshape(-1, d))
-    )
+def fuse_projections(model: torch.nn.Module) -> int:
+    """Joins every layer's q/k/v and gate/up projections of a Llama-family model (``model.model.layers``)
+    into one buffer each (:func:`fuse_linears`); returns how many groups are joined. Layers whose
+    projections are not plain ``nn.Linear`` modules are left as they are."""
+    joined = 0
+    for layer in model.get_submodule("model.layers").children():
+        for module, names in (("self_attn", QKV), ("mlp", GATE_UP)):
+            fused = FusedLinear.of(layer.get_submodule(module), names)
+            if fused is not None:
+                fuse_linears(fused)
+                joined += 1
+    return joined

@@ -28,10 +28,14 @@ A decode step is several hundred small kernels whose launches, not their work, s
 - rotary embeddings as ``x * cos + roll(x, D/2) * sin_signed``, ``sin_signed`` the sine with its first
   half negated (made once per forward): the same products as ``x * cos + rotate_half(x) * sin``, as
   ``-a * b == a * -b`` exactly, without the negation and concatenation per tensor;
-- in a decode step, the q and k projections write into one buffer (two matmuls with ``out=``: no
-  copy) and one rotation covers both, against cos/sin tables laid out row for row (one row per
-  token and head, made once per step; a prefill rotates q and k apart rather than hold such tables
-  the size of its q and k).
+- q/k/v and gate/up as one matmul each: the decoder stores each layer's q, k, v weights (and biases)
+  as consecutive row blocks of one buffer and makes the model's parameters views into it
+  (``decode_fusions.fuse_projections``; gate and up alike), so there is no second copy: a weight
+  update that copies into a parameter writes the buffer, a memory release moves the one storage, and
+  the weights checksum reads the model's own named tensors. One rotation covers each token's q and k
+  heads of the joint output (tables ``[B, T, 1, D]`` broadcast over the heads). A layer whose
+  projections are not plain ``nn.Linear`` (LoRA, quantised) or no longer joined (a parameter replaced
+  by a tensor of its own) is computed module by module.
 
 On CPU both forms give the same logits (tests/test_static_decode.py: float32 within 1e-6; with
 torch 2.15 bit for bit, float32 and bfloat16, as CPU's ``F.rms_norm`` is the same composite of
@@ -50,11 +54,12 @@ import torch
 import torch.nn.functional as F
 
 from ppo_rollout.engine.decode_fusions import (
-    QKProjections,
+    GATE_UP,
+    QKV,
+    FusedLinear,
     RmsNorm,
     RopeTables,
-    joint_rows,
-    linear_into,
+    fuse_projections,
     rotate_rolled,
     signed_sin,
 )
@@ -217,7 +222,12 @@ class LlamaStaticDecoder:
         self._input_norms = [RmsNorm.of(layer.input_layernorm) for layer in self.layers]
         self._post_norms = [RmsNorm.of(layer.post_attention_layernorm) for layer in self.layers]
         self._final_norm = RmsNorm.of(self.norm)
-        self._joint_qk = [QKProjections.of(layer.self_attn) for layer in self.layers]
+        if fused:
+            # The model's q/k/v and gate/up weights become views into one buffer per group (no copy
+            # kept beside them: weight updates write through, memory release moves one storage).
+            fuse_projections(model)
+        self._qkv = [FusedLinear.of(layer.self_attn, QKV) for layer in self.layers]
+        self._gate_up = [FusedLinear.of(layer.mlp, GATE_UP) for layer in self.layers]
 
     # -- buffers ------------------------------------------------------------------------------------
     def allocate(self, batch: int, capacity: int, max_new: int, per_row: bool = False) -> DecodeBuffers:
@@ -268,46 +278,44 @@ class LlamaStaticDecoder:
         cos, sin = self._rope(positions)
         cos, sin = cos[:, None], sin[:, None]
         if not self.fused:
-            return RopeTables(cos, sin, None, None, None)
-        sin_signed = signed_sin(sin)
-        # Joint tables for one-position forwards (every decode step) only: a prefill's would be as
-        # large as its q and k.
-        if positions.shape[1] != 1 or not any(self._joint_qk):
-            return RopeTables(cos, sin, sin_signed, None, None)
-        heads, kv_heads = self.heads, self.kv_heads
-        joint_cos, joint_sin = joint_rows(cos, heads, kv_heads), joint_rows(sin_signed, heads, kv_heads)
-        return RopeTables(cos, sin, sin_signed, joint_cos, joint_sin)
+            return RopeTables(cos, sin, None)
+        return RopeTables(cos, sin, signed_sin(sin))
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, heads * D] -> [B, heads, T, D] (a view)."""
         return x.view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
 
-    def _qk(self, i: int, attn: Any, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s rotated queries and keys [B, heads or kv_heads, T, D]."""
-        joint = self._joint_qk[i]
-        if rope.joint_cos is not None and rope.joint_sin is not None and joint is not None:
-            return self._qk_joint(joint, x, rope.joint_cos, rope.joint_sin)
-        q, k = self._split_heads(attn.q_proj(x)), self._split_heads(attn.k_proj(x))
-        if rope.sin_signed is None:
-            return self._rotate(q, rope.cos, rope.sin), self._rotate(k, rope.cos, rope.sin)
-        return rotate_rolled(q, rope.cos, rope.sin_signed), rotate_rolled(k, rope.cos, rope.sin_signed)
+    def _qkv_heads(
+        self, i: int, attn: Any, x: torch.Tensor, rope: RopeTables
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s rotated queries and keys and its values [B, heads or kv_heads, T, D]."""
+        fused = self._qkv[i] if rope.sin_signed is not None else None
+        qkv = fused(x) if fused is not None else None
+        if qkv is None or rope.sin_signed is None:
+            q, k = self._split_heads(attn.q_proj(x)), self._split_heads(attn.k_proj(x))
+            v = self._split_heads(attn.v_proj(x))
+            if rope.sin_signed is None:
+                return self._rotate(q, rope.cos, rope.sin), self._rotate(k, rope.cos, rope.sin), v
+            return rotate_rolled(q, rope.cos, rope.sin_signed), rotate_rolled(k, rope.cos, rope.sin_signed), v
+        # One matmul: [B, T, (heads + 2 kv_heads) * D], each token's q heads, k heads, v heads in turn.
+        # One rotation covers each token's q and k heads, against tables [B, T, 1, D] that broadcast
+        # over them: the same products as rotating q and k apart.
+        heads = qkv.view(x.shape[0], x.shape[1], -1, self.head_dim)
+        qk = self.heads + self.kv_heads
+        rotated = rotate_rolled(heads[:, :, :qk], rope.cos.transpose(1, 2), rope.sin_signed.transpose(1, 2))
+        q = rotated[:, :, : self.heads].transpose(1, 2)
+        k = rotated[:, :, self.heads :].transpose(1, 2)
+        return q, k, heads[:, :, qk:].transpose(1, 2)
 
-    def _qk_joint(
-        self, proj: QKProjections, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k projected into one buffer [tokens * (heads + kv_heads), D] (q's rows, then k's: each
-        part is laid out as its own projection would be) and rotated together."""
-        rows, width = x.shape[0], x.shape[1]
-        tokens = rows * width
-        flat = x.reshape(tokens, -1)
-        buffer = torch.empty(cos.shape, dtype=x.dtype, device=x.device)
-        q_rows = tokens * self.heads
-        linear_into(buffer[:q_rows].view(tokens, -1), flat, proj.q)
-        linear_into(buffer[q_rows:].view(tokens, -1), flat, proj.k)
-        rotated = rotate_rolled(buffer, cos, sin_signed)
-        q = rotated[:q_rows].view(rows, width, self.heads, self.head_dim).transpose(1, 2)
-        k = rotated[q_rows:].view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
-        return q, k
+    def _mlp(self, i: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))`` (transformers' Llama/Qwen2 MLP with silu, the only activation
+        the decoder accepts), gate and up as one matmul when the fused forward has them joined."""
+        fused = self._gate_up[i] if self.fused else None
+        gate_up = fused(x) if fused is not None else None
+        if fused is None or gate_up is None:
+            return mlp(x)
+        inner = fused.widths[0]
+        return mlp.down_proj(F.silu(gate_up[..., :inner]) * gate_up[..., inner:])
 
     def forward(
         self,
@@ -336,8 +344,7 @@ class LlamaStaticDecoder:
             attn = layer.self_attn
             residual = hidden
             x = self._input_norms[i](hidden, fused)
-            q, k = self._qk(i, attn, x, rope)
-            v = self._split_heads(attn.v_proj(x))
+            q, k, v = self._qkv_heads(i, attn, x, rope)
             keys, values = buffers.keys[i], buffers.values[i]
             if col is None:
                 keys[:rows, :, :width].copy_(k)
@@ -363,7 +370,7 @@ class LlamaStaticDecoder:
             out = attn.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
             hidden = residual + out
             residual = hidden
-            hidden = residual + layer.mlp(self._post_norms[i](hidden, fused))
+            hidden = residual + self._mlp(i, layer.mlp, self._post_norms[i](hidden, fused))
         return self.lm_head(self._final_norm(hidden[:, -1:, :], fused))[:, 0, :]
 
     def _flat_columns(self, buffers: DecodeBuffers, col: torch.Tensor) -> torch.Tensor:
