@@ -1,3 +1,3 @@
 """The PPO driver: config, the training loop, checkpoints, metrics and the ppo-driver CLI."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
