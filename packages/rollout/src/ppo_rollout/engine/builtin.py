@@ -221,13 +221,15 @@ class BuiltinEngine(ReceivingEngine):
             raise ValueError(f"engine {self.name}: lora_A and lora_B come together; {unpaired[:3]} lack one")
         with self._step_lock:
             self._core.load_weights(whole)
+            if not (self._bases or pairs) or self.lora is None:
+                return  # no adapters sent, none merged before: a plain update
             held = dict(self._core.named_tensors())
             with torch.no_grad():
                 for name, _ in whole:  # a base weight sent whole is the base the next merge starts from
                     base = self._bases.get(name.removesuffix(".weight"))
                     if base is not None and name.endswith(".weight"):
                         base.copy_(held[name])
-            if pairs and self.lora is not None:
+            if pairs:
                 self._merge_adapters(pairs, held, self.lora.scale)
 
     def _merge_adapters(

@@ -165,7 +165,8 @@ def generate_in_slots(
     width = max(r.max_new_tokens for r in requests) + 1
     b = runner.prepare(batch, capacity, width, weights_key, per_row=True)
     capacity = b.capacity
-    _empty_all(b, pad_token_id)
+    _empty(b, slice(None), pad_token_id)
+    b.limits.zero_()
     shared_stops = tuple((int(t),) for t in stop_token_ids)
     sampler = make_sampler(sampling)
     sampling_key = ("slots", sampling.temperature, sampling.top_k, sampling.top_p)
@@ -219,19 +220,9 @@ def _finish(tokens: Sequence[int], slot: _Slot, stops: Sequence[tuple[int, ...]]
     return None
 
 
-def _empty_all(b: DecodeBuffers, pad: int) -> None:
-    b.finished.fill_(True)
-    b.valid.zero_()
-    b.valid[:, 0] = True
-    b.tok.fill_(pad)
-    b.pos.zero_()
-    b.col.zero_()
-    b.step.zero_()
-    b.limits.zero_()
-
-
-def _empty(b: DecodeBuffers, s: int, pad: int) -> None:
-    """An empty slot: finished, attending to its column 0 only (finite, never NaN)."""
+def _empty(b: DecodeBuffers, s: int | slice, pad: int) -> None:
+    """An empty slot (``slice(None)``: every slot): finished, attending to its column 0 only (finite,
+    never NaN)."""
     b.finished[s] = True
     b.valid[s].zero_()
     b.valid[s, 0] = True

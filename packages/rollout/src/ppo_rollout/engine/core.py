@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import inspect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -397,33 +397,22 @@ class GenerationCore:
                 raise ValueError(f"request {i}: {exc}") from None
         decoder = self._continuous_decoder()
         stop_ids = sorted({*(() if sampling.ignore_eos else self.eos_token_ids), *sampling.stop_token_ids})
-        own = self._graphs_lock.acquire(blocking=False)
-        try:
-            kept = self._slot_graphs if own else None
-            runner = kept or DecodeGraphs(decoder, use_graphs=self._use_graphs and decoder is self._decoder)
-            captured = runner.capture_seconds
-            try:
-                outputs, stats = generate_in_slots(
-                    decoder,
-                    runner,
-                    requests,
-                    sampling,
-                    stop_token_ids=stop_ids,
-                    pad_token_id=self.pad_token_id,
-                    slots=self.max_running if max_running is None else max_running,
-                    refill_every=self.refill_every if refill_every is None else refill_every,
-                    weights_key=tuple(t.data_ptr() for t in self.model.state_dict().values()),
-                    guard=step_guard or contextlib.nullcontext,
-                    make_sampler=make_sampler,
-                    first_token=first_token,
-                )
-            finally:
-                self.graph_capture_seconds += runner.capture_seconds - captured
-            self.last_decode_path = "cuda-graphs" if runner.use_graphs else "static-eager"
-            self.graph_failure = runner.graph_failure
-        finally:
-            if own:
-                self._graphs_lock.release()
+        use_graphs = self._use_graphs and decoder is self._decoder
+        with self._decode_runner(self._slot_graphs, decoder, use_graphs) as runner:
+            outputs, stats = generate_in_slots(
+                decoder,
+                runner,
+                requests,
+                sampling,
+                stop_token_ids=stop_ids,
+                pad_token_id=self.pad_token_id,
+                slots=self.max_running if max_running is None else max_running,
+                refill_every=self.refill_every if refill_every is None else refill_every,
+                weights_key=self._weights_key(),
+                guard=step_guard or contextlib.nullcontext,
+                make_sampler=make_sampler,
+                first_token=first_token,
+            )
         self.last_slot_stats = stats
         return [
             GenerationOutput(prompt_position=i, token_ids=ids, log_probs=logps, finish_reason=reason)
@@ -494,22 +483,35 @@ class GenerationCore:
         The same tokens as :meth:`_generate_loop` for the same seed wherever the two forward passes
         agree on the logits' order (sampling noise is drawn the same way; see ``pick_with_noise``).
         """
+        with self._decode_runner(self._graphs, decoder, self._use_graphs) as runner:
+            return self._static_with(call, decoder, runner)
+
+    @contextlib.contextmanager
+    def _decode_runner(
+        self, kept: DecodeGraphs | None, decoder: LlamaStaticDecoder, use_graphs: bool
+    ) -> Iterator[DecodeGraphs]:
+        """The decode buffers and graphs a static call runs on: ``kept`` (the core's, reused across
+        calls) when no other call holds them, else a set of the call's own. On the way out: the graphs'
+        capture time counted, and, when the call succeeded, the decode path it took."""
         # One generate call at a time owns the kept buffers; a concurrent call gets its own.
         own = self._graphs_lock.acquire(blocking=False)
         try:
-            kept = self._graphs if own else None
-            runner = kept or DecodeGraphs(decoder, use_graphs=self._use_graphs)
+            runner = (kept if own else None) or DecodeGraphs(decoder, use_graphs=use_graphs)
             captured = runner.capture_seconds
             try:
-                result = self._static_with(call, decoder, runner)
+                yield runner
             finally:
                 self.graph_capture_seconds += runner.capture_seconds - captured
             self.last_decode_path = "cuda-graphs" if runner.use_graphs else "static-eager"
             self.graph_failure = runner.graph_failure
-            return result
         finally:
             if own:
                 self._graphs_lock.release()
+
+    def _weights_key(self) -> tuple[int, ...]:
+        """Where the model's tensors live: captured decode graphs read these addresses, so a runner
+        given another key (a reload reallocated them) drops its buffers and graphs."""
+        return tuple(t.data_ptr() for t in self.model.state_dict().values())
 
     def _static_with(self, call: _Call, decoder: LlamaStaticDecoder, runner: DecodeGraphs) -> _Outputs:
         sampling, dev, pad = call.sampling, self.device, self.pad_token_id
@@ -521,8 +523,7 @@ class GenerationCore:
                 "shorten sampling.stop_token_ids"
             )
         capacity = round_up(width + max_new - 1, KV_BLOCK)
-        weights_key = tuple(t.data_ptr() for t in self.model.state_dict().values())
-        b = runner.prepare(batch_bucket(rows), capacity, max_new, weights_key)
+        b = runner.prepare(batch_bucket(rows), capacity, max_new, self._weights_key())
         capacity = b.capacity
         valid = call.mask.bool()
 

@@ -34,7 +34,7 @@ from torch import nn
 from ppo_trainer.config import LoraSettings
 from ppo_trainer.converters import NamedTensors
 from ppo_trainer.sharding import decoder_blocks
-from ppo_weight_sync.lora import ADAPTER_LEAVES, merge_lora
+from ppo_weight_sync.lora import ADAPTER_LEAVES, adapter_module, merge_lora
 
 __all__ = [
     "LoRAConverter",
@@ -80,11 +80,8 @@ class LoRALinear(nn.Linear):
     def merged_weight(self) -> torch.Tensor:
         """``W + scale * B A`` (no gradient), in the weight's dtype."""
         with torch.no_grad():
-            return merge(self.weight, self.lora_A.weight, self.lora_B.weight, self.scale)
-
-
-# The engines merge adapter-only updates with the same function: the same bits from the same inputs.
-merge = merge_lora
+            # The engines merge adapter-only updates with this function too: same inputs, same bits.
+            return merge_lora(self.weight, self.lora_A.weight, self.lora_B.weight, self.scale)
 
 
 def linear_layer_names(model: nn.Module) -> list[str]:
@@ -208,7 +205,7 @@ class LoRAConverter:
             parts[leaf] = tensor if dtype is None else tensor.detach().to(dtype)
             if len(parts) == 3:
                 del held[path]
-                merged = merge(
+                merged = merge_lora(
                     parts["weight"], parts["lora_A.weight"], parts["lora_B.weight"], self.scales[path]
                 )
                 yield f"{path}.weight", merged
@@ -217,7 +214,8 @@ class LoRAConverter:
 
 
 def is_adapter_name(name: str) -> bool:
-    return name.endswith(tuple("." + leaf for leaf in ADAPTER_LEAVES))
+    """Whether ``name`` is an adapter tensor's (``<path>.lora_A.weight`` or ``.lora_B.weight``)."""
+    return adapter_module(name) is not None
 
 
 def peft_adapter(
