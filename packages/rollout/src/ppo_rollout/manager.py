@@ -6,16 +6,17 @@ import concurrent.futures
 import contextlib
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ppo_lifecycle.startup import role_startup
 from ppo_value_transport import Box, pack_fields
 from ppo_weight_sync import EngineEndpoint
+from ppo_weight_sync.sglang_lora import ADAPTER_NAME
 
 from .batch import rank_fields, split_indices
-from .config import RolloutConfig, SamplingSettings
+from .config import RolloutConfig, SamplingConfig, SamplingSettings
 from .data import PromptRenderer, PromptSource, open_prompts
 from .dynamic_sampling import select_groups
 from .engine.builtin import MEMORY_TAGS
@@ -191,6 +192,7 @@ class RolloutManager:
             or (0.6 if slots is not None and 0.0 < share < 1.0 else None),
             "random_seed": cfg.seed + i,
             "extra_args": cfg.sglang.extra_args,
+            "lora": cfg.lora,  # adapter-only updates: the server runs with LoRA on
             **({"command": cfg.sglang.command} if cfg.sglang.command else {}),
         }
         # The launching actor holds no GPU: the server takes its GPUs by id.
@@ -201,7 +203,33 @@ class RolloutManager:
             startup_timeout_s=cfg.sglang.startup_timeout_s,
             stop_grace_s=cfg.sglang.stop_grace_s,
             request_timeout_s=cfg.sglang.request_timeout_s,
+            adapter=ADAPTER_NAME if cfg.lora is not None else None,
         )
+
+    def start_warm_up(self) -> Callable[[float], dict[str, float]]:
+        """Start each built-in engine's ``warm_up`` for the first wave of a training step (the rows
+        ``GenerateClient`` sends each engine: ``prompts_per_step`` split in near-equal contiguous
+        chunks, ``n_samples_per_prompt`` rows each) and return what waits for them: the slowest
+        engine's ``{"warm_up_s": ...}``. SGLang servers capture their graphs at launch: nothing to do."""
+        cfg = self.config
+        engines = len(self.engines)
+        bounds = [round(k * cfg.prompts_per_step / engines) for k in range(engines + 1)]
+        sampling = SamplingConfig.of(cfg.sampling, seed=0)
+        waits = [
+            engine.submit_warm_up(
+                (bounds[j + 1] - bounds[j]) * cfg.sampling.n_samples_per_prompt,
+                cfg.max_prompt_length,
+                sampling,
+            )
+            for j, engine in enumerate(self.engines)
+            if isinstance(engine, BuiltinEngineHandle) and bounds[j + 1] > bounds[j]
+        ]
+
+        def wait(timeout_s: float) -> dict[str, float]:
+            seconds = [w(timeout_s)["warm_up_s"] for w in waits]
+            return {"warm_up_s": max(seconds, default=0.0)}
+
+        return wait
 
     def endpoints(self) -> list[EngineEndpoint]:
         """The engines as ppo_weight_sync endpoints, for ``WeightSender.connect``."""

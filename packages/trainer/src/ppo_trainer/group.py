@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -291,6 +291,18 @@ class TrainGroup:
 
     def pop_metrics(self) -> dict[str, float]:
         return dict(self._all("pop_metrics")[0])
+
+    def start_warm_up(
+        self, samples: int, prompt_tokens: int, response_tokens: int
+    ) -> Callable[[], dict[str, float]]:
+        """Start every rank's ``TrainWorker.warm_up`` (``samples`` per rank); returns what waits for
+        them: the slowest rank's ``{"warm_up_s": ...}``."""
+        refs = [w.warm_up.remote(samples, prompt_tokens, response_tokens) for w in self.workers]
+
+        def wait() -> dict[str, float]:
+            return {"warm_up_s": max(r["warm_up_s"] for r in self._get(refs, "warm_up"))}
+
+        return wait
 
     def memory_info(self) -> list[dict[str, float]]:
         return list(self._all("memory_info"))

@@ -347,6 +347,18 @@ class TrainWorker:
         samples = Samples.from_fields(unpack_fields(batch_box))
         return pack(samples.unpad(self.trainer.compute_log_probs(samples)))
 
+    def warm_up(self, samples: int, prompt_tokens: int, response_tokens: int) -> dict[str, float]:
+        """The role's train phase once on a dummy batch of ``samples`` samples of ``prompt_tokens`` +
+        ``response_tokens`` tokens, undone bit for bit (``ppo_trainer.warm_up``): the first step's
+        kernels load now. Collective over the role's ranks. ``{"warm_up_s": seconds}`` (0: not warmed)."""
+        from ppo_trainer.warm_up import dummy_samples, warm_up
+
+        self._require_awake("warm_up()")
+        uses_critic = self.role == "actor" and self.config.algorithm.estimator_info.uses_critic
+        batch = dummy_samples(samples, prompt_tokens, response_tokens)
+        seconds = warm_up(self.trainer, batch, uses_critic=uses_critic)
+        return {"warm_up_s": seconds or 0.0}
+
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
         fault_injection.before_transition(self.role, "sleep")

@@ -27,7 +27,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -114,23 +114,32 @@ class BuiltinEngine(ReceivingEngine):
         stop: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> list[GenerationOutput]:
         """See :meth:`GenerationCore.generate` (per-prompt ``max_new_tokens`` and ``stop`` included)."""
+        with self._generating("generate") as guard:
+            return self._core.generate(
+                prompts, sampling, seed=seed, step_guard=guard, max_new_tokens=max_new_tokens, stop=stop
+            )
+
+    def warm_up(self, rows: int, max_prompt_tokens: int, sampling: SamplingConfig) -> dict[str, float]:
+        """Capture the decode graphs of the run's batch calls before the first one
+        (:meth:`GenerationCore.warm_up`; changes no later output); returns ``{"warm_up_s": seconds}``,
+        0 where there is nothing to capture (the decode loop)."""
+        t0 = time.perf_counter()
+        with self._generating("warm_up") as guard:
+            warmed = self._core.warm_up(rows, max_prompt_tokens, sampling, step_guard=guard)
+        return {"warm_up_s": time.perf_counter() - t0 if warmed else 0.0}
+
+    @contextlib.contextmanager
+    def _generating(self, what: str) -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
+        """A generation call's bracket: counted as active, its forward passes guarded by ``_step``."""
         with self._cond:
             if "weights" in self._released:
                 raise RuntimeError(
-                    f"engine {self.name}: weights are released; "
-                    "call resume_memory_occupation() before generate"
+                    f"engine {self.name}: weights are released; call resume_memory_occupation() before {what}"
                 )
             self._active += 1
             epoch = self._abort_epoch
         try:
-            return self._core.generate(
-                prompts,
-                sampling,
-                seed=seed,
-                step_guard=lambda: self._step(epoch),
-                max_new_tokens=max_new_tokens,
-                stop=stop,
-            )
+            yield lambda: self._step(epoch)
         finally:
             with self._cond:
                 self._active -= 1

@@ -576,6 +576,39 @@ class GenerationCore:
             b.finished[:rows].cpu(),
         )
 
+    def warm_up(
+        self,
+        rows: int,
+        max_prompt_tokens: int,
+        sampling: SamplingConfig,
+        step_guard: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> bool:
+        """Capture, ahead of the first real call, the decode graphs a batch call of ``rows`` rows with
+        ``sampling`` will replay: one throwaway call of ``rows`` one-token prompts decoding to the
+        cache capacity a prompt of ``max_prompt_tokens`` with ``sampling.max_new_tokens`` needs, so
+        that every KV bucket up to it is captured on the buffers the real calls then reuse (same batch
+        bucket, capacity and tokens at least theirs: ``DecodeGraphs.prepare``).
+
+        Nothing a later call returns changes: the call samples from its own generator (the process's
+        random state is not read), and a real call resets every decode buffer it reads; the cache
+        columns past its prompt are masked out, and its attention spans the same KV buckets
+        (``kv_bucket`` does not depend on the capacity). False (nothing done) on the loop path, which
+        keeps nothing between calls."""
+        if self._decoder is None or self._graphs is None:
+            return False
+        if rows < 1 or max_prompt_tokens < 1:
+            raise ValueError(
+                f"warm_up needs rows >= 1 and max_prompt_tokens >= 1, got {rows}, {max_prompt_tokens}"
+            )
+        columns = round_up(max_prompt_tokens + sampling.max_new_tokens - 1, KV_BLOCK)
+        if self.max_positions is not None:
+            columns = min(columns, self.max_positions - 1)
+        warm = dataclasses.replace(
+            sampling, n_samples_per_prompt=1, max_new_tokens=columns, ignore_eos=True, stop_token_ids=()
+        )
+        self.generate([[self.pad_token_id]] * rows, warm, seed=0, step_guard=step_guard)
+        return True
+
     def drop_decode_state(self) -> None:
         """Frees the kept KV cache and decode graphs (the engine calls this when it releases memory)."""
         with self._graphs_lock:

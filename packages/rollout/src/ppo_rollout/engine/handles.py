@@ -17,9 +17,17 @@ from .builtin import BuiltinEngineActor
 from .core import GenerationOutput
 from .sglang import SGLangClient, SGLangError, SGLangServer, SGLangServerSpec
 
-__all__ = ["BuiltinEngineHandle", "EngineHandle", "SGLangEngineHandle", "SGLangServerActor", "Waiter"]
+__all__ = [
+    "BuiltinEngineHandle",
+    "EngineHandle",
+    "SGLangEngineHandle",
+    "SGLangServerActor",
+    "Waiter",
+    "WarmUpWaiter",
+]
 
 Waiter = Callable[[float], list[GenerationOutput]]
+WarmUpWaiter = Callable[[float], dict[str, float]]
 
 
 class EngineHandle(Protocol):
@@ -133,6 +141,17 @@ class BuiltinEngineHandle:
 
         return wait
 
+    def submit_warm_up(self, rows: int, max_prompt_tokens: int, sampling: SamplingConfig) -> WarmUpWaiter:
+        """Start ``BuiltinEngine.warm_up``; the waiter returns its report (``{"warm_up_s": ...}``)."""
+        ref = self.actor.warm_up.remote(rows, max_prompt_tokens, sampling)
+        name = self.name
+
+        def wait(timeout_s: float) -> dict[str, float]:
+            out: dict[str, float] = _ray_get(ref, timeout_s, name, "warm-up")
+            return out
+
+        return wait
+
     def endpoint(self) -> EngineEndpoint:
         return RayEngineEndpoint(self.actor, num_gpus=self._gpus, name=self.name)
 
@@ -204,8 +223,10 @@ class SGLangEngineHandle:
         startup_timeout_s: float,
         stop_grace_s: float,
         request_timeout_s: float,
+        adapter: str | None = None,
     ) -> None:
         self.name = name
+        self._adapter = adapter  # the LoRA adapter every generate request names (adapter-only updates)
         self._gpus = int(spec_args["tp_size"])
         self._request_timeout_s = request_timeout_s
         # max_concurrency 2: stop() must be able to run while a start() is still waiting for health.
@@ -222,7 +243,11 @@ class SGLangEngineHandle:
         if self._client is None:
             url = _ray_get(self._started, timeout_s, self.name, "starting the SGLang server")
             self._client = SGLangClient(
-                url, timeout_s=self._request_timeout_s, name=self.name, num_gpus=self._gpus
+                url,
+                timeout_s=self._request_timeout_s,
+                name=self.name,
+                num_gpus=self._gpus,
+                adapter=self._adapter,
             )
 
     def startup(self, timeout_s: float) -> dict[str, float]:
