@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import platform
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.continuous import GenerationRequest
 from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.static_decode import batch_bucket
+from ppo_rollout.testing import long_tail
 from ppo_rollout.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 
 
@@ -102,13 +102,6 @@ def build(size: Size, folder: Path, dtype: torch.dtype, device: str, max_positio
     return folder
 
 
-def lengths(count: int, median: float, longest: int, sigma: float, seed: int) -> list[int]:
-    """Lognormal response lengths: ``exp(N(log median, sigma))`` rounded, clipped to [1, longest]."""
-    g = torch.Generator().manual_seed(seed)
-    draws = torch.exp(math.log(median) + sigma * torch.randn(count, generator=g, dtype=torch.float64))
-    return [max(1, min(longest, round(float(x)))) for x in draws]
-
-
 def prompts(count: int, low: int, high: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
     g = torch.Generator().manual_seed(seed + 1)
     sizes = torch.randint(low, high + 1, (count,), generator=g).tolist()
@@ -128,19 +121,9 @@ def timed(device: str, fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def copy_rate(device: str) -> float:
-    """Bytes a second a device copy moves (read plus write), best of 5: 1 GiB on CUDA, 128 MiB on CPU."""
-    n = (1 << 30) if device == "cuda" else (128 << 20)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return 2 * n / min(timed(device, lambda: dst.copy_(src))[0] for _ in range(5))
-
-
 def decode_bytes(model: Any, steps: int, requests: Sequence[GenerationRequest]) -> int:
-    """What ``steps`` decode steps must read at least: every weight but the input embedding once per
-    step (its rows of the step's tokens are negligible), and each kept token's keys and values over its
-    context, every layer."""
+    """What ``steps`` decode steps of ``model`` must read at least for ``requests``
+    (``ppo_rollout.testing.long_tail.decode_bytes``)."""
     config = model.config
     itemsize = model.dtype.itemsize
     embed = model.get_input_embeddings().weight
@@ -148,12 +131,8 @@ def decode_bytes(model: Any, steps: int, requests: Sequence[GenerationRequest]) 
     weights = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
-    # decode step t (1..n-1) of a request with prompt p attends over p + t columns
-    contexts = sum(
-        (r.max_new_tokens - 1) * len(r.prompt) + r.max_new_tokens * (r.max_new_tokens - 1) // 2
-        for r in requests
-    )
-    return steps * weights * itemsize + contexts * kv_token
+    workload = [(len(r.prompt), r.max_new_tokens) for r in requests]
+    return long_tail.decode_bytes(weights * itemsize, kv_token, steps, workload)
 
 
 def hf_generate(model: Any, batch: Sequence[GenerationRequest], new_tokens: int) -> list[list[int]]:
@@ -308,7 +287,7 @@ def bench(args: argparse.Namespace, dtype: str, tmp: Path) -> int:
         label = args.size
     mode = "auto" if device == "cuda" else "static-eager"
     core = GenerationCore(path, device=device, dtype=dtype, decode=mode)
-    drawn = lengths(args.requests, args.median, args.max, args.sigma, args.seed)
+    drawn = long_tail.lognormal_lengths(args.requests, args.median, args.max, args.sigma, args.seed)
     low, high = args.prompt_len
     requests = [
         GenerationRequest(p, n, seed=i)
@@ -332,7 +311,7 @@ def bench(args: argparse.Namespace, dtype: str, tmp: Path) -> int:
         run_static(core, requests, args)
         if not args.skip_hf:
             hf_generate(core.model, requests[:8], 4)
-    rate = copy_rate(device)
+    rate = long_tail.copy_rate(device)
     runs = [way(core, requests, args) for way in ways]
     for run in runs:
         check([len(t) for t in run.tokens] == drawn, f"{run.name}: every response has its forced length")

@@ -28,8 +28,19 @@ Sizes: ``tiny`` (the CPU smoke), ``default`` (the embedded default run's model a
 step budget's model: hidden 2048, 16 layers, 16 heads, MLP 5632, the copy task's small vocabulary;
 256 samples of 16 prompt + 256 response tokens). Weights are random (a config-only folder).
 
+Long samples: ``--sample-tokens N`` makes every response ``N`` less the size's longest prompt (no
+sample is longer than ``N``), ``--median M`` (with ``--sigma``) draws the responses from the
+lognormal distribution the rollout benchmarks use instead (``ppo_rollout.testing.long_tail``),
+``--samples`` sets their count, ``--max-tokens`` takes several budgets (a variant each),
+``--logprob-chunk`` sets ``train.logprob_chunk_tokens``, ``--variants`` picks the variants. The
+``first call s`` column is each variant's first call: a compiled variant's compile is in it;
+``--compile-cache DIR`` points inductor's caches (``TORCHINDUCTOR_CACHE_DIR``) at ``DIR``, so that a
+second run with the same folder shows the compile with warm caches.
+
 Run: ``python benchmarks/bench_train_phase.py`` (CPU smoke) or
-``python benchmarks/bench_train_phase.py --device cuda --size 135m`` (and ``--size 0.82b``).
+``python benchmarks/bench_train_phase.py --device cuda --size 135m`` (and ``--size 0.82b``);
+``--device cuda --size 0.82b --samples 32 --sample-tokens 2048 --variants packed-budget,compiled``
+for 2k-token samples.
 """
 
 from __future__ import annotations
@@ -37,12 +48,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,7 +64,7 @@ from ppo_trainer import AlgorithmConfig, TrainerConfig
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.models import load_causal_lm
-from ppo_trainer.throughput import PhaseCost, matmul_parameters
+from ppo_trainer.throughput import PhaseCost, matmul_limit, matmul_parameters
 
 
 @dataclass(frozen=True)
@@ -81,7 +93,7 @@ SIZES = {
 }
 
 
-def make_model(folder: Path, size: Size) -> Path:
+def make_model(folder: Path, size: Size, positions: int = 1024) -> Path:
     LlamaConfig(
         hidden_size=size.hidden,
         intermediate_size=size.intermediate,
@@ -89,14 +101,17 @@ def make_model(folder: Path, size: Size) -> Path:
         num_attention_heads=size.heads,
         num_key_value_heads=size.kv_heads,
         vocab_size=size.vocab,
-        max_position_embeddings=1024,
+        max_position_embeddings=positions,
         rope_theta=100000.0,
         tie_word_embeddings=size.tied,
     ).save_pretrained(folder)  # config only: every trainer initialises the same weights from its seed
     return folder
 
 
-def make_samples(size: Size, seed: int = 0) -> Samples:
+def make_samples(size: Size, seed: int = 0, responses: list[int] | None = None) -> Samples:
+    """``size.samples`` samples of a prompt and a response of random tokens; ``responses`` gives each
+    sample's response length (the sample count is then its length), else they are drawn from the
+    size's range."""
     g = torch.Generator().manual_seed(seed)
 
     def draw(bounds: tuple[int, int]) -> int:
@@ -106,8 +121,10 @@ def make_samples(size: Size, seed: int = 0) -> Samples:
         k: []
         for k in ("tokens", "response_length", "loss_mask", "reward", "rollout_log_probs", "prompt_index")
     }
-    for i in range(size.samples):
-        prompt, response = draw(size.prompt), draw(size.response)
+    count = size.samples if responses is None else len(responses)
+    for i in range(count):
+        prompt = draw(size.prompt)
+        response = draw(size.response) if responses is None else responses[i]
         fields["tokens"].append(torch.randint(0, size.vocab, (prompt + response,), generator=g))
         fields["response_length"].append(torch.tensor([response]))
         fields["loss_mask"].append(torch.ones(response))
@@ -117,26 +134,31 @@ def make_samples(size: Size, seed: int = 0) -> Samples:
     return Samples.from_fields(fields)
 
 
+def response_lengths(size: Size, args: argparse.Namespace) -> list[int] | None:
+    """Each sample's response length from ``--sample-tokens`` (and ``--median``), else None (the
+    size's own range). Fixed: every response ``--sample-tokens`` less the size's longest prompt, so
+    no sample is longer than ``--sample-tokens``; lognormal: the response lengths the rollout
+    benchmarks draw (``ppo_rollout.testing.long_tail``), clipped to that length."""
+    if args.sample_tokens is None:
+        if args.median is not None:
+            raise SystemExit("--median needs --sample-tokens (the longest sample)")
+        return None
+    room = args.sample_tokens - size.prompt[1]
+    if room < 1:
+        raise SystemExit(
+            f"--sample-tokens {args.sample_tokens} leaves no room for a response after the size's "
+            f"prompts of up to {size.prompt[1]} tokens; raise it"
+        )
+    if args.median is None:
+        return [room] * size.samples
+    from ppo_rollout.testing.long_tail import lognormal_lengths
+
+    return lognormal_lengths(size.samples, args.median, room, args.sigma, seed=0)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def matmul_limit(device: torch.device) -> tuple[float, str]:
-    """TFLOP/s of one large square matmul: bf16 8192^3 on CUDA, float32 2048^3 on the CPU."""
-    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    repeats = 20 if device.type == "cuda" else 3
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    sync(device)
-    seconds = (time.perf_counter() - start) / repeats
-    return 2 * n**3 / seconds / 1e12, f"{n}^3 {str(dtype).removeprefix('torch.')} matmul"
 
 
 @dataclass(frozen=True)
@@ -148,15 +170,18 @@ class Row:
     flops: float
     peak_gb: float | None
     loss: float | None
+    first_s: float  # the first call (a compiled variant's compile is in it)
 
 
 @dataclass
 class Timing:
-    """One variant's calls: seconds of the timed ones, its peak working memory, the first loss."""
+    """One variant's calls: seconds of the timed ones, the first call's, its peak working memory, the
+    first loss."""
 
     seconds: list[float]
     peak_gb: float | None = None
     loss: float | None = None
+    first_s: float | None = None
 
 
 def timed_call(fn: Callable[[], float | None], device: torch.device, timing: Timing, keep: bool) -> None:
@@ -169,8 +194,11 @@ def timed_call(fn: Callable[[], float | None], device: torch.device, timing: Tim
     start = time.perf_counter()
     loss = fn()
     sync(device)
+    seconds = time.perf_counter() - start
     if keep:
-        timing.seconds.append(time.perf_counter() - start)
+        timing.seconds.append(seconds)
+    if timing.first_s is None:
+        timing.first_s = seconds
     if timing.loss is None and loss is not None:
         timing.loss = loss
     if device.type == "cuda":
@@ -242,7 +270,8 @@ def trainer_rows(
             cost = costs[variant]
             flops = 2 * cost.trained * tokens if phase == "logprob_forward" else cost.flops(tokens)
             seconds = statistics.median(timing.seconds)
-            rows.append(Row(phase, variant, seconds, tokens, flops, timing.peak_gb, timing.loss))
+            first = timing.first_s or seconds
+            rows.append(Row(phase, variant, seconds, tokens, flops, timing.peak_gb, timing.loss, first))
         del trainers
         free(device)
     return rows
@@ -301,20 +330,76 @@ def plain_row(
         flops,
         timing.peak_gb,
         timing.loss,
+        timing.first_s or statistics.median(timing.seconds),
     )
 
 
 def print_table(rows: list[Row], limit: float) -> None:
-    print("| phase | variant | s | tokens/s | TFLOP/s | share of matmul limit | working GB | first loss |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| phase | variant | s | tokens/s | TFLOP/s | share of matmul limit | working GB | first call s "
+        "| first loss |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         tflops = r.flops / r.seconds / 1e12
         peak = "-" if r.peak_gb is None else f"{r.peak_gb:.1f}"
         loss = "-" if r.loss is None else f"{r.loss:.5f}"
         print(
             f"| {r.phase} | {r.variant} | {r.seconds:.3f} | {r.tokens / r.seconds:,.0f} | {tflops:.3g} | "
-            f"{tflops / limit:.1%} | {peak} | {loss} |"
+            f"{tflops / limit:.1%} | {peak} | {r.first_s:.2f} | {loss} |"
         )
+
+
+VARIANTS = ("padded", "padded-budget", "packed", "packed-budget", "compiled", "plain")
+"""``--variants`` names: padded (``micro_batch_size`` samples), padded-budget (the token budget without
+packing), packed (the padded micro-batches' samples, packed), packed-budget (packed within each token
+budget, one per attention), compiled (packed-budget with ``train.compile_layers``, first attention),
+plain (transformers' own loss, padded)."""
+
+
+def build_variants(
+    size: Size, budgets: list[int], attentions: list[str], chosen: set[str], chunk: int
+) -> dict[str, dict[str, object]]:
+    """The trainer settings of each chosen variant, by its row label."""
+    variants: dict[str, dict[str, object]] = {}
+    if "padded" in chosen:
+        variants[f"padded, {size.micro_batch} samples"] = {"micro_batch_size": size.micro_batch}
+    # The same token budget without packing (samples x longest within it): how much of the packed
+    # budget's gain is the larger micro-batches alone.
+    if "padded-budget" in chosen:
+        for budget in budgets:
+            variants[f"padded, {budget} tokens"] = {"max_tokens_per_micro_batch": budget}
+    # Packing alone (the padded micro-batches' samples), then with the token budget.
+    if "packed" in chosen:
+        variants[f"packed {attentions[0]}, {size.micro_batch} samples"] = {
+            "pack_sequences": True,
+            "packed_attention": attentions[0],
+            "micro_batch_size": size.micro_batch,
+        }
+    for budget in budgets:
+        packed = {"pack_sequences": True, "max_tokens_per_micro_batch": budget}
+        if "packed-budget" in chosen:
+            for attention in attentions:
+                variants[f"packed {attention}, {budget} tokens"] = {**packed, "packed_attention": attention}
+        if "compiled" in chosen:  # decoder layers compiled (in the warm-up calls)
+            variants[f"packed {attentions[0]}, {budget} tokens{COMPILED}"] = {
+                **packed,
+                "packed_attention": attentions[0],
+                "compile_layers": True,  # train.compile_layers: what a run sets
+            }
+    return {name: {**settings, "logprob_chunk_tokens": chunk} for name, settings in variants.items()}
+
+
+def compile_cache(folder: Path | None) -> str:
+    """Points inductor's on-disk caches (its FX graph cache, AOTAutograd's and the generated kernels)
+    at ``folder``: a later run with the same folder, models and shapes skips inductor's compile and
+    keeps Dynamo's tracing. Set before the first compile; returns what the run uses, for the header."""
+    if folder is None:
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default (a folder under /tmp)")
+    folder.mkdir(parents=True, exist_ok=True)
+    warm = any(folder.iterdir())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder.resolve())
+    return f"{folder} ({'warm: filled by an earlier run' if warm else 'cold: empty'})"
 
 
 def main() -> None:
@@ -332,7 +417,35 @@ def main() -> None:
         "the CPU, varlen on CUDA (sdpa's dense block mask is T^2 per packed row: at a 16384-token budget "
         "a [16384, 16384] mask per layer)",
     )
-    parser.add_argument("--max-tokens", type=int, default=None, help="packed token budget (default per size)")
+    parser.add_argument(
+        "--max-tokens",
+        default=None,
+        help="packed token budgets, comma-separated (a budget variant each; default: the size's)",
+    )
+    parser.add_argument("--samples", type=int, default=None, help="samples (default: the size's)")
+    parser.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=None,
+        help="long samples: each response this many tokens less the size's longest prompt (no sample "
+        "is longer); with --median, lognormal response lengths clipped to that",
+    )
+    parser.add_argument(
+        "--median", type=float, default=None, help="lognormal response lengths' median (--sample-tokens)"
+    )
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal response lengths' sigma")
+    parser.add_argument(
+        "--logprob-chunk",
+        type=int,
+        default=4096,
+        help="train.logprob_chunk_tokens (default 4096, the setting's): positions per chunk of the "
+        "float32 log-softmax (and, packed, of the LM head)",
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(v for v in VARIANTS if v != "compiled"),
+        help=f"comma-separated, of {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--mini-batches", type=int, default=4, help="optimizer steps per phase")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -340,57 +453,55 @@ def main() -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="also the packed token-budget variant with torch.compile'd decoder layers (compiling is in "
-        "the warm-up calls; raise --warmup to 2 or more, a new packed length may recompile)",
+        help="also the packed token-budget variants with torch.compile'd decoder layers (--variants "
+        "compiled; compiling is in the warm-up calls, shown as the first call's seconds; raise --warmup "
+        "to 2 or more, a new packed length may recompile)",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        type=Path,
+        default=None,
+        help="TORCHINDUCTOR_CACHE_DIR for the compiled variants: run twice with the same folder and the "
+        "second run's first call shows the compile with warm caches",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
+    chosen = set(args.variants.split(",")) | ({"compiled"} if args.compile else set())
+    unknown = chosen - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; use names of {', '.join(VARIANTS)}")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     size = SIZES[args.size or ("135m" if device.type == "cuda" else "tiny")]
-    budget = args.max_tokens or size.max_tokens
+    if args.samples is not None:
+        size = replace(size, samples=args.samples)
+    budgets = [int(b) for b in args.max_tokens.split(",")] if args.max_tokens else [size.max_tokens]
     attentions = (args.attention or ("varlen" if device.type == "cuda" else "varlen,sdpa")).split(",")
+    cache = compile_cache(args.compile_cache)
     limit, what = matmul_limit(device)
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
-    samples = make_samples(size)
+    samples = make_samples(size, responses=response_lengths(size, args))
     tokens = sum(t.numel() for t in samples.tokens)
+    longest = max(t.numel() for t in samples.tokens)
+    if longest > min(budgets) and ({"padded-budget", "packed-budget", "compiled"} & chosen):
+        raise SystemExit(f"--max-tokens {min(budgets)} is below the longest sample ({longest}); raise it")
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_model(Path(tmp) / "model", size)
+        path = make_model(Path(tmp) / "model", size, positions=max(1024, longest))
         params = PhaseCost.for_config(TrainerConfig(role="actor", model_path=str(path))).trained
         print(
             f"\n### train phases on {where}: {params / 1e6:.0f}M matmul parameters (hidden {size.hidden}, "
-            f"{size.layers} layers, vocabulary {size.vocab}); {size.samples} samples, {tokens} tokens "
-            f"({tokens / size.samples:.0f} a sample, longest {max(t.numel() for t in samples.tokens)}); "
-            f"{args.mini_batches} mini-batches; matmul limit {limit:.1f} TFLOP/s ({what}); median of "
-            f"{args.repeats} after {args.warmup} warm-up, variants interleaved"
+            f"{size.layers} layers, vocabulary {size.vocab}); {len(samples)} samples, {tokens} tokens "
+            f"({tokens / len(samples):.0f} a sample, longest {longest}); "
+            f"{args.mini_batches} mini-batches; log-prob chunks of {args.logprob_chunk} positions; matmul "
+            f"limit {limit:.1f} TFLOP/s ({what}); median of {args.repeats} after {args.warmup} warm-up, "
+            f"variants interleaved" + (f"; compile cache {cache}" if "compiled" in chosen else "")
         )
-        variants: dict[str, dict[str, object]] = {
-            f"padded, {size.micro_batch} samples": {"micro_batch_size": size.micro_batch},
-            # The same token budget without packing (samples x longest within it): how much of the
-            # packed budget's gain is the larger micro-batches alone.
-            f"padded, {budget} tokens": {"max_tokens_per_micro_batch": budget},
-        }
-        # Packing alone (the padded micro-batches' samples), then with the token budget.
-        variants[f"packed {attentions[0]}, {size.micro_batch} samples"] = {
-            "pack_sequences": True,
-            "packed_attention": attentions[0],
-            "micro_batch_size": size.micro_batch,
-        }
-        for attention in attentions:
-            variants[f"packed {attention}, {budget} tokens"] = {
-                "pack_sequences": True,
-                "packed_attention": attention,
-                "max_tokens_per_micro_batch": budget,
-            }
-        if args.compile:  # the best variant again, its decoder layers compiled (after the warm-up)
-            variants[f"packed {attentions[0]}, {budget} tokens{COMPILED}"] = {
-                **variants[f"packed {attentions[0]}, {budget} tokens"],
-                "compile_layers": True,  # train.compile_layers: what a run sets
-            }
-        rows = trainer_rows(path, samples, device, variants, args)
+        variants = build_variants(size, budgets, attentions, chosen, args.logprob_chunk)
+        rows = trainer_rows(path, samples, device, variants, args) if variants else []
         rows.sort(key=lambda r: r.phase)
-        rows.append(plain_row(path, samples, size, device, args))
+        if "plain" in chosen:
+            rows.append(plain_row(path, samples, size, device, args))
         free(device)
     print_table(rows, limit)
 

@@ -11,7 +11,7 @@ from conftest import save_tiny_llama
 from transformers import AutoModel, AutoModelForCausalLM
 
 from ppo_trainer import AlgorithmConfig, TrainerConfig
-from ppo_trainer.throughput import PhaseCost, PhaseMeter, matmul_parameters
+from ppo_trainer.throughput import PhaseCost, PhaseMeter, matmul_limit, matmul_parameters
 
 VOCAB, HIDDEN = 16, 32
 
@@ -59,3 +59,9 @@ def test_phase_meter_reports_tflops_and_tokens_per_second() -> None:
     assert set(out) == {"tflops", "tokens_per_s"}  # peak memory on CUDA only
     assert out["tflops"] == pytest.approx(4.0, rel=0.01)
     assert out["tokens_per_s"] == pytest.approx(1000.0, rel=0.01)
+
+
+def test_matmul_limit_times_a_float32_matmul_on_the_cpu() -> None:
+    tflops, what = matmul_limit(torch.device("cpu"))
+    assert what == "2048^3 float32 matmul"
+    assert 1e-4 < tflops < 100  # any CPU: from a slow core to a many-core server

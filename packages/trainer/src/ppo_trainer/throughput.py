@@ -62,6 +62,30 @@ class PhaseCost:
         return float(tokens) * per_token
 
 
+def matmul_limit(device: torch.device) -> tuple[float, str]:
+    """TFLOP/s of one large square matmul on ``device`` and what it was: bf16 8192^3 on CUDA, float32
+    2048^3 on the CPU. The ceiling an achieved TFLOP/s is compared to, measured in the same run (a
+    vendor's peak is not reached by any real matmul)."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        a @ b
+    sync()
+    repeats = 20 if device.type == "cuda" else 3
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync()
+    seconds = (time.perf_counter() - start) / repeats
+    return 2 * n**3 / seconds / 1e12, f"{n}^3 {str(dtype).removeprefix('torch.')} matmul"
+
+
 class PhaseMeter:
     """Seconds and (on CUDA) peak allocated memory of one phase; :meth:`metrics` at its end."""
 
