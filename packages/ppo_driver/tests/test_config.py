@@ -318,7 +318,9 @@ def test_lora_reaches_both_roles_and_megatron_refuses_it() -> None:
         load_config(None, ["train.lora.rank=4", "train.backend=megatron"])
 
 
-def test_a_lora_actor_sends_the_builtin_engine_its_adapters_and_sglang_merged_weights() -> None:
+def test_a_lora_actor_sends_the_builtin_engine_its_adapters_and_sglang_merged_weights_unless_asked(
+    tmp_path: Path,
+) -> None:
     from ppo_driver import build
     from ppo_rollout.config import AdapterUpdates
 
@@ -332,9 +334,25 @@ def test_a_lora_actor_sends_the_builtin_engine_its_adapters_and_sglang_merged_we
     assert build.rollout_config(merged, "model").lora is None
     critic_only = load_config(None, ["train.lora.rank=4", "train.lora.roles=[critic]"])
     assert build.rollout_config(critic_only, "model").lora is None
-    sglang = ["rollout.engine=sglang", "train.check_weights=false", "train.lora.rank=4"]
-    with pytest.raises(ConfigError, match=r"train.lora.update='adapters'.*'merged'"):
-        load_config(None, [*sglang, "train.lora.update=adapters"])
+    sglang = [
+        "rollout.engine=sglang",
+        "train.check_weights=false",
+        "placement.device=cuda",
+        f"model.path={tmp_path}",
+        "train.lora.rank=4",
+        "train.lora.target_modules=[q_proj,v_proj]",
+    ]
+    assert build.rollout_config(load_config(None, sglang), "model").lora is None  # unset: merged
+    adapters = load_config(None, [*sglang, "train.lora.update=adapters"])
+    assert build.actor_trainer_config(adapters, "model").lora.update == "adapters"  # type: ignore[union-attr]
+    assert build.rollout_config(adapters, "model").lora == AdapterUpdates(
+        rank=4, alpha=32.0, target_modules=("q_proj", "v_proj")
+    )
+    with pytest.raises(ConfigError, match=r"train.lora.update='adapters' with SGLang.*gpus_per_engine"):
+        load_config(
+            None,
+            [*sglang, "train.lora.update=adapters", "placement.actor_gpus=2", "placement.gpus_per_engine=2"],
+        )
 
 
 def test_grpo_and_dr_grpo_settings_reach_the_trainer() -> None:

@@ -156,6 +156,49 @@ def test_stop_strings_go_to_sglang_as_its_stop_parameter(sglang_manager: tuple[R
         handle.client.generate([[1, 5]], sampling, stop=[["+"], ["-"]])
 
 
+def test_the_standin_stops_at_stop_strings_and_tokens_as_sglang(standin: tuple[SGLangClient, Path]) -> None:
+    """SGLang 0.5.23 ``Req.update_finish_state`` (``managers/schedule_batch.py``): after each token, a stop
+    string in the decoded output ends the request with the token that completed it; then a stop token;
+    then the length. ``text`` loses the stop string and what follows (``trim_matched_stop``)."""
+    client, _ = standin
+    prompt = [1, 5, 6, 7, 14]
+
+    def generate(**sampling: object) -> dict:  # type: ignore[type-arg]
+        sp = {"temperature": 0.0, "max_new_tokens": 8, **sampling}
+        body = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+        reply = client.endpoint.request("POST", "/generate", body)
+        assert isinstance(reply, dict)
+        return reply
+
+    free = generate()
+    ids = free["output_ids"]
+    assert free["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert len(ids) == 8
+    assert free["text"] == "".join(_CHARS[i] for i in ids)
+    # a stop string spanning the 3rd and 4th tokens: the output ends with the 4th, the text before it
+    stop = _CHARS[ids[2]] + _CHARS[ids[3]]
+    first = free["text"].find(stop)
+    hit = generate(stop=["@", stop])
+    assert hit["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert hit["output_ids"] == ids[: first + 2]
+    assert [t[1] for t in hit["meta_info"]["output_token_logprobs"]] == ids[: first + 2]
+    assert hit["text"] == free["text"][:first]
+    # a stop token: the output ends with it; the string wins where both end the same token
+    token = generate(stop_token_ids=[ids[1]])
+    assert token["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[1]}
+    assert token["output_ids"] == ids[: ids.index(ids[1]) + 1]
+    both = generate(stop=_CHARS[ids[0]], stop_token_ids=[ids[0]])
+    assert both["meta_info"]["finish_reason"] == {"type": "stop", "matched": _CHARS[ids[0]]}
+    # through the client: the stop string's request ends as SGLang's does
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    (out,) = client.generate([prompt], sampling, stop=[[stop]])
+    assert (list(out.token_ids), out.finish_reason) == (ids[: first + 2], "stop")
+
+
+# The built-in tasks' character tokenizer: ids 0-3 special, then one per character (ppo_rollout.tokenizer).
+_CHARS = {i + 4: c for i, c in enumerate("0123456789>=+-: ")}
+
+
 def test_multi_turn_continues_from_ids_through_sglang(sglang_manager: tuple[RolloutManager, Path]) -> None:
     """Each turn is an SGLang ``/generate`` of ``input_ids`` with ``return_logprob`` (SGLang 0.5.23,
     ``sglang/srt/managers/tokenizer_manager.py`` ``_tokenize_one_request``: given ``input_ids`` are used

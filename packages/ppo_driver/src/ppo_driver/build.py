@@ -42,7 +42,8 @@ def placement_spec(config: RunConfig) -> PlacementSpec:
 def lora_update(config: RunConfig) -> Literal["merged", "adapters"] | None:
     """What the actor's weight update sends under ``train.lora`` (None: no LoRA actor):
     ``train.lora.update``, unset meaning the adapters alone to the built-in engine (which merges them onto
-    the base it keeps) and merged weights to SGLang."""
+    the base it keeps) and merged weights to SGLang (``adapters`` there launches the servers with LoRA on
+    and loads each update as an SGLang LoRA adapter: ``ppo_weight_sync.sglang_lora``)."""
     lora = config.train.lora
     if lora is None or "actor" not in lora.roles:
         return None
@@ -52,11 +53,11 @@ def lora_update(config: RunConfig) -> Literal["merged", "adapters"] | None:
 
 
 def engine_lora(config: RunConfig) -> AdapterUpdates | None:
-    """The adapters the built-in engines take in an update (None: they are sent merged weights)."""
+    """The adapters the engines take in an update (None: they are sent merged weights)."""
     lora = config.train.lora
     if lora is None or lora_update(config) != "adapters":
         return None
-    return AdapterUpdates(rank=lora.rank, alpha=lora.alpha)
+    return AdapterUpdates(rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules)
 
 
 def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerConfig:

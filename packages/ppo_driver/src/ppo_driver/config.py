@@ -396,11 +396,12 @@ class RunConfig(_Section):
                     "give; set train.check_weights=false or rollout.engine='builtin'"
                 )
             if t.lora is not None and t.lora.update == "adapters" and "actor" in t.lora.roles:
-                raise ValueError(
-                    "train.lora.update='adapters' needs an engine that merges adapters itself; SGLang is "
-                    "sent merged weights: set train.lora.update='merged' (or leave it unset) or "
-                    "rollout.engine='builtin'"
-                )
+                if p.colocate and p.gpus_per_engine > 1:
+                    raise ValueError(
+                        "train.lora.update='adapters' with SGLang loads the adapters over HTTP, which "
+                        "colocated engines of several GPUs (placement.gpus_per_engine > 1) do not take: "
+                        "set train.lora.update='merged' or placement.gpus_per_engine=1"
+                    )
             if p.device != "cuda":
                 raise ValueError("rollout.engine='sglang' needs placement.device='cuda'")
             if self.model.path is None:

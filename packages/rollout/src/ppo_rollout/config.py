@@ -365,11 +365,16 @@ class RolloutSettings:
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
 class AdapterUpdates:
-    """LoRA adapters a built-in engine takes in a weight update instead of merged weights: ``train.lora``'s
-    ``rank`` and ``alpha`` (the engine sets each adapted weight to ``base + alpha / rank * B A``)."""
+    """LoRA adapters the engines take in a weight update instead of merged weights: ``train.lora``'s
+    ``rank``, ``alpha`` and ``target_modules`` (each adapted weight is ``base + alpha / rank * B A``: the
+    built-in engine merges it; an SGLang server, launched with ``--enable-lora``, runs the adapter)."""
 
     rank: int = Field(ge=1, description="the adapters' rank r")
     alpha: float = Field(gt=0, description="the update is scaled by alpha / rank")
+    target_modules: tuple[str, ...] = Field(
+        default=(),
+        description="the adapted linear layers' names (SGLang's --lora-target-modules); empty: all",
+    )
 
     @property
     def scale(self) -> float:
@@ -392,16 +397,11 @@ class RolloutConfig(RolloutSettings):
     seed: int = 0
     timeout_s: float = Field(default=600.0, gt=0, description="any single wait on an engine")
     lora: AdapterUpdates | None = Field(
-        default=None, description="the built-in engines take LoRA adapters in weight updates (None: merged)"
+        default=None, description="the engines take LoRA adapters in weight updates (None: merged)"
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.lora is not None and self.engine != "builtin":
-            raise ValueError(
-                "adapter-only weight updates (lora) need rollout.engine='builtin'; "
-                "SGLang is sent merged weights"
-            )
         if self.engine == "sglang" and self.gpus_per_engine < 1:
             raise ValueError(
                 "rollout.gpus_per_engine must be >= 1 with engine 'sglang' (SGLang serves on GPUs)"

@@ -329,9 +329,10 @@ class LoraSettings:
     update: Literal["merged", "adapters"] | None = Field(
         default=None,
         description="what the actor's weight update sends: 'adapters' (the lora_A/lora_B tensors only, "
-        "in the sync dtype; the engine merges them onto the base it keeps: the built-in engine) or "
-        "'merged' (W + alpha/rank B A under the base's names, every tensor: any engine); null: "
-        "'adapters' with rollout.engine='builtin', 'merged' with 'sglang'",
+        "in the sync dtype: the built-in engine merges them onto the base it keeps, an SGLang server, "
+        "launched with LoRA on, loads them as a LoRA adapter) or 'merged' (W + alpha/rank B A under the "
+        "base's names, every tensor: any engine); null: 'adapters' with rollout.engine='builtin', "
+        "'merged' with 'sglang'",
     )
 
 

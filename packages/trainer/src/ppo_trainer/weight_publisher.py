@@ -37,6 +37,8 @@ from ppo_weight_sync import (
     TpLink,
     WeightSender,
 )
+from ppo_weight_sync.sglang_lora import SGLangAdapters
+from ppo_weight_sync.transports import TransportFactory
 
 __all__ = ["WeightPublisher"]
 
@@ -136,6 +138,14 @@ class WeightPublisher:
     def _new_sender(self, plan: SenderPlan, mine: RankSends) -> WeightSender:
         colocated = [self._engines[i].name for i in mine.ipc]
         tp = {self._engines[i].name: self._tp_link(plan, i) for i in mine.ipc if plan.tp_engine(i)}
+        factories: list[TransportFactory] = []
+        lora = self.config.lora
+        if self.config.lora_applies and lora is not None and lora.update == "adapters":
+            # SGLang servers load the adapters as a LoRA adapter over HTTP, before any other transport
+            # claims them (the built-in engines merge the adapters themselves, over the usual ones).
+            factories.append(SGLangAdapters(lora.alpha))
+        if colocated:
+            factories.append(ColocatedIpc(colocated, tp=tp))
         return WeightSender(
             backend=self.config.weight_sync_backend,
             bucket_bytes=self.config.bucket_bytes,
@@ -144,7 +154,7 @@ class WeightPublisher:
             timeout_s=self.timeout_s,
             # Engines on this rank's GPU load over CUDA IPC (buckets sized from the model:
             # ColocatedIpc's auto_bucket_bytes); the others (rank 0's) join the group.
-            transports=[ColocatedIpc(colocated, tp=tp)] if colocated else [],
+            transports=factories,
         )
 
     def _tp_link(self, plan: SenderPlan, engine: int) -> TpLink:

@@ -4,8 +4,8 @@ Supported: 0.5.15.post1 (slime's pin) to 0.5.23. The table below was read from t
 every version in that range (0.5.15.post1, 0.5.16 .. 0.5.22, 0.5.23: ``sglang/srt/entrypoints/
 http_server.py``, ``managers/io_struct.py``, ``managers/scheduler.py``,
 ``managers/scheduler_components/weight_updater.py``, ``model_executor/`` and ``utils/common.py``); every
-change we depend on happened at 0.5.21, nothing we use changed between 0.5.15.post1 and 0.5.20 or
-between 0.5.21 and 0.5.23.
+change we depend on happened at 0.5.21 (the LoRA payload below at 0.5.17), nothing we use changed
+between 0.5.15.post1 and 0.5.20 or between 0.5.21 and 0.5.23.
 
 =================================================  ====================  ===================
 behaviour                                          0.5.15.post1..0.5.20  0.5.21..0.5.23
@@ -23,6 +23,10 @@ update on a group that does not exist              assert: server dies   ``succe
 pause modes ``abort`` / ``retract`` / ``in_place``   all three             all three
 =================================================  ====================  ===================
 
+- LoRA adapters from tensors (``/load_lora_adapter_from_tensors``, :mod:`ppo_weight_sync.sglang_lora`):
+  0.5.15.post1 and 0.5.16 take one base64 payload in ``serialized_tensors``; from 0.5.17
+  ``serialized_named_tensors`` holds one per TP rank, each rank reading its own
+  (``managers/io_struct.py`` ``LoadLoRAAdapterFromTensorsReqInput``, ``managers/tp_worker.py``).
 - Weight-update session: from 0.5.21, ``update_weights_from_distributed`` answers ``success: false``
   unless it runs between ``POST /begin_weight_update`` and ``POST /end_weight_update``
   (``scheduler_components/weight_updater.py``).
@@ -65,8 +69,9 @@ MIN_VERSION = "0.5.15.post1"
 MAX_VERSION = "0.5.23"
 SGLANG_MEMORY_TAGS: tuple[str, ...] = ("kv_cache", "weights", "cuda_graph")
 
-# The one boundary in the supported range (see the table above).
+# The boundaries in the supported range (see the table above).
 SESSION_VERSION = (0, 5, 21, 0)
+LORA_PER_RANK_VERSION = (0, 5, 17, 0)  # LoRA adapters from tensors: one payload per TP rank
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.?post(\d+))?")
 
@@ -94,6 +99,8 @@ class SGLangProtocol:
     weight_version_route: str = "/model_info"
     server_info_route: str = "/server_info"
     memory_tags: tuple[str, ...] = SGLANG_MEMORY_TAGS
+    # /load_lora_adapter_from_tensors takes ``serialized_named_tensors``, one entry per TP rank (>= 0.5.17)
+    lora_payload_per_rank: bool = True
 
     @classmethod
     def for_version(cls, version: str) -> SGLangProtocol:
@@ -111,6 +118,7 @@ class SGLangProtocol:
             pause_mode="retract" if since_21 else "abort",
             idle_ignores_waiting_when_paused=since_21,
             missing_group_is_fatal=not since_21,
+            lora_payload_per_rank=v >= LORA_PER_RANK_VERSION,
         )
 
 

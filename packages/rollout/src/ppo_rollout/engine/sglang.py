@@ -31,8 +31,9 @@ from typing import Any
 
 from ppo_weight_sync import EngineReply, HttpEngineEndpoint, reply_from_http
 from ppo_weight_sync.sglang import SGLangProtocol
+from ppo_weight_sync.sglang_lora import server_args as lora_server_args
 
-from ..config import SamplingConfig
+from ..config import AdapterUpdates, SamplingConfig
 from .core import GenerationOutput
 
 __all__ = ["SGLangClient", "SGLangError", "SGLangServer", "SGLangServerSpec"]
@@ -62,6 +63,8 @@ class SGLangServerSpec:
     deterministic: bool = True
     random_seed: int | None = None
     extra_args: tuple[str, ...] = ()
+    # adapter-only weight updates: LoRA on, with train.lora's rank and modules (--enable-lora ...)
+    lora: AdapterUpdates | None = None
     command: tuple[str, ...] = DEFAULT_COMMAND
     env: Mapping[str, str] = field(default_factory=dict)  # added to the server's environment
     # base_gpu_id is a physical GPU id (as placement reports it): the server's environment drops
@@ -113,6 +116,8 @@ class SGLangServerSpec:
             args += ["--enable-deterministic-inference", "--sampling-backend", "pytorch"]
         if self.random_seed is not None:
             args += ["--random-seed", str(self.random_seed)]
+        if self.lora is not None:
+            args += lora_server_args(self.lora.rank, self.lora.target_modules)
         return args + list(self.extra_args)
 
 
@@ -231,7 +236,10 @@ class SGLangClient:
         name: str = "",
         num_gpus: int | None = None,
         abort_retries: int = 3,
+        adapter: str | None = None,
     ) -> None:
+        """``adapter``: the LoRA adapter (loaded by adapter-only weight updates,
+        :mod:`ppo_weight_sync.sglang_lora`) that every generate request names in ``lora_path``."""
         # The server's version decides the protocol (pause mode, update session, version route), and its
         # tp_size the ranks it adds to a weight group: read once, here, from /server_info; an unsupported
         # version fails now, naming itself, and so does a tp_size other than num_gpus (the config's).
@@ -241,6 +249,7 @@ class SGLangClient:
         self.protocol: SGLangProtocol = _protocol_of(self.endpoint)
         self.timeout_s = timeout_s
         self.abort_retries = abort_retries
+        self.adapter = adapter
         self._released: set[str] = set()
         self._paused_to_release = False  # we paused it to release memory: resume continues it
         self._memory_lock = threading.Lock()
@@ -318,7 +327,11 @@ class SGLangClient:
         return [self._parse(item, k, k // n) for k, item in enumerate(results)]
 
     def _generate_once(self, input_ids: list[list[int]], params: list[dict[str, Any]]) -> list[Any]:
-        body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+        if self.adapter is not None:
+            body["lora_path"] = (
+                self.adapter
+            )  # one name for the batch (GenerateReqInput._normalize_lora_paths)
         reply = self._post("/generate", body)
         if isinstance(reply, dict) and ("error" in reply or reply.get("object") == "error"):
             raise SGLangError(

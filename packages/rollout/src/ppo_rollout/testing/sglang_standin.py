@@ -17,6 +17,18 @@ Test knobs: ``--standin-startup-delay S`` (no answer for S seconds), ``--standin
 once), ``--standin-ignore-sigterm`` (so that stopping needs SIGKILL), ``--standin-step-delay S`` (sleep
 per decode step, so tests can pause a generation midway).
 
+LoRA (``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``): ``/load_lora_adapter_from_tensors``,
+``/unload_lora_adapter``, ``GET /v1/models`` and ``lora_path`` in ``/generate``, as SGLang 0.5.23 answers them
+(:mod:`ppo_weight_sync.testing.sglang_lora`): the engine generates with the base merged with the adapter a
+request names, and its checksum is of those weights (the last loaded adapter's, between requests).
+
+Stop conditions as SGLang 0.5.23's ``Req.update_finish_state`` (``managers/schedule_batch.py``), checked
+after each token: a ``stop`` string found in the decoded output so far ends it (``finish_reason``
+``{"type": "stop", "matched": <the string>}``, the token that completed it kept), before a token of
+``stop_token_ids`` (``{"type": "stop", "matched": <id>}``), before the length (``{"type": "length",
+"length": max_new_tokens}``). ``text`` is the decoded output with a matched stop string and what follows
+cut off (``detokenizer_manager.py`` ``trim_matched_stop``, ``no_stop_trim`` false).
+
 ``--tp-size N`` runs TP ranks 1..N-1 as processes of their own (:mod:`ppo_weight_sync.testing.sglang_tp`):
 each joins the weight group at ``rank_offset + tp_rank`` and keeps its shard of every tensor it receives;
 rank 0 is the built-in engine (whole weights, it generates). ``GET /standin_tp_checksums`` gives every
@@ -42,12 +54,44 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported lazily: the failure knobs act before torch is loaded
     import torch
 
+    from ppo_weight_sync.routes import RouteResult
     from ppo_weight_sync.testing.sglang_like import SGLangServerState
+    from ppo_weight_sync.testing.sglang_lora import SGLangLora
 
     from ..config import SamplingConfig
     from ..engine.builtin import BuiltinEngine
 
 DEFAULT_VERSION = "0.5.23"
+
+
+def _stop_strings(sp: dict[str, Any]) -> list[str]:
+    """``stop``: a string or a list of strings (``SamplingParams.normalize``); empty ones never match."""
+    stop = sp.get("stop") or []
+    strings = [stop] if isinstance(stop, str) else list(stop)
+    if not all(isinstance(s, str) for s in strings):
+        raise ValueError(f"sampling_params.stop must be a string or a list of strings, got {stop!r}")
+    return [s for s in strings if s]
+
+
+def _finish(out: Any, stops: Sequence[str], decode: Any, limit: int) -> tuple[Any, dict[str, Any], str]:
+    """The output cut where SGLang's ``update_finish_state`` ends it, its ``finish_reason`` and ``text``.
+
+    The engine ran to a stop token or the length; the tokens it drew before a stop string matched are the
+    ones SGLang draws (one request per call, seeded: the first k tokens do not depend on what follows)."""
+    import dataclasses
+
+    ids = list(out.token_ids)
+    for n in range(1, len(ids) + 1) if stops else ():
+        text = decode(ids[:n])
+        matched = next((s for s in stops if s in text), None)
+        if matched is not None:
+            cut = dataclasses.replace(
+                out, token_ids=out.token_ids[:n], log_probs=out.log_probs[:n], finish_reason="stop"
+            )
+            return cut, {"type": "stop", "matched": matched}, text[: text.find(matched)]
+    if out.finish_reason == "stop":
+        return out, {"type": "stop", "matched": ids[-1]}, decode(ids[:-1])
+    return out, {"type": "length", "length": limit}, decode(ids)
 
 
 def _sampling(sp: dict[str, Any]) -> tuple[SamplingConfig, int]:
@@ -67,8 +111,9 @@ def _sampling(sp: dict[str, Any]) -> tuple[SamplingConfig, int]:
 class _Generation:
     """The tokenizer manager's pause gate and the scheduler's view of the built-in engine (ServerHooks)."""
 
-    def __init__(self, engine: BuiltinEngine) -> None:
+    def __init__(self, engine: BuiltinEngine, lora: SGLangLora) -> None:
         self.engine = engine
+        self.lora = lora
         self.cond = threading.Condition()
         self.paused_mode: str | None = None
         self.running = 0  # in the scheduler's running batch
@@ -120,8 +165,9 @@ class _Generation:
             raise RuntimeError(reply.message)
 
     # -- one request -----------------------------------------------------------------------------------
-    def run(self, prompt: list[int], cfg: SamplingConfig, seed: int) -> Any:
-        """The engine's output, or None when the request was aborted."""
+    def run(self, prompt: list[int], cfg: SamplingConfig, seed: int, adapter: str | None) -> Any:
+        """The engine's output, or None when the request was aborted. ``adapter``: the LoRA adapter the
+        request names (``lora_path``), held while it runs."""
         from ..engine.builtin import GenerationAborted
 
         retracted = False
@@ -136,7 +182,8 @@ class _Generation:
                     retracted = False
                 self.running += 1
             try:
-                return self.engine.generate([prompt], cfg, seed=seed)[0]
+                with self.lora.use(adapter):
+                    return self.engine.generate([prompt], cfg, seed=seed)[0]
             except GenerationAborted:
                 with self.cond:
                     retracted = self.paused_mode == "retract"
@@ -203,13 +250,18 @@ class _Handler(BaseHTTPRequestHandler):
                     *self.server.state.ranks.remote_checksums(),
                 ]
                 self._send(200, {"checksums": checksums}, path)
-            elif (answer := self.server.state.handle(method, path, body)) is not None:
+            elif (answer := self._answer(method, path, body)) is not None:
                 self._send(answer.status, answer.body, path)
             else:
                 self._send(404, {"detail": "Not Found"}, path)
         except Exception as exc:  # FastAPI answers an unhandled error with 500
             with contextlib.suppress(OSError):
                 self._send(500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}, path)
+
+    def _answer(self, method: str, path: str, body: Any) -> RouteResult | None:
+        """The LoRA routes, then the rest of SGLang's (None: no such route)."""
+        answer = self.server.lora.handle(method, path, body)
+        return answer if answer is not None else self.server.state.handle(method, path, body)
 
     def _generate(self, body: dict[str, Any], path: str) -> None:
         ids = body.get("input_ids")
@@ -220,10 +272,16 @@ class _Handler(BaseHTTPRequestHandler):
         batch = [ids] if single else ids
         params = body.get("sampling_params") or {}
         per_req = params if isinstance(params, list) else [params] * len(batch)
+        # lora_path: one adapter name for every request, or one per request (GenerateReqInput)
+        paths = body.get("lora_path")
+        adapters = paths if isinstance(paths, list) else [paths] * len(batch)
+        if len(adapters) != len(batch):
+            raise ValueError(f"lora_path list length ({len(adapters)}) must match batch size ({len(batch)})")
         results = []
-        for prompt, sp in zip(batch, per_req, strict=True):
+        for prompt, sp, adapter in zip(batch, per_req, adapters, strict=True):
             cfg, seed = _sampling(sp)
-            out = self.server.generation.run(list(prompt), cfg, seed)
+            stops = _stop_strings(sp)
+            out = self.server.generation.run(list(prompt), cfg, seed, adapter)
             version = self.server.state.receiver.weight_version
             if out is None:  # aborted: SGLang's abort result, no tokens to train on
                 meta: dict[str, Any] = {
@@ -236,8 +294,9 @@ class _Handler(BaseHTTPRequestHandler):
                     meta["output_token_logprobs"] = []
                 results.append({"text": "", "output_ids": [], "meta_info": meta})
                 continue
+            out, reason, text = _finish(out, stops, self.server.decode, cfg.max_new_tokens)
             meta = {
-                "finish_reason": {"type": out.finish_reason},
+                "finish_reason": reason,
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(out.token_ids),
                 "weight_version": version,
@@ -246,7 +305,7 @@ class _Handler(BaseHTTPRequestHandler):
                 meta["output_token_logprobs"] = [
                     [lp, t, None] for lp, t in zip(out.log_probs, out.token_ids, strict=True)
                 ]
-            results.append({"text": "", "output_ids": list(out.token_ids), "meta_info": meta})
+            results.append({"text": text, "output_ids": list(out.token_ids), "meta_info": meta})
         self._send(200, results[0] if single else results, path)
 
 
@@ -259,11 +318,14 @@ class _Server(ThreadingHTTPServer):
         generation: _Generation,
         state: SGLangServerState,
         record_path: str | None,
+        decode: Any,
     ) -> None:
         super().__init__(addr, _Handler)
         self.engine = generation.engine
         self.generation = generation
+        self.lora = generation.lora
         self.state = state
+        self.decode = decode  # token ids -> text, as SGLang's detokenizer (skip_special_tokens)
         self._record_path = record_path
         self._record_lock = threading.Lock()
 
@@ -290,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-seed", type=int, default=None)
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--skip-server-warmup", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--lora-target-modules", nargs="*", default=[])
     parser.add_argument("--standin-version", default=DEFAULT_VERSION)
     parser.add_argument("--standin-record", default=None)
     parser.add_argument("--standin-startup-delay", type=float, default=0.0)
@@ -306,8 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if args.standin_startup_delay:
         time.sleep(args.standin_startup_delay)
+    from transformers import AutoTokenizer
+
     from ppo_weight_sync.buckets import dtype_name
+    from ppo_weight_sync.sglang import SGLangProtocol
     from ppo_weight_sync.testing.sglang_like import SGLangReceiver, SGLangServerState
+    from ppo_weight_sync.testing.sglang_lora import SGLangLora
     from ppo_weight_sync.testing.sglang_tp import TPRanks, start_remote_ranks
 
     from ..engine.builtin import BuiltinEngine
@@ -324,6 +393,16 @@ def main(argv: list[str] | None = None) -> int:
 
         engine._step = slow_step  # type: ignore[method-assign]
 
+    lora = SGLangLora(
+        lambda: dict(engine._core.named_tensors()),
+        engine._load_weights,
+        per_rank=SGLangProtocol.for_version(args.standin_version).lora_payload_per_rank,
+        enabled=args.enable_lora,
+        max_rank=args.max_lora_rank,
+        target_modules=args.lora_target_modules,
+        model_name=args.model_path,
+    )
+
     def load(named: Iterable[tuple[str, torch.Tensor]]) -> None:
         held = dict(engine._expected())
         named = list(named)
@@ -333,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             if tuple(tensor.shape) != tuple(held[name][1]):
                 raise ValueError(f"{name}: shape {list(tensor.shape)} != {list(held[name][1])}")
         engine._load_weights(named)
+        lora.base_updated([name for name, _ in named])  # whole weights are the base adapters merge onto
 
     receiver = SGLangReceiver(load, engine.device, version=args.standin_version, tp_rank=0)
     # --tp-size: TP ranks 1.. in processes of their own, each joining the weight group at rank_offset +
@@ -341,9 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     remotes = start_remote_ranks(
         spec, version=args.standin_version, tp_size=args.tp_size, device=str(engine.device), timeout_s=1800.0
     )
-    generation = _Generation(engine)
+    generation = _Generation(engine, lora)
     state = SGLangServerState(args.standin_version, TPRanks(receiver, remotes), generation, _die)
-    server = _Server((args.host, args.port), generation, state, args.standin_record)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+    server = _Server((args.host, args.port), generation, state, args.standin_record, decode)
     print(
         f"stand-in SGLang {args.standin_version} on http://{args.host}:{args.port} argv={sys.argv[1:]}",
         flush=True,

@@ -152,6 +152,8 @@ class SGLangServerState:
         if path == "/continue_generation" and method == "POST":
             self.continue_generation()
             return RouteResult(200, {"message": "Generation continued successfully.", "status": "ok"})
+        if path == "/update_weight_version" and method == "POST":
+            return self._weight_version(data)
         if path == "/flush_cache" and method in ("GET", "POST"):
             if self.flush_cache():
                 return RouteResult(
@@ -208,6 +210,20 @@ class SGLangServerState:
             self.ranks.weight_version = request.weight_version
             message = f"{message} Weight version updated to {request.weight_version}."
         return weight_reply(EngineReply.ok(message))
+
+    def _weight_version(self, data: Mapping[str, Any]) -> RouteResult:
+        """``POST /update_weight_version`` (0.5.15.post1 and 0.5.23 ``http_server.py``): the version alone,
+        the weights untouched; ``abort_all_requests`` (default true) aborts the requests in flight first."""
+        version = data.get("new_version")
+        if not isinstance(version, str):
+            raise ValidationError("body.new_version: Input should be a valid string")
+        if data.get("abort_all_requests", True) and self.paused is None:
+            self.hooks.pause("abort")  # tokenizer_manager.abort_request(abort_all=True)
+            self.hooks.resume()
+        self.ranks.weight_version = version
+        return RouteResult(
+            200, {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        )
 
     def _session(self, begin: bool) -> RouteResult:
         with self._lock:
