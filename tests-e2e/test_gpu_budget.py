@@ -64,3 +64,39 @@ def test_budget_script_cpu_smoke(tmp_path: Path) -> None:
     assert "ok: disaggregate step 2: engines checked after the update" in done.stdout
     _check_report(report, "disaggregate")
     assert "| engines/sleep |" not in report  # engines on their own device never move
+
+
+def _check_long_tail(done: subprocess.CompletedProcess[str], report: str, median: str, longest: int) -> None:
+    assert "ok: " in done.stdout
+    for step in (1, 2):
+        assert f"step {step}: every response has its drawn length" in done.stdout
+    assert f"lognormal response lengths (median {median}, max {longest}, sigma 1; eos ignored" in report
+    generate = next(
+        line for line in report.splitlines() if line.startswith("| generate | ") and "decode" in line
+    )
+    assert "slot idle share" in generate
+    assert "bandwidth bound" in generate
+    for phase in ("critic_train", "actor_train"):
+        assert any(
+            line.startswith(f"| {phase} | ") and "matmul limit" in line for line in report.splitlines()
+        ), phase
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_budget_of_long_tailed_responses_on_one_gpu(tmp_path: Path) -> None:
+    args = ["--scenario", "colocate-1gpu", "--response-median", "512", "--response-max", "2048"]
+    done, report = _run([*args, "--steps", "2"], tmp_path, timeout=560)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    _check_long_tail(done, report, "512", 2048)
+    assert "0.82B parameters, 256 samples x lognormal" in report
+
+
+@pytest.mark.timeout(420)
+def test_budget_script_long_tail_cpu_smoke(tmp_path: Path) -> None:
+    args = ["--cpu-smoke", "--scenario", "disaggregate", "--response-median", "6", "--response-max", "16"]
+    done, report = _run(args, tmp_path, timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "all checks passed" in done.stdout
+    _check_report(report, "disaggregate")
+    _check_long_tail(done, report, "6", 16)

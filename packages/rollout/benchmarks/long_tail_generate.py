@@ -124,15 +124,9 @@ def timed(device: str, fn: Callable[[], Any]) -> tuple[float, Any]:
 def decode_bytes(model: Any, steps: int, requests: Sequence[GenerationRequest]) -> int:
     """What ``steps`` decode steps of ``model`` must read at least for ``requests``
     (``ppo_rollout.testing.long_tail.decode_bytes``)."""
-    config = model.config
-    itemsize = model.dtype.itemsize
-    embed = model.get_input_embeddings().weight
-    tied = model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
-    weights = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.numel())
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
+    weights, kv_token = long_tail.decode_sizes(model, model.dtype.itemsize)
     workload = [(len(r.prompt), r.max_new_tokens) for r in requests]
-    return long_tail.decode_bytes(weights * itemsize, kv_token, steps, workload)
+    return long_tail.decode_bytes(weights, kv_token, steps, workload)
 
 
 def hf_generate(model: Any, batch: Sequence[GenerationRequest], new_tokens: int) -> list[list[int]]:

@@ -17,7 +17,13 @@ from ppo_rollout.generate_client import GenerateClient
 from ppo_rollout.rollout_fns import PromptGroup, RolloutContext
 from ppo_rollout.runner import ClientSeeds, run_rollout
 from ppo_rollout.tasks import get_task, make_tiny_model
-from ppo_rollout.testing.long_tail import LongTailRollout, RecordedRequest, decode_bytes, lognormal_lengths
+from ppo_rollout.testing.long_tail import (
+    LongTailRollout,
+    RecordedRequest,
+    decode_bytes,
+    decode_sizes,
+    lognormal_lengths,
+)
 
 
 def test_lognormal_lengths_are_seeded_clipped_and_centred_on_the_median() -> None:
@@ -44,6 +50,29 @@ def test_bad_lognormal_settings_name_the_field(median: float, longest: int, sigm
 def test_decode_bytes_counts_weights_per_step_and_each_tokens_context() -> None:
     # (prompt 3, 4 new tokens): decode steps attend over 4, 5, 6 columns; (prompt 2, 1 token): none.
     assert decode_bytes(1000, 10, steps=3, workload=[(3, 4), (2, 1)]) == 3 * 1000 + (4 + 5 + 6) * 10
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_sizes_read_every_weight_but_an_untied_input_embedding(tied: bool) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    model = LlamaForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())  # a tied weight once
+    weights = total if tied else total - 40 * 32
+    kv_token = 2 * 3 * 2 * (32 // 4) * 2  # keys and values, 3 layers, 2 kv heads of 8, 2 bytes
+    assert decode_sizes(model, itemsize=2) == (weights * 2, kv_token)
+    with torch.device("meta"):
+        assert decode_sizes(LlamaForCausalLM(config), itemsize=2) == (weights * 2, kv_token)
 
 
 class LocalEngine:

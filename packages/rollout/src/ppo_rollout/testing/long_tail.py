@@ -11,8 +11,9 @@ runs decode the same tokens' worth of work whatever the weights say.
 - :class:`LongTailRollout`: a rollout function (``rollout_fns``) whose samples each ask for their own
   length, all in the step's first wave of requests, so that the engines serve them continuously
   (per-request limits: ``GenerationCore.generate_requests``); it records every request it made;
-- :func:`decode_bytes` and :func:`copy_rate`: what decode steps must read at least and a device
-  copy's rate, their quotient the bandwidth bound a decode's wall time is compared to.
+- :func:`decode_bytes` (with :func:`decode_sizes` of a model) and :func:`copy_rate`: what decode
+  steps must read at least and a device copy's rate, their quotient the bandwidth bound a decode's
+  wall time is compared to.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +35,7 @@ __all__ = [
     "RecordedRequest",
     "copy_rate",
     "decode_bytes",
+    "decode_sizes",
     "lognormal_lengths",
 ]
 
@@ -120,6 +123,19 @@ def decode_bytes(
     its prefill; decode step ``t`` (1..n-1) attends over ``prompt + t`` columns."""
     contexts = sum((n - 1) * p + n * (n - 1) // 2 for p, n in workload)
     return steps * weight_bytes + contexts * kv_token_bytes
+
+
+def decode_sizes(model: Any, itemsize: int) -> tuple[int, int]:
+    """(bytes of the weights a decode step reads, bytes of one token's keys and values over every
+    layer) of a Hugging Face causal LM held in ``itemsize``-byte elements. The weights are all but an
+    untied input embedding (a lookup of the step's rows). Works on the meta device too."""
+    config = model.config
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is embed
+    weights = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.numel())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
+    return weights * itemsize, kv_token
 
 
 def copy_rate(device: str | torch.device) -> float:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on one H200 (about 9 minutes at most): where long, uneven responses spend a step's time.
+#   1. the colocated step budget at 0.82B with long-tailed responses (gpu_budget.py: 32 prompts x 8
+#      samples, lognormal lengths of median 512 and max 2048 tokens; 2 steps to fit the call, the
+#      script's own default of 3 in a call of its own; needs Ray);
+#   2. the train phases at 0.82B with 2048-token samples (packed within a 16384-token budget, and
+#      with compile_layers);
+#   3. the train phases at 135M with 2048-token samples, 2 mini-batches of 32k tokens: token budgets
+#      of 16k and 32k (two micro-batches a mini-batch, or one), each also compiled, with
+#      inductor's caches in a fresh folder; then the compiled variant again with the same folder (the
+#      compile with warm caches: its first-call seconds).
+# Runs from the repository root with PYTHONPATH holding every packages/*/src (and whatever PYTHONPATH
+# already holds: Ray where the machine lacks it). Wheels in .gpuw/ (pydantic where the machine lacks
+# it) are installed to /tmp/site first. Each step has its own time limit; outputs go to $OUT
+# (budget.md, train082.txt, train135.txt, train135-warm.txt); exits non-zero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+OUT="${OUT:-$(mktemp -d)}"
+PY="${PYTHON:-python3}"
+if compgen -G ".gpuw/*.whl" > /dev/null; then
+  mkdir -p /tmp/site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpuw/*.whl || exit 1
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$(ls -d "$PWD"/packages/*/src | paste -sd:)${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+failed=0
+step() {  # step NAME SECONDS COMMAND...: output to $OUT/NAME.txt, its tail here
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name $(date +%T) (limit ${limit} s)"
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "rc=$rc" >> "$OUT/$name.txt"
+  grep -v '^\[bench\]' "$OUT/$name.txt" | tail -40
+  [ "$rc" = 0 ] || { echo "== $name FAILED (exit $rc)"; failed=1; }
+}
+step budget 260 "$PY" packages/ppo_driver/benchmarks/gpu_budget.py --scenario colocate-1gpu \
+  --response-median 512 --response-max 2048 --steps 2 --out "$OUT/budget"
+cd packages/trainer
+step train082 110 "$PY" benchmarks/bench_train_phase.py --device cuda --size 0.82b --samples 24 \
+  --sample-tokens 2048 --max-tokens 16384 --variants packed-budget,compiled --warmup 2 --repeats 3
+step train135 130 "$PY" benchmarks/bench_train_phase.py --device cuda --size 135m --samples 32 \
+  --sample-tokens 2048 --mini-batches 2 --max-tokens 16384,32768 --variants packed-budget,compiled \
+  --warmup 2 --repeats 3 \
+  --compile-cache /tmp/inductor-135m
+step train135-warm 40 "$PY" benchmarks/bench_train_phase.py --device cuda --size 135m --samples 32 \
+  --sample-tokens 2048 --mini-batches 2 --max-tokens 32768 --variants compiled --warmup 1 --repeats 2 \
+  --compile-cache /tmp/inductor-135m
+exit "$failed"
