@@ -22,6 +22,7 @@ from ppo_driver.config import (
     parse_override,
     validate_config,
 )
+from ppo_driver.preflight import check_yaml_file
 from ppo_lifecycle.plan import ResidentSharedCriticWarning
 
 REPO = Path(__file__).resolve().parents[3]
@@ -41,24 +42,11 @@ def test_cpu_default_file_equals_embedded_default() -> None:
     assert load_config(REPO / "configs" / "cpu-default.yaml") == load_config()
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "cpu-default",
-        "2gpu-colocate",
-        "2gpu-disaggregate",
-        "sglang-hf-template",
-        "smollm2-ppo-1gpu",
-        "smollm2-lora-ppo-1gpu",
-        "smollm2-grpo-1gpu",
-        "smollm2-dapo-1gpu",
-        "smollm2-tools-ppo-1gpu",
-        "smollm2-tools-grpo-1gpu",
-        "cpu-guess-multiturn",
-    ],
-)
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs").glob("*.yaml")))
 def test_example_configs_validate(name: str) -> None:
-    config = load_config(REPO / "configs" / f"{name}.yaml")
+    path = REPO / "configs" / f"{name}.yaml"
+    check_yaml_file(path)  # what `ppo-driver train --config` checks first: no key twice
+    config = load_config(path)
     if name.startswith("2gpu"):
         assert config.placement.device == "cuda"
         assert (

@@ -18,9 +18,13 @@ ADAPTER_LEAVES = ("lora_A.weight", "lora_B.weight")
 
 
 def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``weight + scale * b @ a`` computed in float32, returned in ``weight``'s dtype."""
+    """``weight + scale * b @ a`` computed in float32 on ``weight``'s device, returned in its dtype.
+
+    The adapters may sit elsewhere: a sleeping role's offload moves its trained tensors (the adapters)
+    to host memory and may leave the frozen base on the GPU, and a checkpoint merges what it captured."""
     with torch.no_grad():
-        merged = torch.addmm(weight.float(), b.float(), a.float(), alpha=scale)
+        device = weight.device
+        merged = torch.addmm(weight.float(), b.to(device).float(), a.to(device).float(), alpha=scale)
     return merged.to(weight.dtype)
 
 
