@@ -16,8 +16,10 @@ variants taking turns call by call (all of a phase's trainers are resident at on
 (median),
 tokens/s, achieved TFLOP/s (model FLOPs, ``ppo_trainer.throughput``: what the run's metrics log), its
 share of the matmul limit measured in the same run (an 8192^3 bf16 matmul on CUDA, 2048^3 float32 on
-the CPU), peak working memory (CUDA: the most a call allocated above what was resident before it, i.e.
-activations, logits and gradients, not the weights and optimizer state), and the first call's loss
+the CPU), the same share with causal attention's own FLOPs added (``attention_forward_flops``: left
+out of the model FLOPs, a large part at long samples), peak working memory (CUDA: the most a call
+allocated above what was resident before it, i.e. activations, logits and gradients, not the weights
+and optimizer state), the first call's seconds, and its loss
 (every variant starts from the same weights: packed must give the padded loss, up to bf16 rounding on
 CUDA).
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import statistics
@@ -56,9 +59,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 
 from ppo_trainer import AlgorithmConfig, TrainerConfig
 from ppo_trainer.backend import TorchTrainer
@@ -168,6 +172,7 @@ class Row:
     seconds: float
     tokens: int
     flops: float
+    attention_flops: float  # causal attention's own (left out of the model FLOPs), the same passes
     peak_gb: float | None
     loss: float | None
     first_s: float  # the first call (a compiled variant's compile is in it)
@@ -258,7 +263,7 @@ def trainer_rows(
         for i in range(args.warmup + args.repeats):
             for variant, trainer in trainers.items():
                 started = time.perf_counter()
-                timed_call(lambda t=trainer: run(t), device, timings[variant], keep=i >= args.warmup)
+                timed_call(functools.partial(run, trainer), device, timings[variant], keep=i >= args.warmup)
                 # Progress on stderr as each call ends: a run cut short by a time limit still says
                 # where its time went (the table comes only at the end).
                 print(
@@ -269,19 +274,37 @@ def trainer_rows(
         for variant, timing in timings.items():
             cost = costs[variant]
             flops = 2 * cost.trained * tokens if phase == "logprob_forward" else cost.flops(tokens)
+            # forwards: the trained model's (and the reference's); a backward is two forwards' worth
+            passes = 1 if phase == "logprob_forward" else 1 + (cost.reference > 0) + 3 * cost.epochs
+            attention = passes * attention_forward_flops(path, samples)
             seconds = statistics.median(timing.seconds)
             first = timing.first_s or seconds
-            rows.append(Row(phase, variant, seconds, tokens, flops, timing.peak_gb, timing.loss, first))
+            rows.append(
+                Row(phase, variant, seconds, tokens, flops, attention, timing.peak_gb, timing.loss, first)
+            )
         del trainers
         free(device)
     return rows
+
+
+def attention_forward_flops(path: Path, samples: Samples) -> float:
+    """Causal attention's own FLOPs in one forward over ``samples`` (each sample attends within
+    itself, as packed and padded runs both compute): per layer, ``Q K^T`` and ``P V`` over the
+    ``T^2 / 2`` causal pairs of a ``T``-token sample, 2 FLOPs a multiply-add, ``2 x heads x head_dim x
+    T^2``. The model FLOPs (``ppo_trainer.throughput``) leave these out: a few percent at short
+    samples, a large share at 2k tokens and a small hidden size."""
+    config = AutoConfig.from_pretrained(path)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    width = config.num_attention_heads * head_dim
+    return float(sum(2 * width * config.num_hidden_layers * t.numel() ** 2 for t in samples.tokens))
 
 
 def plain_row(
     path: Path, samples: Samples, size: Size, device: torch.device, args: argparse.Namespace
 ) -> Row:
     """Transformers' own causal-LM loss, forward and backward, padded micro-batches, AdamW."""
-    model = load_causal_lm(path, seed=1234).to(device)  # the weights every trainer starts from
+    model: Any = load_causal_lm(path, seed=1234)  # the weights every trainer starts from
+    model = model.to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=device.type == "cuda")
     autocast = (
@@ -328,6 +351,7 @@ def plain_row(
         statistics.median(timing.seconds),
         tokens,
         flops,
+        3 * attention_forward_flops(path, samples),
         timing.peak_gb,
         timing.loss,
         timing.first_s or statistics.median(timing.seconds),
@@ -336,17 +360,18 @@ def plain_row(
 
 def print_table(rows: list[Row], limit: float) -> None:
     print(
-        "| phase | variant | s | tokens/s | TFLOP/s | share of matmul limit | working GB | first call s "
-        "| first loss |"
+        "| phase | variant | s | tokens/s | TFLOP/s | share of matmul limit | with attention | working GB "
+        "| first call s | first loss |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         tflops = r.flops / r.seconds / 1e12
+        with_attention = (r.flops + r.attention_flops) / r.seconds / 1e12
         peak = "-" if r.peak_gb is None else f"{r.peak_gb:.1f}"
         loss = "-" if r.loss is None else f"{r.loss:.5f}"
         print(
             f"| {r.phase} | {r.variant} | {r.seconds:.3f} | {r.tokens / r.seconds:,.0f} | {tflops:.3g} | "
-            f"{tflops / limit:.1%} | {peak} | {r.first_s:.2f} | {loss} |"
+            f"{tflops / limit:.1%} | {with_attention / limit:.1%} | {peak} | {r.first_s:.2f} | {loss} |"
         )
 
 
@@ -493,7 +518,9 @@ def main() -> None:
             f"\n### train phases on {where}: {params / 1e6:.0f}M matmul parameters (hidden {size.hidden}, "
             f"{size.layers} layers, vocabulary {size.vocab}); {len(samples)} samples, {tokens} tokens "
             f"({tokens / len(samples):.0f} a sample, longest {longest}); "
-            f"{args.mini_batches} mini-batches; log-prob chunks of {args.logprob_chunk} positions; matmul "
+            f"{args.mini_batches} mini-batches; each trainer holds about {params * 16 / 1e9:.1f} GB of "
+            "float32 weights, gradients and AdamW state besides the working memory below; log-prob chunks "
+            f"of {args.logprob_chunk} positions; matmul "
             f"limit {limit:.1f} TFLOP/s ({what}); median of {args.repeats} after {args.warmup} warm-up, "
             f"variants interleaved" + (f"; compile cache {cache}" if "compiled" in chosen else "")
         )
