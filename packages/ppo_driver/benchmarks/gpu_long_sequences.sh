@@ -10,14 +10,17 @@
 #      inductor's caches in a fresh folder; then the compiled variant again with the same folder (the
 #      compile with warm caches: its first-call seconds).
 # Runs from the repository root with PYTHONPATH holding every packages/*/src (and whatever PYTHONPATH
-# already holds: Ray where the machine lacks it). Wheels in .gpuw/ (pydantic where the machine lacks
-# it) are installed to /tmp/site first. Each step has its own time limit; outputs go to $OUT
-# (budget.md, train082.txt, train135.txt, train135-warm.txt); exits non-zero if any step failed.
+# already holds: Ray where the machine lacks it). Where pydantic does not import, the wheels in .gpuw/
+# are installed to /tmp/site first. Each step has its own time limit; outputs go to $OUT
+# (budget.md and budget-colocate-1gpu.md, budget.txt, train082.txt, train135.txt, train135-warm.txt);
+# exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"  # absolute: the trainer steps run from packages/trainer
 PY="${PYTHON:-python3}"
-if compgen -G ".gpuw/*.whl" > /dev/null; then
+[[ "$PY" == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # a path: absolute too
+if ! "$PY" -c "import pydantic" 2> /dev/null && compgen -G ".gpuw/*.whl" > /dev/null; then
   mkdir -p /tmp/site
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpuw/*.whl || exit 1
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -36,16 +39,22 @@ step() {  # step NAME SECONDS COMMAND...: output to $OUT/NAME.txt, its tail here
   grep -v '^\[bench\]' "$OUT/$name.txt" | tail -40
   [ "$rc" = 0 ] || { echo "== $name FAILED (exit $rc)"; failed=1; }
 }
+# The run folders (the model's weights among them) stay on the machine; the tables go to $OUT.
+RUNS="$(mktemp -d /tmp/budget-runs.XXXX)"
 step budget 260 "$PY" packages/ppo_driver/benchmarks/gpu_budget.py --scenario colocate-1gpu \
-  --response-median 512 --response-max 2048 --steps 2 --out "$OUT/budget"
+  --response-median 512 --response-max 2048 --steps 2 --out "$RUNS"
+cp "$RUNS"/budget*.md "$RUNS"/budget.json "$OUT"/ 2> /dev/null
 cd packages/trainer
+# Fresh inductor cache folders: each first compiled call is a cold compile, whatever the machine ran.
 step train082 110 "$PY" benchmarks/bench_train_phase.py --device cuda --size 0.82b --samples 24 \
-  --sample-tokens 2048 --max-tokens 16384 --variants packed-budget,compiled --warmup 2 --repeats 3
+  --sample-tokens 2048 --max-tokens 16384 --variants packed-budget,compiled --warmup 2 --repeats 3 \
+  --compile-cache "$(mktemp -d /tmp/inductor-082.XXXX)"
+CACHE135="$(mktemp -d /tmp/inductor-135m.XXXX)"
 step train135 130 "$PY" benchmarks/bench_train_phase.py --device cuda --size 135m --samples 32 \
   --sample-tokens 2048 --mini-batches 2 --max-tokens 16384,32768 --variants packed-budget,compiled \
   --warmup 2 --repeats 3 \
-  --compile-cache /tmp/inductor-135m
+  --compile-cache "$CACHE135"
 step train135-warm 40 "$PY" benchmarks/bench_train_phase.py --device cuda --size 135m --samples 32 \
   --sample-tokens 2048 --mini-batches 2 --max-tokens 32768 --variants compiled --warmup 1 --repeats 2 \
-  --compile-cache /tmp/inductor-135m
+  --compile-cache "$CACHE135"
 exit "$failed"
