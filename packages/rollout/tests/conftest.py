@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ import pytest
 import ray
 import torch
 
+from ppo_rollout.config import RolloutConfig, SGLangOptions
 from ppo_rollout.tasks import make_tiny_model
 from ppo_testsupport import skip_gpu_tests_without_cuda
 
@@ -21,6 +23,23 @@ pytest_collection_modifyitems = skip_gpu_tests_without_cuda("needs CUDA")
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("copy", tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def standin_config(tiny_model: Path) -> Callable[..., RolloutConfig]:
+    """``make(record, **settings)``: a rollout config whose one SGLang engine is the stand-in (launched
+    through the adapter's code path), every request it answers appended to ``record``."""
+
+    def make(record: Path, **settings: Any) -> RolloutConfig:
+        standin = SGLangOptions(
+            command=(sys.executable, "-m", "ppo_rollout.testing.sglang_standin"),
+            extra_args=("--standin-record", str(record)),
+            startup_timeout_s=240,
+        )
+        base = {"engine": "sglang", "gpus_per_engine": 1, "task": "copy", "prompts_per_step": 2}
+        return RolloutConfig(model_path=str(tiny_model), **{**base, "sglang": standin, **settings})
+
+    return make
 
 
 @pytest.fixture(scope="session")

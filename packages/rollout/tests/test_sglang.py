@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
 
 from ppo_rollout.batch import FIELDS
-from ppo_rollout.config import RolloutConfig, SamplingConfig, SamplingSettings, SGLangOptions
+from ppo_rollout.config import RolloutConfig, SamplingConfig, SamplingSettings
 from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.handles import SGLangEngineHandle
 from ppo_rollout.engine.sglang import SGLangClient, SGLangError, SGLangServer, SGLangServerSpec
@@ -79,21 +79,12 @@ def test_reply_shapes_are_normalised() -> None:
 
 @pytest.fixture(scope="module")
 def sglang_manager(
-    ray_session: None, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    ray_session: None, standin_config: Callable[..., RolloutConfig], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[RolloutManager, Path]]:
     """A rollout manager whose one SGLang engine is the stand-in, launched through the adapter's code path."""
     record = tmp_path_factory.mktemp("standin") / "requests.jsonl"
-    config = RolloutConfig(
-        model_path=str(tiny_model),
-        engine="sglang",
-        gpus_per_engine=1,
-        task="copy",
-        prompts_per_step=2,
-        sampling=SamplingSettings(max_new_tokens=5, n_samples_per_prompt=2),
-        seed=1,
-        sglang=SGLangOptions(
-            command=STANDIN, extra_args=("--standin-record", str(record)), startup_timeout_s=240
-        ),
+    config = standin_config(
+        record, sampling=SamplingSettings(max_new_tokens=5, n_samples_per_prompt=2), seed=1
     )
     manager = RolloutManager(config, None, dp_size=1)
     yield manager, record
@@ -165,10 +156,9 @@ def test_the_standin_stops_at_stop_strings_and_tokens_as_sglang(standin: tuple[S
 
     def generate(**sampling: object) -> dict:  # type: ignore[type-arg]
         sp = {"temperature": 0.0, "max_new_tokens": 8, **sampling}
-        body = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
-        reply = client.endpoint.request("POST", "/generate", body)
-        assert isinstance(reply, dict)
-        return reply
+        body = {"input_ids": [prompt], "sampling_params": [sp], "return_logprob": True}
+        (reply,) = client.endpoint.request("POST", "/generate", body)
+        return reply  # type: ignore[no-any-return]
 
     free = generate()
     ids = free["output_ids"]

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ppo_rollout.config import AdapterUpdates, RolloutConfig, SamplingConfig, SamplingSettings, SGLangOptions
+from ppo_rollout.config import AdapterUpdates, RolloutConfig, SamplingConfig
 from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.engine.handles import SGLangEngineHandle
 from ppo_rollout.engine.sglang import SGLangClient, SGLangError, SGLangServerSpec
@@ -25,28 +24,15 @@ from ppo_weight_sync.sglang_lora import SGLangAdapters
 
 pytestmark = pytest.mark.timeout(300)
 
-STANDIN = (sys.executable, "-m", "ppo_rollout.testing.sglang_standin")
 LORA = AdapterUpdates(rank=2, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
 
 
 @pytest.fixture(scope="module")
 def lora_manager(
-    ray_session: None, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    ray_session: None, standin_config: Callable[..., RolloutConfig], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[RolloutManager, Path]]:
     record = tmp_path_factory.mktemp("standin-lora") / "requests.jsonl"
-    config = RolloutConfig(
-        model_path=str(tiny_model),
-        engine="sglang",
-        gpus_per_engine=1,
-        task="copy",
-        prompts_per_step=2,
-        sampling=SamplingSettings(max_new_tokens=5),
-        lora=LORA,
-        sglang=SGLangOptions(
-            command=STANDIN, extra_args=("--standin-record", str(record)), startup_timeout_s=240
-        ),
-    )
-    manager = RolloutManager(config, None, dp_size=1)
+    manager = RolloutManager(standin_config(record, lora=LORA), None, dp_size=1)
     yield manager, record
     manager.shutdown()
 

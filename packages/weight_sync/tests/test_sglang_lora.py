@@ -185,3 +185,25 @@ def test_the_server_refuses_what_sglang_refuses() -> None:
     wrong = [("model.layers.0.self_attn.q_proj.lora_A.weight", torch.ones(2, 5)), *items[1:2]]
     assert "needs lora_A (2, 6)" in _load(server, "z", wrong)[1]["error_message"]
     assert normalized_modules(["q_proj", "v_proj", "up_proj"]) == {"qkv_proj", "gate_up_proj"}
+
+
+def test_an_sglang_endpoint_reaches_another_process_whole() -> None:
+    """The driver hands the rollout's endpoints to the actor's Ray workers: a copy keeps the protocol
+    (which decides what an adapter update sends) and opens its own connections."""
+    from ppo_weight_sync import HttpEngineEndpoint
+
+    protocol = SGLangProtocol.for_version("0.5.16")
+    endpoint = HttpEngineEndpoint(
+        "http://127.0.0.1:1", 2, 5.0, "sglang-0", ("flattened_bucket",), sglang=protocol
+    )
+    endpoint.get_weight_version()  # a request in flight: its thread pool and connection stay here
+    copy = pickle.loads(pickle.dumps(endpoint))
+    assert (copy.base_url, copy.num_gpus, copy.timeout_s, copy.name) == (
+        "http://127.0.0.1:1",
+        2,
+        5.0,
+        "sglang-0",
+    )
+    assert (copy.load_formats, copy.sglang, copy.flush_retry_s) == (("flattened_bucket",), protocol, 60.0)
+    endpoint.close()
+    copy.close()

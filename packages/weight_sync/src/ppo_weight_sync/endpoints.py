@@ -303,6 +303,11 @@ class HttpEngineEndpoint(WeightOpsForwarder[Pending[EngineReply]]):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy sent to another process (a trainer's Ray worker) opens its own connections and threads.
+        args = (self.base_url, self.num_gpus, self.timeout_s, self.name, self.load_formats)
+        return (_endpoint, (args, self.sglang, self.flush_retry_s))
+
     @classmethod
     def for_sglang(
         cls,
@@ -434,6 +439,12 @@ class HttpEngineEndpoint(WeightOpsForwarder[Pending[EngineReply]]):
 
     def __repr__(self) -> str:
         return f"HttpEngineEndpoint({self.base_url!r}, num_gpus={self.num_gpus})"
+
+
+def _endpoint(
+    args: tuple[Any, ...], sglang: SGLangProtocol | None, flush_retry_s: float
+) -> HttpEngineEndpoint:
+    return HttpEngineEndpoint(*args, sglang=sglang, flush_retry_s=flush_retry_s)
 
 
 def _weight_version_of(body: Any) -> str | None:

@@ -90,8 +90,8 @@ def _finish(out: Any, stops: Sequence[str], decode: Any, limit: int) -> tuple[An
             )
             return cut, {"type": "stop", "matched": matched}, text[: text.find(matched)]
     if out.finish_reason == "stop":
-        return out, {"type": "stop", "matched": ids[-1]}, decode(ids[:-1])
-    return out, {"type": "length", "length": limit}, decode(ids)
+        return out, {"type": "stop", "matched": ids[-1]}, decode(ids[:-1]) or ""
+    return out, {"type": "length", "length": limit}, decode(ids) or ""
 
 
 def _sampling(sp: dict[str, Any]) -> tuple[SamplingConfig, int]:
@@ -281,6 +281,8 @@ class _Handler(BaseHTTPRequestHandler):
         for prompt, sp, adapter in zip(batch, per_req, adapters, strict=True):
             cfg, seed = _sampling(sp)
             stops = _stop_strings(sp)
+            if stops and self.server.decode([]) is None:
+                raise ValueError("sampling_params.stop needs the model's tokenizer, which its folder lacks")
             out = self.server.generation.run(list(prompt), cfg, seed, adapter)
             version = self.server.state.receiver.weight_version
             if out is None:  # aborted: SGLang's abort result, no tokens to train on
@@ -423,10 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     generation = _Generation(engine, lora)
     state = SGLangServerState(args.standin_version, TPRanks(receiver, remotes), generation, _die)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    try:
+        tokenizer: Any = AutoTokenizer.from_pretrained(args.model_path)
+    except (OSError, ValueError):  # a weights-only model folder: no text, no stop strings
+        tokenizer = None
 
-    def decode(ids: list[int]) -> str:
-        return str(tokenizer.decode(ids, skip_special_tokens=True))
+    def decode(ids: list[int]) -> str | None:
+        return None if tokenizer is None else str(tokenizer.decode(ids, skip_special_tokens=True))
 
     server = _Server((args.host, args.port), generation, state, args.standin_record, decode)
     print(
