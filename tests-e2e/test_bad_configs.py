@@ -198,33 +198,40 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("copy", tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
-# Rows only the whole dataset, tokenized with the run's tokenizer, shows to be bad (the tiny model's
-# tokenizer: one token per character plus <bos>; 64 positions; max_new_tokens 4).
+# Rows only the whole dataset shows to be bad (the tiny model's tokenizer: one token per character plus
+# <bos>; 64 positions; max_new_tokens 4). The third field: found before Ray and the run folder (the
+# file's rows read), else by the tokenizing check that runs while Ray and the roles start
+# (``preflight.DatasetCheck``), which stops the run before its first step.
 DATASET_ROWS = [
-    ("bad JSON past the first lines", {9: '{"prompt": "12",'}, "d.jsonl:9: not JSON"),
+    ("bad JSON past the first lines", {9: '{"prompt": "12",'}, "d.jsonl:9: not JSON", True),
     (
         "prompt over max_prompt_length",
         {7: json.dumps({"prompt": "1" * 300, "label": "1"})},
         "d.jsonl:7: prompt '1111",
+        False,
     ),
     (
         "prompt past the model's positions",
         {12: json.dumps({"prompt": "1" * 62, "label": "1"})},
         "d.jsonl:12: the prompt is 63 tokens; with max_new_tokens 4 that is more than the model's "
         "max_position_embeddings 64",
+        False,
     ),
 ]
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(("case", "bad", "expected"), DATASET_ROWS, ids=[d[0] for d in DATASET_ROWS])
-def test_a_bad_dataset_row_is_named_before_start(
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("case", "bad", "expected", "before_ray"), DATASET_ROWS, ids=[d[0] for d in DATASET_ROWS]
+)
+def test_a_bad_dataset_row_is_named_before_the_first_step(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     tiny_model: Path,
     case: str,
     bad: dict[int, str],
     expected: str,
+    before_ray: bool,
 ) -> None:
     lines = [json.dumps({"prompt": "12", "label": "12"}) for _ in range(20)]
     for number, text in bad.items():
@@ -241,7 +248,8 @@ def test_a_bad_dataset_row_is_named_before_start(
     assert code == 2, (case, out, err)
     assert expected in err, (case, err)
     assert "Traceback" not in err
-    assert not (tmp_path / "run").exists()
+    assert (tmp_path / "run").exists() != before_ray
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step ran
     assert not ray.is_initialized()
 
 

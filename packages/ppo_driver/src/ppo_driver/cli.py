@@ -37,7 +37,7 @@ examples:
   ppo-driver import-model model.gguf models/my-model   # a GGUF file or HF folder -> model.path
 
 --set takes dotted names and YAML values: --set algorithm.estimator=grpo --set placement.critic=none
-Config sections: model, placement, rollout, algorithm, train, offload, checkpoint, logging, ray;
+Config sections: model, placement, rollout, algorithm, train, offload, checkpoint, logging, ray, startup;
 every field with its default: ppo-driver validate configs/cpu-default.yaml
 A run folder that holds a complete checkpoint resumes from it (checkpoint.resume=false starts over)."""
 
@@ -359,7 +359,6 @@ def _train(args: argparse.Namespace, console: Console, startup: StartupClock) ->
         warned = preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
         preflight.check_devices(config)  # a local cuda run's GPUs, counted before Ray waits for them
         preflight.check_ray_address(config)  # a cluster to join answers at its address
-        checked = preflight.check_dataset(config)  # every prompt, tokenized as the run will
         # What resuming from the run's checkpoint folder would mix (another run, model, data, lr).
         resume_checks.check(config, run_dir, _checkpoint_root(config, run_dir))
         _print_warnings(warned)
@@ -367,6 +366,14 @@ def _train(args: argparse.Namespace, console: Console, startup: StartupClock) ->
         from ppo_driver.faults import RunFailed
         from ppo_driver.loop import train
         from ppo_driver.metrics import budget_table, startup_table, summary_table
+
+        if config.rollout.dataset is not None and config.model.path is not None:
+            # Here, not in the check's thread: two threads importing torch's modules at once can
+            # deadlock on the import locks.
+            from transformers import AutoTokenizer  # noqa: F401
+    # Every prompt, tokenized as the run will, while Ray and the roles start (the run stops before its
+    # first step on a prompt it would fail on).
+    dataset_check = preflight.DatasetCheck(config) if config.rollout.dataset is not None else None
 
     console.print(
         f"ppo-driver {__version__}: {config.algorithm.estimator} on "
@@ -379,8 +386,6 @@ def _train(args: argparse.Namespace, console: Console, startup: StartupClock) ->
 
     if config.rollout.eval_prompts:
         console.print(f"evaluation prompts: {describe_eval_source(config.rollout)}", highlight=False)
-    if checked is not None:
-        console.print(f"dataset: {checked}", highlight=False)
     err = Console(stderr=True, soft_wrap=True)
 
     def show_warning(message: Warning | str, *_: object, **__: object) -> None:
@@ -389,7 +394,13 @@ def _train(args: argparse.Namespace, console: Console, startup: StartupClock) ->
     with warnings.catch_warnings():
         warnings.showwarning = show_warning  # one line per warning, as the config's warnings
         try:
-            result = train(config, run_dir, console=console, startup=startup)
+            result = train(
+                config,
+                run_dir,
+                console=console,
+                startup=startup,
+                dataset_check=dataset_check,
+            )
         except RunFailed as exc:
             exc.traceback_file = _write_traceback(exc, run_dir)
             raise

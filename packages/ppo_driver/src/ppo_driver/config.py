@@ -257,6 +257,21 @@ class RayConfig(_Section):
     )
 
 
+class StartupSection(_Section):
+    warm_up: bool | Literal["auto"] = Field(
+        default="auto",
+        description="before the first step, the built-in engines capture the decode graphs of a "
+        "training step's generate and each trainer runs its train phase once on a dummy batch, undone bit "
+        "for bit: the first step's one-time costs (graph captures, CUDA's first kernel loads) move into "
+        "start-up, alongside the other roles' start; results are the same either way. auto: on with "
+        "placement.device=cuda (on CPU a first step costs what the others do)",
+    )
+
+    def enabled(self, device: str) -> bool:
+        """Whether the run warms up on ``device`` (``placement.device``)."""
+        return device == "cuda" if self.warm_up == "auto" else self.warm_up
+
+
 class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     placement: PlacementConfig = PlacementConfig()
@@ -267,6 +282,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointSection = CheckpointSection()
     logging: LoggingSection = LoggingSection()
     ray: RayConfig = RayConfig()
+    startup: StartupSection = StartupSection()
     _offload_plan: OffloadPlan = PrivateAttr()
 
     @property

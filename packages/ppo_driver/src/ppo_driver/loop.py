@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from ppo_driver import budget, build, checkpoint, cluster_check, nodes, processes, reaper, resume
+from ppo_driver import budget, build, checkpoint, cluster_check, nodes, preflight, processes, reaper, resume
 from ppo_driver.config import RunConfig, dump_config
 from ppo_driver.faults import RunFailed, StopSignals
 from ppo_driver.metrics import MetricsLog, StepProgress
@@ -47,7 +47,7 @@ from ppo_driver.roles import RoleFactory, Roles, TrainGroupLike, create_roles, r
 from ppo_driver.runlock import RunLock
 from ppo_driver.saving import CheckpointSaver
 from ppo_driver.schedule import BatchSchedule, Cadence
-from ppo_driver.startup import StartupClock, StartupTable
+from ppo_driver.startup import StartupClock, StartupTable, first_step_ratio
 from ppo_driver.step_record import StepRecord, Where
 from ppo_driver.stops import (
     check_space,
@@ -116,16 +116,19 @@ def train(
     console: Console | None = None,
     roles_factory: RoleFactory = create_roles,
     startup: StartupClock | None = None,
+    dataset_check: preflight.DatasetCheck | None = None,
 ) -> RunResult:
     """Run the loop. A failing step raises ``RunFailed`` (step, phase, cause, where a re-run resumes);
     SIGINT/SIGTERM raise ``Interrupted`` after a save at the end of the step they arrived in.
     ``startup``: the clock the start-up is timed on (the CLI's, from the process's start); else one
-    from this call."""
+    from this call. ``dataset_check``: the dataset's pre-flight running alongside (``preflight.
+    DatasetCheck``), waited for once the roles started; its ``ConfigError`` stops the run (before the
+    roles start when it has failed by then)."""
     console = console or Console()
     # Absolute paths: the Ray workers that read the model and write checkpoints run in other folders.
     run_dir = run_dir.resolve()
     with ExitStack() as stack:
-        run = setup(config, run_dir, stack, console, roles_factory, startup or StartupClock())
+        run = setup(config, run_dir, stack, console, roles_factory, startup or StartupClock(), dataset_check)
         if isinstance(run, RunResult):
             return run  # already at train.steps: nothing was started
         if config.rollout.eval_before_train and run.start == 0:
@@ -231,6 +234,7 @@ def setup(
     console: Console,
     roles_factory: RoleFactory,
     clock: StartupClock,
+    dataset_check: preflight.DatasetCheck | None = None,
 ) -> Run | RunResult:
     """Everything before the first step, each part timed on ``clock`` and its undoing on ``stack``; a
     ``RunResult`` when the run folder's checkpoint is at ``train.steps`` already (nothing started)."""
@@ -253,7 +257,9 @@ def setup(
             cluster_check.check(config, run_dir, ckpt_root, model_path, config.ray.timeout_s)
     # After the model: its build forks and restores torch's global generator (ppo_rollout.tasks).
     seed_everything(config.train.seed)
-    roles = _start_roles(config, run_dir, model_path, stack, console, roles_factory, clock)
+    if dataset_check is not None:
+        dataset_check.raise_if_failed()  # a bad prompt found while Ray started: no roles started
+    roles = _start_roles(config, run_dir, model_path, stack, console, roles_factory, clock, dataset_check)
     with clock.part("offload plan"):
         phases, saver, overlap = _turn_taking(config, roles, run_dir, ckpt_root, where, stack, console)
     start = 0
@@ -353,6 +359,7 @@ def _start_roles(
     console: Console,
     roles_factory: RoleFactory,
     clock: StartupClock,
+    dataset_check: preflight.DatasetCheck | None,
 ) -> Roles:
     # The roles' start-up (processes importing torch, loading the model) is most of a short run's
     # time: say what is starting, and how long it took, rather than staying silent through it.
@@ -363,12 +370,32 @@ def _start_roles(
         stack.callback(shutdown_roles, roles)
     console.print(f"started in {time.perf_counter() - starting:.1f} s", highlight=False)
     clock.roles(roles.startup)
+    if dataset_check is not None:
+        with clock.part("dataset check (after roles)"):
+            checked = dataset_check.result()
+        if checked is not None:
+            console.print(f"dataset: {checked}", highlight=False)
+    _finish_warm_up(roles, clock)  # before anything else asks the workers (they answer in turn)
     with clock.part("processes.json"):
         processes.record(roles, run_dir, config.ray.timeout_s)
     with clock.part("nodes.json"):
         placed = nodes.record(roles, run_dir, config.ray.timeout_s, console)
     stack.enter_context(nodes.name_lost_nodes(placed))  # a lost node is named in the run's stop
     return roles
+
+
+WARM_UP = "warm-up (after roles)"
+
+
+def _finish_warm_up(roles: Roles, clock: StartupClock) -> None:
+    """Wait for the warm-ups the roles started as each was made (``startup.warm_up``): the row is what
+    the driver still waited once the roles were up, the detail each role's own warm-up. Before the
+    offload plan, which measures the GPUs' free memory, and before any role sleeps."""
+    if not roles.warming:
+        return
+    with clock.part(WARM_UP):
+        for name, wait in roles.warming.items():
+            clock.alongside(WARM_UP, name, wait()["warm_up_s"])
 
 
 def _turn_taking(
@@ -461,6 +488,8 @@ def finish(run: Run) -> RunResult:
         "budget": budget.summary(run.log.history),
         "setup": run.setup_metrics,
         "startup": run.startup.summary() if run.startup is not None else None,
+        # The first step's seconds and their ratio to the mean step after it (what start-up left to it).
+        "first_step_time": _first_step_time(run.log.history),
         "transitions": {"overlap": run.overlap.overlap, "reason": run.overlap.reason},
     }
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -468,6 +497,11 @@ def finish(run: Run) -> RunResult:
 
 
 # --- helpers ---------------------------------------------------------------------------------------
+
+
+def _first_step_time(history: list[dict[str, Any]]) -> dict[str, float] | None:
+    first = first_step_ratio(history)
+    return None if first is None else {"seconds": first[0], "over_steady": first[1]}
 
 
 def seed_everything(seed: int) -> None:

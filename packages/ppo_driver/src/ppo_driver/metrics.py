@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ppo_driver.budget import budget_rows, overhead_means, phase_tflops
-from ppo_driver.startup import StartupTable
+from ppo_driver.startup import StartupTable, first_step_ratio
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -266,11 +266,10 @@ def startup_table(startup: StartupTable, history: list[dict[str, Any]]) -> Table
             table.add_row(f"  {name}", f"{seconds:.2f}", "", "", style="dim")
     table.add_row("to the first step", f"{total:.2f}", "100.0%" if total > 0 else "-", "")
     since = "the process's start (Python's own start included)" if startup.from_process_start else "the call"
-    steps = [float(r["time/step_s"]) for r in history if isinstance(r.get("time/step_s"), int | float)]
+    first_step = first_step_ratio(history)
     first = ""
-    if len(steps) > 1:
-        ratio = steps[0] / statistics.fmean(steps[1:])
-        first = f"; the first step took {steps[0]:.2f} s, {ratio:.2f}x the mean after it"
+    if first_step is not None:
+        first = f"; the first step took {first_step[0]:.2f} s, {first_step[1]:.2f}x the mean after it"
     dim = "dim: the roles' own parts and work alongside a part, not added"
     table.caption = f"from {since} to the first step; {dim}{first}"
     return table

@@ -6,9 +6,10 @@ field named, instead of minutes later inside a Ray worker.
 - ``rollout.reward``: a ``module:function`` that imports and names a callable, or a registered name;
 - ``model.path``: a local model folder (or a Hugging Face id already in the local cache);
 - ``rollout.dataset``: exists, and every line is a JSON object holding ``rollout.prompt_field`` (the
-  run's reader, ``ppo_rollout.data.JsonlPrompts``); then (``check_dataset``, ``train`` only) every
-  prompt tokenized with the run's tokenizer fits ``rollout.max_prompt_length`` and, with
-  ``max_new_tokens``, the model's ``max_position_embeddings`` (``ppo_rollout.prompts``);
+  run's reader, ``ppo_rollout.data.JsonlPrompts``); then (``check_dataset``) every prompt tokenized
+  with the run's tokenizer fits ``rollout.max_prompt_length`` and, with ``max_new_tokens``, the
+  model's ``max_position_embeddings`` (``ppo_rollout.prompts``): ``validate`` waits for it, ``train``
+  runs it alongside Ray's and the roles' start (``DatasetCheck``) and stops before the first step;
 - ``train.backend='megatron'``: CUDA, Python >= 3.12, megatron-core importable, and
   ``train.tensor_parallel`` dividing each role's GPUs and the model's heads (ppo-trainer's rules);
 - the run folder and the checkpoint folder can be created and written.
@@ -23,6 +24,8 @@ import importlib
 import json
 import os
 import re
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -304,9 +307,10 @@ def check_dataset(config: RunConfig) -> str | None:
     from ppo_rollout.prompts import check_dataset as check_prompts
 
     model = Path(config.model.path).expanduser()
-    _tokenizer_loads(config.model.path, model)
+    tokenizer = _tokenizer_loads(config.model.path, model)
     try:
-        report = check_prompts(build.rollout_config(config, model.resolve() if model.exists() else model))
+        rollout = build.rollout_config(config, model.resolve() if model.exists() else model)
+        report = check_prompts(rollout, tokenizer)
     except ValueError as exc:
         raise ConfigError(
             f"invalid config (1 error):\n  - rollout.dataset={config.rollout.dataset!r}: {exc}"
@@ -322,13 +326,13 @@ def check_dataset(config: RunConfig) -> str | None:
     )
 
 
-def _tokenizer_loads(field: str, model: Path) -> None:
-    """The tokenizer of ``model.path`` loads; else one line under ``model.path`` (transformers' own
+def _tokenizer_loads(field: str, model: Path) -> Any:
+    """The tokenizer of ``model.path``, loaded; else one line under ``model.path`` (transformers' own
     message runs to several lines, and the dataset's check would be blamed)."""
     from transformers import AutoTokenizer
 
     try:
-        AutoTokenizer.from_pretrained(model)
+        return AutoTokenizer.from_pretrained(model)
     except Exception as exc:  # OSError, ValueError, or what a tokenizer's own code raises
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise ConfigError(
@@ -336,6 +340,34 @@ def _tokenizer_loads(field: str, model: Path) -> None:
             "copy the tokenizer files from the model's source, or make the folder with "
             "`ppo-driver import-model`"
         ) from None
+
+
+class DatasetCheck:
+    """``check_dataset`` in a thread of its own, started at construction: ``train`` starts it once the
+    driver's imports are done and takes its answer after the roles started, so reading the tokenizer and
+    rendering and tokenizing every prompt (seconds for thousands of chat rows) run while Ray and the
+    roles start instead of before them; a check that failed by the time Ray is up stops the run before
+    the roles start. :meth:`result` waits for it and raises its ``ConfigError``."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self._future: Future[str | None] = Future()
+        # A daemon thread: a run that stops before it asks for the result does not wait for the check.
+        threading.Thread(target=self._run, args=(config,), name="dataset-check", daemon=True).start()
+
+    def _run(self, config: RunConfig) -> None:
+        try:
+            self._future.set_result(check_dataset(config))
+        except BaseException as exc:  # handed to the caller of result()
+            self._future.set_exception(exc)
+
+    def result(self, timeout_s: float | None = None) -> str | None:
+        """What ``check_dataset`` returned, once it finished; its error raised here."""
+        return self._future.result(timeout_s)
+
+    def raise_if_failed(self) -> None:
+        """Raise the check's error if it has failed already; else return at once (it may still run)."""
+        if self._future.done() and self._future.exception() is not None:
+            self._future.result()
 
 
 def _writable(field: str, folder: Path) -> list[str]:

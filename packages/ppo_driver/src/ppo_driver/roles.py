@@ -80,6 +80,8 @@ class Roles:
     # What starting them took, part by part (``ppo_lifecycle.startup``): per role, and the factory's own
     # ("placement groups"); the driver's start-up table shows it under ``roles``.
     startup: dict[str, dict[str, float]] = field(default_factory=dict)
+    # ``startup.warm_up``: per role, what waits for the warm-up it started (``{"warm_up_s": ...}``).
+    warming: dict[str, Callable[[], dict[str, float]]] = field(default_factory=dict)
 
 
 RoleFactory = Callable[[RunConfig, Path, float], Roles]
@@ -126,6 +128,9 @@ def create_roles(
         ),
         **{role: trainer(role) for role in trainer_roles},
     }
+    warming: dict[str, Callable[[], dict[str, float]]] = {}
+    if config.startup.enabled(config.placement.device):
+        makers = {name: _warming(name, make, config, timeout_s, warming) for name, make in makers.items()}
     try:
         if not together:  # their imports overlap the engines' start; set up in order below
             for role in trainer_roles:
@@ -142,7 +147,43 @@ def create_roles(
     assert critic is None or isinstance(critic, TrainGroup)
     startup = {"driver": {"placement groups": placed_s}}
     startup.update({name: dict(part.startup) for name, part in made.items()})
-    return Roles(rollout, actor, critic, close=lambda: remove_placement_groups(placements), startup=startup)
+    return Roles(
+        rollout,
+        actor,
+        critic,
+        close=lambda: remove_placement_groups(placements),
+        startup=startup,
+        warming=warming,
+    )
+
+
+def _warming(
+    name: str,
+    make: Callable[[], Any],
+    config: RunConfig,
+    timeout_s: float,
+    warming: dict[str, Callable[[], dict[str, float]]],
+) -> Callable[[], Any]:
+    """``make``, then the part's warm-up started (``startup.warm_up``), so that it runs while the parts
+    after it start (on GPUs the trainers are set up after the engines): the engines' for a training
+    step's generate, a trainer's on a batch of a step's shape (each rank's share of the samples, the
+    longest prompt and response)."""
+    from ppo_rollout.manager import RolloutManager
+    from ppo_trainer.group import TrainGroup
+
+    r = config.rollout
+
+    def made() -> Any:
+        part = make()
+        if isinstance(part, RolloutManager):
+            wait = part.start_warm_up()
+            warming[name] = lambda: wait(timeout_s)
+        elif isinstance(part, TrainGroup):
+            samples = max(1, config.samples_per_step // part.world_size)
+            warming[name] = part.start_warm_up(samples, r.max_prompt_length, r.train_response_limit)
+        return part
+
+    return made
 
 
 class _Part(Protocol):

@@ -14,8 +14,9 @@ took).
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,3 +107,13 @@ class StartupClock:
         named = sum(r.seconds for r in self._rows)
         rows = (*self._rows, StartupRow("other", None, total - named))
         return StartupTable(rows, total, dict(self._roles), self.from_process_start, dict(self._alongside))
+
+
+def first_step_ratio(history: Sequence[Mapping[str, Any]]) -> tuple[float, float] | None:
+    """(the first step's seconds, its ratio to the mean step after it) from the logged steps'
+    ``time/step_s``; None with fewer than two steps. What start-up left to the first step (graph
+    captures, first kernel loads) shows as a ratio above 1."""
+    steps = [float(r["time/step_s"]) for r in history if isinstance(r.get("time/step_s"), int | float)]
+    if len(steps) < 2:
+        return None
+    return steps[0], steps[0] / statistics.fmean(steps[1:])

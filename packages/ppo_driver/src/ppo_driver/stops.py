@@ -15,7 +15,7 @@ from typing import NoReturn
 import ray.exceptions
 
 from ppo_driver import checkpoint, reaper
-from ppo_driver.config import RunConfig
+from ppo_driver.config import ConfigError, RunConfig
 from ppo_driver.faults import Interrupted, NonFiniteError, RunFailed, StopSignals, resume_hint
 from ppo_driver.phases import TransitionFailed
 from ppo_driver.step_record import Where
@@ -31,7 +31,7 @@ def report_failures(at: Where, ckpt_root: Path, run_dir: Path) -> Iterator[None]
     """Turn an error of the run into ``RunFailed``: the step, the phase, and where a re-run resumes."""
     try:
         yield
-    except (Interrupted, RunFailed):
+    except (Interrupted, RunFailed, ConfigError):  # a bad input found late (the dataset's check): exit 2
         raise
     except Exception as exc:
         error = _non_finite_weights(exc, at.step) or _disk_full(exc, run_dir) or exc

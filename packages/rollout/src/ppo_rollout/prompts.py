@@ -11,13 +11,18 @@ Fast tokenizers encode in batches of ``CHUNK_ROWS``.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .config import RolloutConfig
 from .data import JsonlPrompts, PromptRenderer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["CHUNK_ROWS", "DatasetReport", "PromptError", "check_dataset", "encode_texts"]
 
@@ -63,19 +68,21 @@ class DatasetReport:
     seconds: float  # reading and tokenizing the whole file
 
 
-def check_dataset(config: RolloutConfig) -> DatasetReport:
+def check_dataset(config: RolloutConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> DatasetReport:
     """Read and tokenize every row of ``config.dataset`` (and ``config.eval_dataset``) as the run will;
-    ``ValueError`` naming the file and line of the first row the run would fail on."""
-    from transformers import AutoConfig, AutoTokenizer
-
+    ``ValueError`` naming the file and line of the first row the run would fail on. ``tokenizer``: the
+    model's, when the caller has loaded it already (else loaded here)."""
     if config.dataset is None:
         raise ValueError("check_dataset needs rollout.dataset (a built-in task's prompts need no check)")
     start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     renderer = PromptRenderer(
         tokenizer, config.prompt_field, chat_template=config.chat_template, system_prompt=config.system_prompt
     )
-    max_positions = getattr(AutoConfig.from_pretrained(config.model_path), "max_position_embeddings", None)
+    max_positions = _max_positions(config.model_path)
     max_new = config.longest_response  # multi-turn: every turn and observation together
     rows, longest = 0, 0
     for path in (config.dataset, config.eval_dataset):
@@ -88,6 +95,23 @@ def check_dataset(config: RolloutConfig) -> DatasetReport:
             longest, _check_rows(source, renderer, config.max_prompt_length, max_positions, max_new)
         )
     return DatasetReport(rows, longest, time.perf_counter() - start)
+
+
+def _max_positions(model_path: str) -> int | None:
+    """The model's ``max_position_embeddings``: read from a local folder's ``config.json`` where it
+    holds it (a model's configuration class need not be imported for one number), else as
+    ``AutoConfig`` gives it (a hub id, or the class's default)."""
+    local = Path(model_path).expanduser() / "config.json"
+    if local.is_file():
+        try:
+            value = json.loads(local.read_text()).get("max_position_embeddings")
+        except (ValueError, AttributeError):
+            value = None
+        if isinstance(value, int):
+            return value
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
 
 
 def _check_rows(
