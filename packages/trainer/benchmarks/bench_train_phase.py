@@ -30,14 +30,16 @@ Sizes: ``tiny`` (the CPU smoke), ``default`` (the embedded default run's model a
 step budget's model: hidden 2048, 16 layers, 16 heads, MLP 5632, the copy task's small vocabulary;
 256 samples of 16 prompt + 256 response tokens). Weights are random (a config-only folder).
 
-Long samples: ``--sample-tokens N`` makes every response ``N`` less the size's longest prompt (no
-sample is longer than ``N``), ``--median M`` (with ``--sigma``) draws the responses from the
-lognormal distribution the rollout benchmarks use instead (``ppo_rollout.testing.long_tail``),
-``--samples`` sets their count, ``--max-tokens`` takes several budgets (a variant each),
-``--logprob-chunk`` sets ``train.logprob_chunk_tokens``, ``--variants`` picks the variants. The
+Long samples: ``--sample-tokens N`` makes every sample ``N`` tokens long (its response fills what its
+prompt leaves), ``--median M`` (with ``--sigma``) draws the responses from the lognormal
+distribution the rollout benchmarks use instead (``ppo_rollout.testing.long_tail``), each cut to ``N``
+tokens with its prompt, ``--samples`` sets their count, ``--max-tokens`` takes several budgets (a
+variant each), ``--logprob-chunk`` sets ``train.logprob_chunk_tokens``, ``--variants`` picks the
+variants. The
 ``first call s`` column is each variant's first call: a compiled variant's compile is in it;
 ``--compile-cache DIR`` points inductor's caches (``TORCHINDUCTOR_CACHE_DIR``) at ``DIR``, so that a
-second run with the same folder shows the compile with warm caches.
+second run with the same folder shows the compile with warm caches; ``--cudagraphs`` makes the
+compiled variants replay CUDA graphs (one recorded per packed length).
 
 Run: ``python benchmarks/bench_train_phase.py`` (CPU smoke) or
 ``python benchmarks/bench_train_phase.py --device cuda --size 135m`` (and ``--size 0.82b``);
@@ -112,10 +114,13 @@ def make_model(folder: Path, size: Size, positions: int = 1024) -> Path:
     return folder
 
 
-def make_samples(size: Size, seed: int = 0, responses: list[int] | None = None) -> Samples:
-    """``size.samples`` samples of a prompt and a response of random tokens; ``responses`` gives each
-    sample's response length (the sample count is then its length), else they are drawn from the
-    size's range."""
+def make_samples(
+    size: Size, seed: int = 0, responses: list[int] | None = None, sample_tokens: int | None = None
+) -> Samples:
+    """``size.samples`` samples of a prompt and a response of random tokens. The response is
+    ``responses[i]`` tokens (``responses`` gives the sample count), else drawn from the size's range;
+    with ``sample_tokens`` it is cut to ``sample_tokens`` less the prompt, and without ``responses``
+    it fills the sample to exactly ``sample_tokens``."""
     g = torch.Generator().manual_seed(seed)
 
     def draw(bounds: tuple[int, int]) -> int:
@@ -128,7 +133,11 @@ def make_samples(size: Size, seed: int = 0, responses: list[int] | None = None) 
     count = size.samples if responses is None else len(responses)
     for i in range(count):
         prompt = draw(size.prompt)
-        response = draw(size.response) if responses is None else responses[i]
+        if sample_tokens is not None:
+            room = sample_tokens - prompt
+            response = room if responses is None else min(responses[i], room)
+        else:
+            response = draw(size.response) if responses is None else responses[i]
         fields["tokens"].append(torch.randint(0, size.vocab, (prompt + response,), generator=g))
         fields["response_length"].append(torch.tensor([response]))
         fields["loss_mask"].append(torch.ones(response))
@@ -138,15 +147,15 @@ def make_samples(size: Size, seed: int = 0, responses: list[int] | None = None) 
     return Samples.from_fields(fields)
 
 
-def response_lengths(size: Size, args: argparse.Namespace) -> list[int] | None:
-    """Each sample's response length from ``--sample-tokens`` (and ``--median``), else None (the
-    size's own range). Fixed: every response ``--sample-tokens`` less the size's longest prompt, so
-    no sample is longer than ``--sample-tokens``; lognormal: the response lengths the rollout
-    benchmarks draw (``ppo_rollout.testing.long_tail``), clipped to that length."""
+def long_samples(size: Size, args: argparse.Namespace) -> Samples:
+    """The samples of ``--sample-tokens`` (and ``--median``), else of the size's own ranges. Fixed:
+    every sample exactly ``--sample-tokens`` long (its response fills what its prompt leaves, so
+    packed micro-batches of as many samples have one length); lognormal: the response lengths the
+    rollout benchmarks draw (``ppo_rollout.testing.long_tail``), each cut to what its prompt leaves."""
     if args.sample_tokens is None:
         if args.median is not None:
             raise SystemExit("--median needs --sample-tokens (the longest sample)")
-        return None
+        return make_samples(size)
     room = args.sample_tokens - size.prompt[1]
     if room < 1:
         raise SystemExit(
@@ -154,10 +163,11 @@ def response_lengths(size: Size, args: argparse.Namespace) -> list[int] | None:
             f"prompts of up to {size.prompt[1]} tokens; raise it"
         )
     if args.median is None:
-        return [room] * size.samples
+        return make_samples(size, sample_tokens=args.sample_tokens)
     from ppo_rollout.testing.long_tail import lognormal_lengths
 
-    return lognormal_lengths(size.samples, args.median, room, args.sigma, seed=0)
+    drawn = lognormal_lengths(size.samples, args.median, args.sample_tokens, args.sigma, seed=0)
+    return make_samples(size, responses=drawn, sample_tokens=args.sample_tokens)
 
 
 def sync(device: torch.device) -> None:
@@ -383,7 +393,12 @@ plain (transformers' own loss, padded)."""
 
 
 def build_variants(
-    size: Size, budgets: list[int], attentions: list[str], chosen: set[str], chunk: int
+    size: Size,
+    budgets: list[int],
+    attentions: list[str],
+    chosen: set[str],
+    chunk: int,
+    compiled_label: str = COMPILED,
 ) -> dict[str, dict[str, object]]:
     """The trainer settings of each chosen variant, by its row label."""
     variants: dict[str, dict[str, object]] = {}
@@ -407,7 +422,7 @@ def build_variants(
             for attention in attentions:
                 variants[f"packed {attention}, {budget} tokens"] = {**packed, "packed_attention": attention}
         if "compiled" in chosen:  # decoder layers compiled (in the warm-up calls)
-            variants[f"packed {attentions[0]}, {budget} tokens{COMPILED}"] = {
+            variants[f"packed {attentions[0]}, {budget} tokens{compiled_label}"] = {
                 **packed,
                 "packed_attention": attentions[0],
                 "compile_layers": True,  # train.compile_layers: what a run sets
@@ -452,8 +467,8 @@ def main() -> None:
         "--sample-tokens",
         type=int,
         default=None,
-        help="long samples: each response this many tokens less the size's longest prompt (no sample "
-        "is longer); with --median, lognormal response lengths clipped to that",
+        help="long samples: every sample this many tokens (its response fills what its prompt leaves); "
+        "with --median, lognormal response lengths cut to it",
     )
     parser.add_argument(
         "--median", type=float, default=None, help="lognormal response lengths' median (--sample-tokens)"
@@ -483,6 +498,13 @@ def main() -> None:
         "to 2 or more, a new packed length may recompile)",
     )
     parser.add_argument(
+        "--cudagraphs",
+        action="store_true",
+        help="the compiled variants replay CUDA graphs (inductor's triton.cudagraphs, what "
+        "mode='reduce-overhead' sets): a graph is recorded per packed length, so it pays where every "
+        "micro-batch has the same length (equal samples filling the budget); CUDA only",
+    )
+    parser.add_argument(
         "--compile-cache",
         type=Path,
         default=None,
@@ -504,9 +526,18 @@ def main() -> None:
     budgets = [int(b) for b in args.max_tokens.split(",")] if args.max_tokens else [size.max_tokens]
     attentions = (args.attention or ("varlen" if device.type == "cuda" else "varlen,sdpa")).split(",")
     cache = compile_cache(args.compile_cache)
+    compiled_label = COMPILED
+    if args.cudagraphs:
+        if device.type != "cuda":
+            raise SystemExit("--cudagraphs needs --device cuda")
+        import torch._inductor.config as inductor_config
+
+        # Set before the first compile: every compiled variant of this run records and replays graphs.
+        inductor_config.triton.cudagraphs = True
+        compiled_label = f"{COMPILED} + CUDA graphs"
     limit, what = matmul_limit(device)
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
-    samples = make_samples(size, responses=response_lengths(size, args))
+    samples = long_samples(size, args)
     tokens = sum(t.numel() for t in samples.tokens)
     longest = max(t.numel() for t in samples.tokens)
     if longest > min(budgets) and ({"padded-budget", "packed-budget", "compiled"} & chosen):
@@ -524,7 +555,7 @@ def main() -> None:
             f"limit {limit:.1f} TFLOP/s ({what}); median of {args.repeats} after {args.warmup} warm-up, "
             f"variants interleaved" + (f"; compile cache {cache}" if "compiled" in chosen else "")
         )
-        variants = build_variants(size, budgets, attentions, chosen, args.logprob_chunk)
+        variants = build_variants(size, budgets, attentions, chosen, args.logprob_chunk, compiled_label)
         rows = trainer_rows(path, samples, device, variants, args) if variants else []
         rows.sort(key=lambda r: r.phase)
         if "plain" in chosen:

@@ -48,3 +48,16 @@ def test_a_budget_below_the_longest_sample_is_refused() -> None:
     )
     assert done.returncode != 0
     assert "--max-tokens 64 is below the longest sample" in done.stderr
+
+
+def test_fixed_sample_tokens_make_every_sample_that_long() -> None:
+    args = ["--samples", "4", "--sample-tokens", "40", "--variants", "packed", "--repeats", "1"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--warmup", "0", "--attention", "varlen"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "4 samples, 160 tokens (40 a sample, longest 40)" in done.stdout
