@@ -32,18 +32,26 @@ pytest_collection_modifyitems = skip_gpu_tests_without_cuda(
 )
 
 
-@pytest.fixture(scope="session")
-def gpu_workers_script() -> ModuleType:
-    """``benchmarks/gpu_workers.py`` loaded as a module (the GPU test and its CPU twin drive it)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_workers.py"
-    spec = importlib.util.spec_from_file_location("gpu_workers", path)
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` loaded as the module ``name`` (the benchmarks folder on ``sys.path``,
+    where processes it spawns find it too)."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     # dataclasses look their module up in sys.modules while the class body runs.
-    sys.modules.setdefault("gpu_workers", module)
+    sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def gpu_workers_script() -> ModuleType:
+    """``benchmarks/gpu_workers.py`` loaded as a module (the GPU test and its CPU twin drive it)."""
+    return load_benchmark("gpu_workers")
 
 
 def save_tiny_llama(

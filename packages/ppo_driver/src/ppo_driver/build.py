@@ -60,6 +60,16 @@ def engine_lora(config: RunConfig) -> AdapterUpdates | None:
     return AdapterUpdates(rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules)
 
 
+def shares_base(config: RunConfig) -> bool:
+    """Whether the critic maps the actor's frozen base (``train.lora.share_base``): both roles train
+    with LoRA on the same devices (``placement.critic='shared'``, rank r of each on bundle r)."""
+    lora = config.train.lora
+    if lora is None or lora.share_base is False:
+        return False
+    # share_base=true where this is false is refused by RunConfig's checks and LoraSettings'.
+    return config.placement.critic == "shared" and {"actor", "critic"} <= set(lora.roles)
+
+
 def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerConfig:
     settings = _settings(config.train, TrainSettings)
     if settings["lora"] is not None:

@@ -358,6 +358,12 @@ class RunConfig(_Section):
                 f"placement.critic_gpus={p.critic_gpus} only applies to placement.critic='dedicated' "
                 f"(got {p.critic!r}); remove placement.critic_gpus"
             )
+        if t.lora is not None and t.lora.share_base is True and p.critic != "shared":
+            raise ValueError(
+                f"train.lora.share_base=true maps the actor's frozen base into the critic on the same "
+                f"devices, but placement.critic={p.critic!r}; set placement.critic='shared' or "
+                "train.lora.share_base='auto' or false"
+            )
         if t.num_critic_only_steps:
             if not self.use_critic:
                 raise ValueError(

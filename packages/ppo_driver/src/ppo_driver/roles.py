@@ -115,9 +115,44 @@ def create_roles(
     together = config.placement.device == "cpu" if together is None else together
     spawned: dict[str, SpawnedWorkers] = {}
 
+    # train.lora.share_base: the critic maps the actor's frozen base, so it is set up after the actor.
+    share = build.shares_base(config)
+    actor_made: Future[TrainGroup] = Future()
+
     def trainer(role: TrainerRole) -> Callable[[], TrainGroup]:
         slots, trainer_config = placements.slots[role], trainer_configs[role]
-        return lambda: TrainGroup(role, slots, trainer_config, timeout_s=timeout_s, spawned=spawned.get(role))
+
+        def make() -> TrainGroup:
+            if role == "critic" and share:
+                actor = actor_made.result(timeout=timeout_s)
+                critic = TrainGroup(
+                    role,
+                    slots,
+                    trainer_config,
+                    timeout_s=timeout_s,
+                    spawned=spawned.get(role),
+                    base=actor.shared_base_handles(),
+                )
+                actor.base_mapped()  # the files go; the two mappings stay
+                return critic
+            try:
+                group = TrainGroup(
+                    role,
+                    slots,
+                    trainer_config,
+                    timeout_s=timeout_s,
+                    spawned=spawned.get(role),
+                    publish_base=share and role == "actor",
+                )
+            except BaseException as exc:
+                if role == "actor":
+                    actor_made.set_exception(exc)  # the critic waiting for it fails too
+                raise
+            if role == "actor":
+                actor_made.set_result(group)
+            return group
+
+        return make
 
     makers: dict[str, Callable[[], RolloutManager | TrainGroup]] = {
         "rollout": lambda: RolloutManager(

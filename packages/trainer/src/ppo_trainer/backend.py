@@ -55,6 +55,12 @@ from ppo_trainer.models import (
     load_reference,
     map_policy_state_to_critic,
 )
+from ppo_trainer.shared_base import (
+    SharedBase,
+    SharedBaseHandle,
+    frozen_parameters,
+    return_freed_host_memory,
+)
 
 
 class TorchTrainer:
@@ -63,7 +69,17 @@ class TorchTrainer:
     WEIGHTS_TAG = "weights"
     OPTIMIZER_TAG = "optimizer"
 
-    def __init__(self, config: TrainerConfig, dp: DataParallel | None = None, region: Region | None = None):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        dp: DataParallel | None = None,
+        region: Region | None = None,
+        *,
+        publish_base: bool = False,
+        base: SharedBaseHandle | None = None,
+    ):
+        """``publish_base`` (a LoRA actor): hold the frozen base in a buffer another process can map
+        (``shared_base``); ``base`` (a LoRA critic): map that buffer instead of holding a copy."""
         self.config = config
         self.dp = dp or DataParallel()
         self.region: Region = region or no_region
@@ -90,6 +106,8 @@ class TorchTrainer:
                 self.reference = converters.apply(self._converters(group, trained=False), self.reference)
         if group is not None:
             self._loss_scale = float(group.size())
+        # Outside the memory backend's regions: the shared base is never released by a sleep.
+        self.shared_base = self._share_base(publish_base, base)
         built = time.perf_counter()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -105,6 +123,44 @@ class TorchTrainer:
             torch_optimizer.init_adam_state(self.optimizer)
         # What the worker reports of its start-up: loading (and sharding) the models, the optimizer.
         self.setup_seconds = {"model": built - started, "optimizer": time.perf_counter() - built}
+
+    def _share_base(self, publish: bool, handle: SharedBaseHandle | None) -> SharedBase | None:
+        """The actor publishes its frozen parameters; the critic binds its frozen backbone (and its
+        reference model, with reward-level KL) to them (``ppo_trainer.shared_base``)."""
+        role = self.config.role
+        if not (publish or handle is not None):
+            return None
+        wanted = "actor" if publish else "critic"
+        if (publish and handle is not None) or role != wanted or not self.config.lora_applies:
+            raise ValueError(
+                f"train.lora.share_base: the {wanted} {'publishes' if publish else 'maps'} the base and both "
+                f"roles must train with LoRA; this is the {role} with train.lora.roles="
+                f"{self.config.lora.roles if self.config.lora else None}; set share_base=false"
+            )
+        if handle is None:
+            shared = SharedBase.publish(self.model)
+            if self.device.type == "cpu":
+                return_freed_host_memory()
+            return shared
+        shared = SharedBase.attach(handle)
+        # The critic's backbone is the causal LM's base model: backbone.<x> is <prefix>.<x> there.
+        prefix = getattr(self.model.get_submodule("backbone"), "base_model_prefix", "")
+        owner = {t.name for t in handle.tensors}
+        names = {n: f"{prefix}.{n.removeprefix('backbone.')}" for n, _ in frozen_parameters(self.model)}
+        # The reference (reward-level KL) is the actor's causal LM: the same names, the whole base.
+        names_ref = {n: n for n, _ in frozen_parameters(self.reference)} if self.reference is not None else {}
+        unknown = [theirs for theirs in (*names.values(), *names_ref.values()) if theirs not in owner]
+        if unknown:
+            raise ValueError(
+                f"train.lora.share_base: the actor holds no frozen {unknown[:3]}; both roles must load "
+                "the same model_path and train.lora.target_modules, or set train.lora.share_base=false"
+            )
+        shared.bind(self.model, names)
+        if self.reference is not None:
+            shared.bind(self.reference, names_ref)
+        if self.device.type == "cpu":
+            return_freed_host_memory()  # the critic's own copy of the base, just dropped
+        return shared
 
     def _converters(
         self, group: dist.ProcessGroup | None, *, trained: bool
@@ -153,7 +209,13 @@ class TorchTrainer:
     def weight_tensors(self) -> list[torch.Tensor]:
         """What the memory backend moves for the weights (the local shards when sharded)."""
         tensors = [t for m in self._models() for t in [*(p.data for p in m.parameters()), *m.buffers()]]
+        if self.shared_base is not None:  # resident while either role sleeps: nothing to move
+            tensors = [t for t in tensors if not self.shared_base.holds(t)]
         return [t for t in sharding.local_tensors(tensors) if t.device.type == self.device.type]
+
+    def maps_shared(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in the base another process owns (this role must not write it)."""
+        return self.shared_base is not None and not self.shared_base.owner and self.shared_base.holds(tensor)
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
@@ -231,7 +293,8 @@ class TorchTrainer:
                 set_model_state_dict(self.model, dict(mapped), options=options)
             else:
                 for name, tensor in mapped.items():
-                    own[name].data.copy_(tensor)
+                    if not self.maps_shared(own[name]):  # the owner writes the shared base
+                        own[name].data.copy_(tensor)
 
     def hf_optimizer_state(self) -> dict[str, Any]:
         """AdamW's state keyed by name, whole tensors (``optimizer.pt``'s format; sharded: gathered to

@@ -334,6 +334,21 @@ class LoraSettings:
         "base's names, every tensor: any engine); null: 'adapters' with rollout.engine='builtin', "
         "'merged' with 'sglang'",
     )
+    share_base: bool | Literal["auto"] = Field(
+        default="auto",
+        description="one copy of the frozen base weights for the actor and the critic on the same devices "
+        "(placement.critic='shared', both roles in roles): the critic maps the actor's base, which stays "
+        "resident while either sleeps; auto: on when possible; true: on, or a ValueError saying why not; "
+        "false: each role holds its own copy",
+    )
+
+    def __post_init__(self) -> None:
+        missing = [r for r in ("actor", "critic") if r not in self.roles]
+        if self.share_base is True and missing:
+            raise ValueError(
+                f"train.lora.share_base=true shares the frozen base of two LoRA roles, but train.lora.roles="
+                f"{list(self.roles)} lacks {missing}; add them to roles or set share_base='auto' or false"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ppo_lifecycle.startup import role_startup
 from ppo_trainer.config import TrainerConfig
+from ppo_trainer.shared_base import SharedBaseHandle
 from ppo_trainer.worker import TrainWorker
 from ppo_value_transport import Box, Pieces, dispatch, gather, route
 from ppo_weight_sync import EngineEndpoint
@@ -117,9 +118,14 @@ class TrainGroup:
         *,
         timeout_s: float = 600.0,
         spawned: SpawnedWorkers | None = None,
+        publish_base: bool = False,
+        base: Sequence[SharedBaseHandle] | None = None,
     ) -> None:
         """Start the role's workers (or adopt ``spawned``, started earlier by :func:`spawn_workers`)
-        and set them up: process group, model, optimizer. On failure every worker is killed."""
+        and set them up: process group, model, optimizer. On failure every worker is killed.
+
+        ``train.lora.share_base``: the actor's group ``publish_base``; the critic's, placed on the same
+        bundles, maps them: ``base`` is the actor group's ``shared_base_handles()``, one per rank."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         spawned = spawned or spawn_workers(role, slots, config, timeout_s)
@@ -133,7 +139,16 @@ class TrainGroup:
         requested_at = spawned.requested_at
         try:
             init_method = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous address")[0]
-            infos = self._all("setup", init_method)
+            if base is not None and len(base) != self.world_size:
+                raise ValueError(
+                    f"{role}: {len(base)} shared bases for {self.world_size} ranks; the critic shares the "
+                    "actor's bundles one to one (placement.critic='shared')"
+                )
+            bases = list(base) if base is not None else [None] * self.world_size
+            refs = [
+                w.setup.remote(init_method, publish_base, b) for w, b in zip(self.workers, bases, strict=True)
+            ]
+            infos = self._get(refs, "setup")
         except BaseException:
             self.shutdown()
             raise
@@ -282,6 +297,18 @@ class TrainGroup:
     def memory_state(self) -> list[dict[str, Any]]:
         """Per rank: tracked bytes per memory tag and host memory pinned so far (``TrainWorker``)."""
         return list(self._all("memory_state"))
+
+    def shared_base_handles(self) -> list[SharedBaseHandle]:
+        """Per rank, what the critic's rank on the same bundle maps (after ``publish_base``)."""
+        return list(self._all("shared_base_handle"))
+
+    def base_mapped(self) -> None:
+        """The critic mapped every rank's base: the shared-memory files go (the mappings stay)."""
+        self._all("base_mapped")
+
+    def shared_base_state(self) -> list[dict[str, Any]]:
+        """Per rank, the shared base as its process sees it (``TrainWorker.shared_base_state``)."""
+        return list(self._all("shared_base_state"))
 
     def load(self, folder: Path) -> None:
         self._all("load", str(Path(folder)))

@@ -40,12 +40,14 @@ from ppo_lifecycle.process_groups import GroupHandle, ReloadableProcessGroups
 from ppo_lifecycle.startup import SetupTimer
 from ppo_trainer import fault_injection, throughput
 from ppo_trainer.addresses import peer_address
+from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.backend_protocol import DataParallel, TrainerBackend
 from ppo_trainer.backends import make_trainer
 from ppo_trainer.batch import Samples
 from ppo_trainer.checkpoint.saves import RankCheckpoints
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.models import count_parameters
+from ppo_trainer.shared_base import SharedBase, SharedBaseHandle, mapping_report
 from ppo_trainer.weight_publisher import WeightPublisher
 from ppo_value_transport import Box, Pieces, pack, pack_fields, require_values, unpack_fields, unpack_pieces
 from ppo_weight_sync import EngineEndpoint, RankSends, checksum, free_port
@@ -108,8 +110,13 @@ class TrainWorker:
         host = peer_address()
         return f"tcp://{host}:{free_port(host)}"
 
-    def setup(self, init_method: str) -> dict[str, Any]:
-        """Process group, lifecycle, model and optimizer. Collective over the role's ranks."""
+    def setup(
+        self, init_method: str, publish_base: bool = False, base: SharedBaseHandle | None = None
+    ) -> dict[str, Any]:
+        """Process group, lifecycle, model and optimizer. Collective over the role's ranks.
+
+        ``train.lora.share_base``: the actor's ranks ``publish_base`` (``shared_base_handle``), the
+        critic's rank r maps actor rank r's ``base`` (``ppo_trainer.shared_base``)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this process's CUDA context starts here
         seed = self.config.seed + self.rank
@@ -152,7 +159,9 @@ class TrainWorker:
             shard_group=self._live_dp_group if shard else None,
         )
         # train.backend picks the trainer; megatron makes its model-parallel groups through `groups`.
-        trainer = make_trainer(self.config, dp, memory.region, groups)
+        if (publish_base or base is not None) and self.config.backend != "torch":
+            raise ValueError("train.lora.share_base needs train.backend='torch' (train.lora's backend)")
+        trainer = make_trainer(self.config, dp, memory.region, groups, publish_base=publish_base, base=base)
         for part, seconds in trainer.setup_seconds.items():
             timer.add(part, seconds)
         self._trainer = trainer
@@ -205,6 +214,28 @@ class TrainWorker:
             memory.pinned_bytes if isinstance(memory, PinnedHostBackend | TorchMemorySaverBackend) else None
         )
         return out
+
+    def _shared_base(self) -> SharedBase:
+        shared = self.trainer.shared_base if isinstance(self.trainer, TorchTrainer) else None
+        if shared is None:
+            raise RuntimeError(f"{self.role} rank {self.rank}: no shared base (train.lora.share_base off)")
+        return shared
+
+    def shared_base_handle(self) -> SharedBaseHandle:
+        """What the critic rank of this bundle maps (the actor's, after ``setup(publish_base=True)``)."""
+        return self._shared_base().handle
+
+    def base_mapped(self) -> None:
+        """The critic mapped the base: remove its shared-memory file (CPU; the mappings stay), so no
+        file is left behind however the processes end."""
+        self._shared_base().unlink()
+
+    def shared_base_state(self) -> dict[str, Any]:
+        """The shared base as this process sees it: its bytes' SHA-256 (``digest``), ``nbytes``, and on
+        CPU the mapped file's ``inode`` and this process's resident/proportional memory
+        (``ppo_trainer.shared_base.mapping_report``)."""
+        shared = self._shared_base()
+        return {"nbytes": shared.handle.nbytes, "digest": shared.digest(), **mapping_report(shared.handle)}
 
     def _should_shard(self) -> bool:
         share = 0.0
@@ -539,6 +570,9 @@ class TrainWorker:
             log.warning("%s rank %d: shutting down during a background save", self.role, self.rank)
         if self._publisher is not None:
             self._publisher.close()  # best effort on the way out
+        if isinstance(self._trainer, TorchTrainer) and self._trainer.shared_base is not None:
+            shared = self._trainer.shared_base
+            shared.unlink()  # the owner's file, if no critic mapped it (a failed start-up)
         if self._groups is not None and self._groups.is_alive:
             self._groups.destroy()
 

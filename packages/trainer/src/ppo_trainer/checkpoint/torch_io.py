@@ -128,10 +128,19 @@ def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = N
         model_state = trainer.model.state_dict()
         optimizer_state = torch_optimizer.named_state(trainer.model, trainer.optimizer, sharded=False)
         if host is not None:
-            model_state, optimizer_state = from_host(model_state, optimizer_state, host)
+            # A shared base (train.lora.share_base) stays resident and frozen: read as it is.
+            kept = {k: v for k, v in model_state.items() if _in_shared_base(trainer, v)}
+            rest = {k: v for k, v in model_state.items() if k not in kept}
+            rest, optimizer_state = from_host(rest, optimizer_state, host)
+            model_state = {k: kept[k] if k in kept else rest[k] for k in model_state}
     if rank != 0:
         return ShardState(rank=rank, rng=rng)
     return whole_state(trainer, step, rng, model_state, optimizer_state, given=host is not None)
+
+
+def _in_shared_base(trainer: TorchTrainer, value: Any) -> bool:
+    shared = trainer.shared_base
+    return shared is not None and isinstance(value, torch.Tensor) and shared.holds(value)
 
 
 def whole_state(
@@ -332,6 +341,29 @@ def _load_policy_into_critic(trainer: TorchTrainer, model_file: Path) -> None:
         load_policy_state_into_critic(trainer.model, state)
 
 
+def _load_with_shared_base(trainer: TorchTrainer, model_file: Path) -> tuple[list[str], list[str]]:
+    """``model.safetensors`` into a model whose frozen base is shared (``train.lora.share_base``; its
+    tensors are views into one buffer, which safetensors' ``load_model`` refuses). The actor, the
+    owner, writes the base; the critic leaves it to the owner (the actor loads the same bytes from its
+    own file) and checks each of its tensors bit for bit."""
+    state = load_file(str(model_file), device=str(trainer.device))
+    missing, unexpected = _compare_names(trainer.model, state)
+    own = trainer.model.state_dict(keep_vars=True)
+    rest = {}
+    for name, tensor in state.items():
+        held = own.get(name)
+        if held is not None and trainer.maps_shared(held):
+            if not torch.equal(held.detach().view(torch.uint8), tensor.view(torch.uint8)):
+                raise ValueError(
+                    f"{model_file}: {name} differs from the actor's shared base; the checkpoint is of "
+                    "another base model: resume with train.lora.share_base=false or from its own run"
+                )
+        else:
+            rest[name] = tensor
+    trainer.model.load_state_dict(rest, strict=False)
+    return missing, unexpected
+
+
 def _load_model(trainer: TorchTrainer, model_file: Path) -> None:
     """``model.safetensors`` of this role into the model; ``ValueError`` when the names differ."""
     if trainer.sharded:
@@ -340,6 +372,8 @@ def _load_model(trainer: TorchTrainer, model_file: Path) -> None:
         missing, unexpected = _compare_names(trainer.model, state)
         if not (missing or unexpected):
             set_model_state_dict(trainer.model, dict(state), options=_SCATTER_PARTIAL)
+    elif trainer.shared_base is not None:
+        missing, unexpected = _load_with_shared_base(trainer, model_file)
     else:
         missing, unexpected = load_model(
             trainer.model, str(model_file), strict=False, device=str(trainer.device)
