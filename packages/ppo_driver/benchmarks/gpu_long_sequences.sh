@@ -45,16 +45,17 @@ step budget 260 "$PY" packages/ppo_driver/benchmarks/gpu_budget.py --scenario co
   --response-median 512 --response-max 2048 --steps 2 --out "$RUNS"
 cp "$RUNS"/budget*.md "$RUNS"/budget.json "$OUT"/ 2> /dev/null
 cd packages/trainer
+# --threads 8: the trainers initialise their random weights on the CPU (0.82B: 6 trainers a run).
 # Fresh inductor cache folders: each first compiled call is a cold compile, whatever the machine ran.
-step train082 110 "$PY" benchmarks/bench_train_phase.py --device cuda --size 0.82b --samples 24 \
+step train082 110 "$PY" benchmarks/bench_train_phase.py --device cuda --threads 8 --size 0.82b --samples 24 \
   --sample-tokens 2048 --max-tokens 16384 --variants packed-budget,compiled --warmup 2 --repeats 3 \
   --compile-cache "$(mktemp -d /tmp/inductor-082.XXXX)"
 CACHE135="$(mktemp -d /tmp/inductor-135m.XXXX)"
-step train135 130 "$PY" benchmarks/bench_train_phase.py --device cuda --size 135m --samples 32 \
+step train135 130 "$PY" benchmarks/bench_train_phase.py --device cuda --threads 8 --size 135m --samples 32 \
   --sample-tokens 2048 --mini-batches 2 --max-tokens 16384,32768 --variants packed-budget,compiled \
   --warmup 2 --repeats 3 \
   --compile-cache "$CACHE135"
-step train135-warm 40 "$PY" benchmarks/bench_train_phase.py --device cuda --size 135m --samples 32 \
+step train135-warm 40 "$PY" benchmarks/bench_train_phase.py --device cuda --threads 8 --size 135m --samples 32 \
   --sample-tokens 2048 --mini-batches 2 --max-tokens 32768 --variants compiled --warmup 1 --repeats 2 \
   --compile-cache "$CACHE135"
 exit "$failed"
