@@ -13,7 +13,7 @@ optimizer step) on a batch of the run's shape, then puts back everything the pha
 - gradients (None, as before any step), the model's train/eval mode, and the random state of
   Python, NumPy, torch's CPU generator and every CUDA device's generator.
 
-So the first real step computes exactly what it computes without warm-up (``tests/test_warm_up.py``
+So the first real step computes exactly what it computes without warm-up (``tests/test_phase_warm_up.py``
 checks the step's metrics and the weights after it bit for bit). The torch backend only: a megatron
 trainer is left unwarmed.
 """

@@ -1,8 +1,8 @@
 """The engine's start-up warm-up (``GenerationCore.warm_up``): one throwaway call that leaves the
 decode buffers (and on CUDA the captured graphs) the run's batch calls reuse, and changes nothing any
 later call returns. On CPU the static path runs eagerly over the same kept buffers; the graphs are
-captured over them the same way on CUDA (``benchmarks/startup_gpu.sh`` compares a run's first step
-with and without warm-up there)."""
+captured over them the same way on CUDA (ppo-driver's ``benchmarks/startup_gpu.sh`` compares a run's
+first step with and without warm-up there)."""
 
 from __future__ import annotations
 
