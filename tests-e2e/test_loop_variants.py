@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 from rich.console import Console
 
-from ppo_driver.config import load_config
+from ppo_driver.config import RunConfig, load_config
 from ppo_driver.loop import train
 from ppo_driver.ray_start import start_local_ray
+from ppo_driver.roles import Roles, create_roles
+from ppo_trainer.group import TrainGroup
 
 QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 
@@ -79,10 +82,25 @@ def test_critic_only_warmup_steps(local_ray: None, tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_lora_actor_sends_the_engine_its_adapters_alone(local_ray: None, tmp_path: Path) -> None:
     """`train.lora` on both roles with the built-in engine: each weight update carries the actor's
-    adapters only, and the engine, merging them onto the base it keeps, ends with the actor's weights."""
+    adapters only, and the engine, merging them onto the base it keeps, ends with the actor's weights.
+    The critic, sharing the actor's devices, maps the actor's frozen base (``train.lora.share_base``
+    auto): one shared-memory file, removed once mapped."""
     config = load_config(None, [*QUIET, "train.steps=3", "train.lora.rank=4"])
     assert config.train.lora is not None
-    result = train(config, tmp_path / "run", console=Console(quiet=True))
+    states: dict[str, Any] = {}
+
+    def roles_factory(config: RunConfig, model_path: Path, timeout_s: float) -> Roles:
+        roles = create_roles(config, model_path, timeout_s)
+        for role in ("actor", "critic"):
+            group = getattr(roles, role)
+            assert isinstance(group, TrainGroup)
+            states[role] = group.shared_base_state()[0]
+        return roles
+
+    result = train(config, tmp_path / "run", console=Console(quiet=True), roles_factory=roles_factory)
+    assert states["actor"]["inode"] == states["critic"]["inode"]
+    assert states["actor"]["digest"] == states["critic"]["digest"]
+    assert not list(Path("/dev/shm").glob("ppo-lora-base-*"))
     # float32 x rank 4 x (in + out) of the seven projections of the built-in tiny model's decoder
     # layers: the adapters alone, against 339,200 bytes for the whole model.
     sent = {record["weight_sync/bytes"] for record in result.history}
