@@ -42,6 +42,11 @@ class OffloadPlan:
     the actor's GPUs and needs offload: without it ``build`` raises, unless
     ``allow_resident_shared_critic=True`` (for debugging on a machine with room for both), which
     warns instead.
+
+    A role's sleep moves what its memory backend tracks. A LoRA actor and a LoRA shared critic share
+    one frozen base (``train.lora.share_base``, ``ppo_trainer.shared_base``): it is tracked by neither,
+    so it stays resident in every phase, and their sleeps move the adapters, the value head and the
+    AdamW state only.
     """
 
     colocate: bool
