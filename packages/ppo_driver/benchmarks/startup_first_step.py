@@ -85,11 +85,13 @@ def chat_dataset(path: Path, rows: int) -> Path:
     return path
 
 
-def run(name: str, model: Path, out: Path, steps: int, sets: list[str], timeout_s: float) -> dict[str, Any]:
+def run(
+    name: str, config: Path, model: Path, out: Path, steps: int, sets: list[str], timeout_s: float
+) -> dict[str, Any]:
     run_dir = out / name
     command = [
         sys.executable, "-m", "ppo_driver", "train",
-        "--config", str(REPO / "configs" / "smollm2-ppo-1gpu.yaml"),
+        "--config", str(config),
         "--run-dir", str(run_dir),
         "--set", f"model.path={model}",
         "--set", f"train.steps={steps}",
@@ -156,6 +158,10 @@ def main() -> int:
     parser.add_argument("--dataset-rows", type=int, default=8100)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "startup-out")))
     parser.add_argument("--timeout-s", type=float, default=170.0, help="per run")
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "smollm2-ppo-1gpu.yaml")
+    parser.add_argument(
+        "--set", dest="sets", action="append", default=[], help="more --set for every run (a CPU smoke run)"
+    )
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -168,17 +174,36 @@ def main() -> int:
     else:
         raise SystemExit("give --model (a model folder) or --shape (config.json + tokenizer files)")
     results = [
-        run("task-warm", model, out, args.steps, ["startup.warm_up=true"], args.timeout_s),
-        run("task-cold", model, out, args.steps, ["startup.warm_up=false"], args.timeout_s),
+        run(
+            "task-warm",
+            args.config,
+            model,
+            out,
+            args.steps,
+            [*args.sets, "startup.warm_up=true"],
+            args.timeout_s,
+        ),
+        run(
+            "task-cold",
+            args.config,
+            model,
+            out,
+            args.steps,
+            [*args.sets, "startup.warm_up=false"],
+            args.timeout_s,
+        ),
     ]
     data = chat_dataset(out / "chat.jsonl", args.dataset_rows)
     dataset_sets = [
-        "startup.warm_up=true", "rollout.task=null", f"rollout.dataset={data}", "rollout.reward=math_answer",
+        *args.sets, "startup.warm_up=true", "rollout.task=null", f"rollout.dataset={data}",
+        "rollout.reward=math_answer",
     ]  # fmt: skip
-    results.append(run(f"chat{args.dataset_rows}-warm", model, out, args.steps, dataset_sets, args.timeout_s))
+    name = f"chat{args.dataset_rows}-warm"
+    results.append(run(name, args.config, model, out, args.steps, dataset_sets, args.timeout_s))
     differ, worst, which = compare_first_steps(results[0], results[1])
     lines = [
-        f"SmolLM2-135M PPO ({weights}), configs/smollm2-ppo-1gpu.yaml, {args.steps} steps, no evaluation",
+        f"SmolLM2-135M PPO ({weights}), {args.config.name}, {args.steps} steps, no evaluation"
+        + (f", --set {' '.join(args.sets)}" if args.sets else ""),
         "",
         "| run | to the first step s | config + pre-flight | driver imports | ray | roles | dataset check "
         "(after roles) | warm-up (after roles) (each role) | first step s | first / steady |",
