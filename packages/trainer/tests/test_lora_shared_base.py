@@ -202,3 +202,39 @@ def test_the_memory_benchmark_agrees_on_a_tiny_model(tiny_model: Path) -> None:
     shared, unshared = figures["shared"], figures["unshared"]
     assert shared["critic"]["sleep_moves"] < unshared["critic"]["sleep_moves"]
     assert shared["actor"]["stays_resident"] == 86_656  # the tiny model's float32 base, 64-byte aligned
+
+
+def test_a_sharing_critic_loads_beside_the_base_and_refuses_another_base(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """In one process (the same code as the workers'): a critic that maps the actor's base loads a
+    policy checkpoint and a critic checkpoint without writing the base, and refuses a critic checkpoint
+    of another base, naming the tensor and the fix."""
+    from safetensors.torch import load_file, save_file
+
+    from ppo_trainer.checkpoint import torch_io
+
+    actor = TorchTrainer(lora_config(tiny_model, "actor"), publish_base=True)
+    assert actor.shared_base is not None
+    try:
+        critic = TorchTrainer(lora_config(tiny_model, "critic"), base=actor.shared_base.handle)
+        digest = actor.shared_base.digest()
+        torch_io.save_shard(actor, tmp_path / "actor", step=1)
+        torch_io.save_shard(critic, tmp_path / "critic", step=1)
+        head = critic.model.value_head.weight.detach().clone()
+        assert torch_io.load_shard(critic, tmp_path / "actor") is None  # a policy: the backbone only
+        assert torch_io.load_shard(critic, tmp_path / "critic") == 1
+        assert actor.shared_base.digest() == digest
+        assert torch.equal(critic.model.value_head.weight, head)
+
+        state = load_file(str(tmp_path / "critic" / "model.safetensors"))
+        name = "backbone.layers.0.mlp.up_proj.weight"
+        state[name] = state[name] + 1.0
+        save_file(state, str(tmp_path / "critic" / "model.safetensors"))
+        with pytest.raises(
+            ValueError, match=rf"{name} differs from the actor's shared base.*share_base=false"
+        ):
+            torch_io.load_shard(critic, tmp_path / "critic")
+        assert actor.shared_base.digest() == digest
+    finally:
+        actor.shared_base.unlink()

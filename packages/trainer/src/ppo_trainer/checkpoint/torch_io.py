@@ -336,6 +336,15 @@ def _load_policy_into_critic(trainer: TorchTrainer, model_file: Path) -> None:
     if trainer.sharded:
         mapped, _ = map_policy_state_to_critic(trainer.model, load_file(str(model_file)))
         set_model_state_dict(trainer.model, dict(mapped), options=_SCATTER_PARTIAL)
+    elif trainer.shared_base is not None:
+        # The policy's base tensors are the actor's to write into the shared base (it loads them too).
+        mapped, _ = map_policy_state_to_critic(
+            trainer.model, load_file(str(model_file), device=str(trainer.device))
+        )
+        own = trainer.model.state_dict(keep_vars=True)
+        trainer.model.load_state_dict(
+            {k: v for k, v in mapped.items() if not trainer.maps_shared(own[k])}, strict=False
+        )
     else:
         state = load_file(str(model_file), device=str(trainer.device))
         load_policy_state_into_critic(trainer.model, state)
