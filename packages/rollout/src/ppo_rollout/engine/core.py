@@ -584,29 +584,49 @@ class GenerationCore:
         step_guard: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> bool:
         """Capture, ahead of the first real call, the decode graphs a batch call of ``rows`` rows with
-        ``sampling`` will replay: one throwaway call of ``rows`` one-token prompts decoding to the
-        cache capacity a prompt of ``max_prompt_tokens`` with ``sampling.max_new_tokens`` needs, so
-        that every KV bucket up to it is captured on the buffers the real calls then reuse (same batch
-        bucket, capacity and tokens at least theirs: ``DecodeGraphs.prepare``).
+        ``sampling`` will replay: on the buffers such calls reuse (``DecodeGraphs.prepare``: the batch
+        bucket of ``rows``, the cache capacity a prompt of ``max_prompt_tokens`` with
+        ``sampling.max_new_tokens`` needs, at least as many output columns), one decode step per KV
+        bucket up to that capacity -- the first step of a bucket is the one that runs eagerly and is
+        captured (``DecodeGraphs``) -- so a few dozen steps however long the responses may be.
 
-        Nothing a later call returns changes: the call samples from its own generator (the process's
-        random state is not read), and a real call resets every decode buffer it reads; the cache
-        columns past its prompt are masked out, and its attention spans the same KV buckets
-        (``kv_bucket`` does not depend on the capacity). False (nothing done) on the loop path, which
-        keeps nothing between calls."""
+        Nothing a later call returns changes: no random state is read (the sampling noise buffer is
+        filled with ones), a real call sets every decode buffer it reads before its prefill, and the
+        cache columns the steps wrote hold finite values its mask leaves out; its attention spans the
+        same KV buckets (``kv_bucket`` does not depend on the capacity). False (nothing done) on the
+        loop path, which keeps nothing between calls."""
         if self._decoder is None or self._graphs is None:
             return False
         if rows < 1 or max_prompt_tokens < 1:
             raise ValueError(
                 f"warm_up needs rows >= 1 and max_prompt_tokens >= 1, got {rows}, {max_prompt_tokens}"
             )
-        columns = round_up(max_prompt_tokens + sampling.max_new_tokens - 1, KV_BLOCK)
+        columns = max_prompt_tokens + sampling.max_new_tokens - 1
         if self.max_positions is not None:
             columns = min(columns, self.max_positions - 1)
-        warm = dataclasses.replace(
-            sampling, n_samples_per_prompt=1, max_new_tokens=columns, ignore_eos=True, stop_token_ids=()
-        )
-        self.generate([[self.pad_token_id]] * rows, warm, seed=0, step_guard=step_guard)
+        last_position = (self.max_positions or columns + 1) - 1
+        sampler = make_sampler(sampling)
+        sampling_key = (sampling.temperature, sampling.top_k, sampling.top_p)
+        guard = step_guard or contextlib.nullcontext
+        decoder, pad = self._decoder, self.pad_token_id
+        with self._decode_runner(self._graphs, decoder, self._use_graphs) as runner:
+            # The buffers a call of `rows` one-token prompts decoding `columns` tokens would take.
+            b = runner.prepare(batch_bucket(rows), round_up(columns, KV_BLOCK), columns, self._weights_key())
+            b.valid.zero_()
+            b.finished.fill_(False)
+            b.tok.fill_(pad)
+            b.noise.fill_(1.0)
+            b.stop_ids.fill_(-1)
+            b.lengths.fill_(b.max_new)
+            for i, kv_len in enumerate(range(KV_BLOCK, b.capacity + 1, KV_BLOCK)):
+                # Each step writes the bucket's last column, which it then attends to (finite scores).
+                b.col.fill_(kv_len - 1)
+                b.pos.fill_(min(kv_len - 1, last_position))
+                b.step.fill_(i)
+                with guard():
+                    runner.step(kv_len, sampling_key, sampler, pad)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         return True
 
     def drop_decode_state(self) -> None:
