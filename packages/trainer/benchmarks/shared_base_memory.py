@@ -99,6 +99,7 @@ def role_process(role: str, shared: bool, options: dict[str, Any], handle: Any, 
             "pid": mp.current_process().pid,
             "handle": t.shared_base.handle if t.shared_base is not None else None,
             "scored": scored,
+            "bfloat16": t.autocast_dtype is not None,
             "sleep_moves": nbytes(t.weight_tensors()) + nbytes(t.optimizer_tensors()),
             "stays_resident": nbytes(base),
             "allocated": torch.cuda.memory_allocated() if t.device.type == "cuda" else 0,
@@ -172,7 +173,9 @@ def check(figures: dict[str, dict[str, Any]]) -> list[str]:
     shared = figures["shared"]
     for role in ("actor", "critic"):
         a, b = figures["unshared"][role]["scored"], shared[role]["scored"]
-        if not torch.allclose(a, b, rtol=2e-2 if a.dtype == torch.bfloat16 else 1e-4, atol=1e-3):
+        # bfloat16 compute: the same inputs in buffers of another alignment may take other kernels
+        tolerance = 2e-2 if shared[role]["bfloat16"] else 1e-4
+        if not torch.allclose(a, b, rtol=tolerance, atol=tolerance):
             problems.append(f"{role}: scores differ by up to {(a - b).abs().max():.3g}")
         if shared[role]["digest_before"] != shared["actor"]["digest_before"]:
             problems.append(f"{role}: sees another base than the actor")
