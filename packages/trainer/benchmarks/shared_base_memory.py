@@ -190,8 +190,8 @@ def print_report(figures: dict[str, dict[str, Any]], device: str) -> None:
     print("|---|---:|---:|---:|")
 
     def row(label: str, unshared: float, shared: float) -> None:
-        ratio = shared / unshared if unshared else float("nan")
-        print(f"| {label} | {unshared * mb:,.1f} MB | {shared * mb:,.1f} MB | {ratio:.3f} |")
+        ratio = f"{shared / unshared:.3f}" if unshared else ""
+        print(f"| {label} | {unshared * mb:,.1f} MB | {shared * mb:,.1f} MB | {ratio} |")
 
     u, s = figures["unshared"], figures["shared"]
     if device == "cuda":
