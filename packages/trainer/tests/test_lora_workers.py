@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
 ALGORITHM = AlgorithmConfig(lam=1.0, gamma=1.0, entropy_coef=0.0, num_mini_batches=1)
 
 
-def _group(role: Role, model: Path, update: str | None = None) -> TrainGroup:
-    config = lora_config(model, role, algorithm=ALGORITHM, micro_batch_size=4)
+def _group(role: Role, model: Path, update: str | None = None, sync_dtype: str = "float32") -> TrainGroup:
+    config = lora_config(model, role, algorithm=ALGORITHM, micro_batch_size=4, weight_sync_dtype=sync_dtype)
     config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, update=update))
     return TrainGroup(role, LocalSlots(1), config, timeout_s=240)
 
@@ -122,23 +122,27 @@ def test_a_lora_critics_value_head_is_trained(tiny_model: Path) -> None:
         critic.shutdown()
 
 
-def test_the_builtin_engine_merges_adapter_only_updates_from_its_base(tiny_model: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_builtin_engine_merges_adapter_only_updates_from_its_base(tiny_model: Path, dtype: str) -> None:
     """Two actors of one seed train on the same batches; after each step one sends its adapters alone to a
     built-in engine, the other merged weights to another. Both engines then hold the trainers' checksum
-    (the adapters' engine merged from its base, not onto its previous merge) and generate the same."""
+    (the adapters' engine merged from its base, not onto its previous merge) and generate the same; in
+    bfloat16 (CUDA's sync dtype) the workers' checksum rounds the adapters before merging as the engine
+    does."""
     from ppo_rollout.config import AdapterUpdates, SamplingConfig
     from ppo_rollout.engine import builtin  # a test-only sibling (noxfile's TEST_SIBLINGS)
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     critic = _group("critic", tiny_model)
-    actor, merged_actor = _group("actor", tiny_model, "adapters"), _group("actor", tiny_model, "merged")
+    actor = _group("actor", tiny_model, "adapters", dtype)
+    merged_actor = _group("actor", tiny_model, "merged", dtype)
     options: dict[str, Any] = {"max_concurrency": 4, "num_cpus": 0}
     lora = AdapterUpdates(rank=4, alpha=8.0)
     engine = builtin.BuiltinEngineActor.options(**options).remote(
-        str(tiny_model), name="adapters", torch_threads=1, lora=lora
+        str(tiny_model), name="adapters", dtype=dtype, torch_threads=1, lora=lora
     )
     merged = builtin.BuiltinEngineActor.options(**options).remote(
-        str(tiny_model), name="merged", torch_threads=1
+        str(tiny_model), name="merged", dtype=dtype, torch_threads=1
     )
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=12)
     prompts = [[1, 2, 3], [4, 5, 6, 7], [9]]
@@ -152,7 +156,8 @@ def test_the_builtin_engine_merges_adapter_only_updates_from_its_base(tiny_model
             assert values is not None
             for group in (actor, merged_actor):
                 group.train(1, [box], same_split(values, [8]))
-            assert actor.update_weights(str(step))["weight_sync/bytes"] == ADAPTER_BYTES
+            sent = actor.update_weights(str(step))["weight_sync/bytes"]
+            assert sent == ADAPTER_BYTES // (1 if dtype == "float32" else 2)
             merged_actor.update_weights(str(step))
             expected = actor.weights_checksum()
             assert merged_actor.weights_checksum() == expected  # the same training, bit for bit
