@@ -31,7 +31,11 @@ def test_the_critic_maps_the_actors_gpu_base(tmp_path: Path) -> None:
     assert bench.check(figures) == []
     base = figures["shared"]["actor"]["stays_resident"]
     assert base > 2.6e8
-    saved = figures["unshared"]["device_used"] - figures["shared"]["device_used"]
-    # the critic's own copy is gone; the caching allocators' rounding leaves some slack
-    assert saved == pytest.approx(base, rel=0.2)
+    # The critic's own copy is gone: what its process allocates drops by one base. (The device-wide
+    # figure is printed, not asserted: any other process on the GPU moves it.)
+    saved = figures["unshared"]["critic"]["allocated"] - figures["shared"]["critic"]["allocated"]
+    assert saved == pytest.approx(base, rel=0.05)
+    assert figures["shared"]["actor"]["allocated"] == pytest.approx(
+        figures["unshared"]["actor"]["allocated"], rel=0.05
+    )
     assert torch.cuda.is_available()

@@ -455,7 +455,7 @@ class TrainWorker:
         # On CPU, hand out copies: turning a tensor into numpy (checksum, gloo transfers) pins its storage
         # for good, and the memory backend could then no longer release the parameter behind it.
         copy = self.device.type == "cpu"
-        if self.trainer.lora is not None:
+        if self.config.lora_applies:
             # Merged from base and adapters cast to the sync dtype first: what an engine given the adapters
             # alone computes, so merged updates, adapter-only updates and the checksum agree bit for bit.
             return [(name, t.to(dtype, copy=copy)) for name, t in self.trainer.named_weights(dtype)]
