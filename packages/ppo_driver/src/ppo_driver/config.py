@@ -417,13 +417,13 @@ class RunConfig(_Section):
                     "train.check_weights needs the engines' weights checksums, which SGLang servers do not "
                     "give; set train.check_weights=false or rollout.engine='builtin'"
                 )
-            if t.lora is not None and t.lora.update == "adapters" and "actor" in t.lora.roles:
-                if p.colocate and p.gpus_per_engine > 1:
-                    raise ValueError(
-                        "train.lora.update='adapters' with SGLang loads the adapters over HTTP, which "
-                        "colocated engines of several GPUs (placement.gpus_per_engine > 1) do not take: "
-                        "set train.lora.update='merged' or placement.gpus_per_engine=1"
-                    )
+            adapters = t.lora is not None and t.lora.update == "adapters" and "actor" in t.lora.roles
+            if adapters and p.colocate and p.gpus_per_engine > 1:
+                raise ValueError(
+                    "train.lora.update='adapters' with SGLang loads the adapters over HTTP, which "
+                    "colocated engines of several GPUs (placement.gpus_per_engine > 1) do not take: "
+                    "set train.lora.update='merged' or placement.gpus_per_engine=1"
+                )
             if p.device != "cuda":
                 raise ValueError("rollout.engine='sglang' needs placement.device='cuda'")
             if self.model.path is None:
