@@ -474,3 +474,8 @@ def test_data_parallel_reaches_both_roles(
     critic = build.critic_trainer_config(actor, config)
     assert actor.shards(ranks, state_share) is shards
     assert critic.shards(ranks, state_share) is shards
+
+
+def test_share_base_is_refused_without_a_shared_critic() -> None:
+    with pytest.raises(ValueError, match=r"share_base=true .* placement.critic='dedicated'"):
+        load_config(None, ["placement.critic=dedicated", "train.lora.share_base=true"])

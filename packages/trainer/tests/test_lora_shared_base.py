@@ -159,13 +159,6 @@ def test_share_base_true_needs_both_roles_in_lora() -> None:
         LoraSettings(share_base=True, roles=("actor",))
 
 
-def test_the_driver_refuses_share_base_without_a_shared_critic() -> None:
-    from ppo_driver.config import load_config
-
-    with pytest.raises(ValueError, match=r"share_base=true .* placement.critic='dedicated'"):
-        load_config(None, ["placement.critic=dedicated", "train.lora.share_base=true"])
-
-
 def test_only_a_lora_actor_publishes_and_only_a_lora_critic_maps(tiny_model: Path) -> None:
     with pytest.raises(ValueError, match=r"the actor publishes the base .* this is the critic"):
         TorchTrainer(lora_config(tiny_model, "critic"), publish_base=True)
