@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on one H200 (about 9 minutes at most): where long, uneven responses spend a step's time.
+# One call on one H200 (about 10 minutes at most): where long, uneven responses spend a step's time.
 #   1. the colocated step budget at 0.82B with long-tailed responses (gpu_budget.py: 32 prompts x 8
 #      samples, lognormal lengths of median 512 and max 2048 tokens; 2 steps to fit the call, the
 #      script's own default of 3 in a call of its own; needs Ray);
@@ -13,7 +13,7 @@
 # already holds: Ray where the machine lacks it). Where pydantic does not import, the wheels in .gpuw/
 # are installed to /tmp/site first. Each step has its own time limit; outputs go to $OUT
 # (budget.md and budget-colocate-1gpu.md, budget.txt, train082.txt, train135.txt, train135-warm.txt);
-# exits non-zero if any step failed.
+# exits non-zero if any step failed. PARTS (default "budget train082 train135") picks the parts to run.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -29,9 +29,11 @@ export PYTHONPATH="$(ls -d "$PWD"/packages/*/src | paste -sd:)${PYTHONPATH:+:$PY
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 failed=0
+PARTS="${PARTS:-budget train082 train135}"
 step() {  # step NAME SECONDS COMMAND...: output to $OUT/NAME.txt, its tail here
   local name=$1 limit=$2
   shift 2
+  [[ " $PARTS " == *" ${name%-warm} "* ]] || return 0
   echo "== $name $(date +%T) (limit ${limit} s)"
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
   local rc=$?
@@ -41,14 +43,15 @@ step() {  # step NAME SECONDS COMMAND...: output to $OUT/NAME.txt, its tail here
 }
 # The run folders (the model's weights among them) stay on the machine; the tables go to $OUT.
 RUNS="$(mktemp -d /tmp/budget-runs.XXXX)"
-step budget 260 "$PY" packages/ppo_driver/benchmarks/gpu_budget.py --scenario colocate-1gpu \
+step budget 250 "$PY" packages/ppo_driver/benchmarks/gpu_budget.py --scenario colocate-1gpu \
   --response-median 512 --response-max 2048 --steps 2 --out "$RUNS"
 cp "$RUNS"/budget*.md "$RUNS"/budget.json "$OUT"/ 2> /dev/null
 cd packages/trainer
-# --threads 8: the trainers initialise their random weights on the CPU (0.82B: 6 trainers a run).
+# --threads 16 (the H200 host's cores): the trainers initialise their random weights on the CPU
+# (0.82B: 6 trainers a run).
 # Fresh inductor cache folders: each first compiled call is a cold compile, whatever the machine ran.
-step train082 110 "$PY" benchmarks/bench_train_phase.py --device cuda --threads 8 --size 0.82b --samples 24 \
-  --sample-tokens 2048 --max-tokens 16384 --variants packed-budget,compiled --warmup 2 --repeats 3 \
+step train082 180 "$PY" benchmarks/bench_train_phase.py --device cuda --threads 16 --size 0.82b --samples 24 \
+  --sample-tokens 2048 --max-tokens 16384 --variants packed-budget,compiled --warmup 1 --repeats 2 \
   --compile-cache "$(mktemp -d /tmp/inductor-082.XXXX)"
 CACHE135="$(mktemp -d /tmp/inductor-135m.XXXX)"
 step train135 130 "$PY" benchmarks/bench_train_phase.py --device cuda --threads 8 --size 135m --samples 32 \

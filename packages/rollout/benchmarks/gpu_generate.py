@@ -13,9 +13,11 @@ Exits non-zero when anything fails: a check below, or the CUDA-graph path not be
      computations; the teacher-forced log-prob difference is printed as a measure of it);
    - sampled (temperature 1) against the decode loop, same seed: the share of identical samples is
      printed (not checked: in bf16 a rounding difference anywhere changes every later draw);
-   - both decode attentions, "matmul" (the default) and "sdpa", with the fused decoder (the default:
-     fused RMSNorm, rolled rotary, joint q/k; see ``static_decode``), and "matmul" with the unfused
-     one (``fused=False``, the forward before it), for the fused decoder's speed-up in the same run;
+   - the decode attentions "ranged" (each row over its own cache columns: the default where its
+     Triton kernel runs), "matmul" and "sdpa" (over the step's KV bucket with a mask), with the fused
+     decoder (the default: fused RMSNorm, rolled rotary, joint q/k; see ``static_decode``), and
+     "matmul" with the unfused one (``fused=False``, the forward before it), for the fused decoder's
+     speed-up in the same run;
    - the memory-bandwidth bound: the bytes decoding must read (every weight once per token step, each
      sample's keys and values over its context) over a device-to-device copy's bytes a second, measured
      in the same run, and the engine's time over it;
@@ -43,6 +45,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ppo_rollout.config import SamplingConfig
+from ppo_rollout.engine import ranged_attention
 from ppo_rollout.engine.core import GenerationCore, GenerationOutput
 from ppo_rollout.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 
@@ -90,7 +93,13 @@ class Variant:
 # The unfused row is the fused matmul row's baseline: the same attention, the forward before fusing.
 UNFUSED = Variant("matmul", fused=False)
 FUSED = Variant("matmul", fused=True)
+RANGED = Variant("ranged", fused=True)  # the default where the Triton kernel runs (CUDA)
 VARIANTS = (Variant("sdpa", fused=True), FUSED, UNFUSED)
+
+
+def variants(device: str) -> tuple[Variant, ...]:
+    """The settings to time on ``device``: the ranged kernel's first where it runs."""
+    return ((RANGED,) if ranged_attention.available(torch.device(device)) else ()) + VARIANTS
 
 
 def decode_mode(device: str) -> tuple[str, str]:
@@ -263,7 +272,7 @@ def exactness(folder: Path, device: str) -> None:
     rows = [p for p in prompts for _ in range(n)]
     ref, _ = hf_generate(core.model, rows, new, greedy=True)
     looped = {}
-    for variant in VARIANTS:
+    for variant in variants(device):
         set_variant(core, variant)
         what = variant.label
         greedy = core.generate(
@@ -379,7 +388,7 @@ def bench(name: str, size: Size, folder: Path, device: str) -> list[tuple[str, .
     rows_by_variant: dict[Variant, tuple[str, ...]] = {}
     tps: dict[Variant, float] = {}
     steps: dict[Variant, dict[str, float]] = {}
-    for variant in VARIANTS:
+    for variant in variants(device):
         set_variant(core, variant)
         what = f"{name}, {variant.label}"
         first, _ = timed(lambda: core.generate(prompts, sample))  # captures the graphs

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ppo_rollout.engine import ranged_attention
 from ppo_rollout.engine.decode_fusions import (
     GATE_UP,
     QKV,
@@ -212,10 +213,11 @@ class LlamaStaticDecoder:
         self.vocab = int(self.embed.weight.shape[0])
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
-        # Decode attention: "matmul" (transformers' eager form) or "sdpa" (PyTorch's fused kernels, with
-        # an additive mask: the memory-efficient kernel). On an H200 at batch 256 the matmuls read the
-        # cache faster: 2.16x generate's tokens/s against 1.65x at 0.82B (benchmarks/gpu_generate.py).
-        self.attention = "matmul"
+        # Decode attention: "ranged" (each row over its own cache columns only, a Triton kernel: see
+        # ranged_attention.py; the default where it runs), "matmul" (transformers' eager form over the
+        # step's KV bucket with an additive mask) or "sdpa" (PyTorch's fused kernels, same mask: the
+        # memory-efficient kernel). Switching it needs the decode graphs dropped, as ``fused`` does.
+        self.attention = "ranged" if ranged_attention.available(self.device) else "matmul"
         # Fewer kernels per step (see the module docstring); False: the earlier form, for comparison.
         # Read at every forward: switching it needs the decode graphs dropped (they hold the old form).
         self.fused = fused
@@ -326,13 +328,17 @@ class LlamaStaticDecoder:
         kv_len: int,
         col: torch.Tensor | None,
         per_row: bool = False,
+        last: torch.Tensor | None = None,
+        ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Logits [B, V] of the last position of ``ids`` [B, T].
+        """Logits [B, V] of the last position of ``ids`` [B, T] (``last`` [B] int64: of position
+        ``last[r]`` of row ``r``, for right-padded rows of their own lengths).
 
         ``col`` None: a prefill, whose keys and values go to columns ``[0, T)`` of rows ``[0, B)``;
         otherwise T is 1 and they go to column ``col`` of every row (``per_row``: column ``col[r]`` of
         row ``r``). ``bias`` [B, 1, T, kv_len] is the additive attention mask over the first ``kv_len``
-        columns.
+        columns; ``ranges`` (starts, ends) [B], given with ``col``, replace it: row ``r`` attends to
+        columns ``[starts[r], ends[r])`` through the ranged kernel.
         """
         rows, width = ids.shape
         flat_cols = self._flat_columns(buffers, col) if per_row and col is not None else None
@@ -356,7 +362,11 @@ class LlamaStaticDecoder:
             else:
                 keys.index_copy_(2, col, k)
                 values.index_copy_(2, col, v)
-            if self.attention == "matmul" and col is not None:
+            if ranges is not None and col is not None:
+                out = ranged_attention.ranged_attention(
+                    q, keys, values, ranges[0], ranges[1], kv_len, self.scaling
+                )
+            elif self.attention == "matmul" and col is not None:
                 out = self._attend_matmul(q, keys[:rows, :, :kv_len], values[:rows, :, :kv_len], bias)
             else:
                 out = F.scaled_dot_product_attention(
@@ -371,7 +381,11 @@ class LlamaStaticDecoder:
             hidden = residual + out
             residual = hidden
             hidden = residual + self._mlp(i, layer.mlp, self._post_norms[i](hidden, fused))
-        return self.lm_head(self._final_norm(hidden[:, -1:, :], fused))[:, 0, :]
+        if last is None:
+            hidden = hidden[:, -1:, :]
+        else:
+            hidden = hidden[torch.arange(rows, device=hidden.device), last][:, None, :]
+        return self.lm_head(self._final_norm(hidden, fused))[:, 0, :]
 
     def _flat_columns(self, buffers: DecodeBuffers, col: torch.Tensor) -> torch.Tensor:
         """Row indices of a flattened cache layer for column ``col[r]`` of every row and KV head."""
@@ -426,8 +440,15 @@ class LlamaStaticDecoder:
         # operations the batch step's graphs already hold.
         row_index = torch.arange(b.batch, device=b.tok.device)
         b.valid.view(-1).index_fill_(0, row_index * b.capacity + b.col, True)
-        bias = self._bias(b.valid[:, None, None, :kv_len])
-        logits = self.forward(b.tok[:, None], b.pos[:, None], b, bias, kv_len, b.col, per_row=True)
+        if self.attention == "ranged":
+            # A slot's request starts at its column 0: it attends to [0, col].
+            ranges = (torch.zeros_like(b.col), b.col + 1)
+            logits = self.forward(
+                b.tok[:, None], b.pos[:, None], b, b.valid, kv_len, b.col, per_row=True, ranges=ranges
+            )
+        else:
+            bias = self._bias(b.valid[:, None, None, :kv_len])
+            logits = self.forward(b.tok[:, None], b.pos[:, None], b, bias, kv_len, b.col, per_row=True)
         tokens, logp = sampler(logits, b.noise)
         tokens = tokens.masked_fill(b.finished, pad_token_id)
         out_index = row_index * b.max_new + b.step
@@ -444,8 +465,14 @@ class LlamaStaticDecoder:
         """One token for every row, entirely in place on ``buffers`` (the body of a captured graph)."""
         b = buffers
         b.valid.index_fill_(1, b.col, True)
-        bias = self._bias(b.valid[:, None, None, :kv_len])
-        logits = self.forward(b.tok[:, None], b.pos[:, None], b, bias, kv_len, b.col)
+        if self.attention == "ranged":
+            # Rows are left-padded: each attends from its first valid column to this step's, no padding.
+            starts = b.valid[:, :kv_len].to(torch.int32).argmax(dim=1)
+            ranges = (starts, (b.col + 1).expand(b.batch).contiguous())
+            logits = self.forward(b.tok[:, None], b.pos[:, None], b, b.valid, kv_len, b.col, ranges=ranges)
+        else:
+            bias = self._bias(b.valid[:, None, None, :kv_len])
+            logits = self.forward(b.tok[:, None], b.pos[:, None], b, bias, kv_len, b.col)
         tokens, logp = sampler(logits, b.noise)
         tokens = tokens.masked_fill(b.finished, pad_token_id)
         b.tokens_out.index_copy_(1, b.step, tokens[:, None])
