@@ -16,7 +16,8 @@ Printed per way: wall seconds, tokens/s (the requested tokens over the wall time
 speed-up over it, decode steps, the slot idle share (the share of slot-steps spent on finished rows
 or empty slots), and the memory-bandwidth bound: what the decode steps must read (every weight once
 per step, plus each kept token's keys and values over its context) over a device-to-device copy's
-rate measured in the same run, and the wall time over it. Checks: every output has its forced
+rate measured in the same run, and the wall time over it; then continuous's prefill forwards (the
+prompts that take free slots at one refill share them). Checks: every output has its forced
 length; in float32 the three ways give the same tokens. Exits non-zero on any failure.
 
     python packages/rollout/benchmarks/long_tail_generate.py --device cpu --requests 16 --median 20 --max 64
@@ -156,6 +157,7 @@ class Run:
     steps: int
     idle: float
     tokens: list[list[int]]
+    prefills: int | None = None  # prefill forwards (continuous only: a refill's prompts share them)
 
 
 def run_continuous(core: GenerationCore, requests: list[GenerationRequest], args: argparse.Namespace) -> Run:
@@ -168,7 +170,8 @@ def run_continuous(core: GenerationCore, requests: list[GenerationRequest], args
     )
     stats = core.last_slot_stats
     assert stats is not None  # set by every generate_requests call
-    return Run("continuous", seconds, stats.steps, stats.idle_share, [list(o.token_ids) for o in outs])
+    tokens = [list(o.token_ids) for o in outs]
+    return Run("continuous", seconds, stats.steps, stats.idle_share, tokens, stats.prefills)
 
 
 def batches(requests: list[GenerationRequest], size: int) -> list[list[GenerationRequest]]:
@@ -335,6 +338,9 @@ def bench(args: argparse.Namespace, dtype: str, tmp: Path) -> int:
             f"{run.steps} | {run.idle:.1%} | {bound:.3f} | {run.seconds / bound:.1f}x |",
             flush=True,
         )
+    for run in runs:
+        if run.prefills is not None:
+            print(f"\n{run.name}: {run.prefills} prefill forwards for {len(requests)} requests", flush=True)
     return 0
 
 

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from ppo_rollout.config import SamplingConfig
+from ppo_rollout.engine import continuous
+from ppo_rollout.engine import core as core_module
 from ppo_rollout.engine.builtin import BuiltinEngine
-from ppo_rollout.engine.continuous import GenerationRequest, idle_share, row_seed
-from ppo_rollout.engine.core import GenerationCore, GenerationOutput
+from ppo_rollout.engine.continuous import GenerationRequest, idle_share, prefill_groups, row_seed
+from ppo_rollout.engine.core import GenerationCore, GenerationOutput, first_token
 from ppo_rollout.engine.sglang import _per_prompt_limits
 from ppo_rollout.generate_client import GenerateClient, Generated
 
@@ -144,6 +148,86 @@ def test_idle_share_of_a_scripted_case(core: GenerationCore) -> None:
     assert idle_share([2, 5, 3], slots=2, steps=4) == pytest.approx(1 / 8)
     # Static batches of two: [2, 5] takes 4 steps, [3] alone (bucket 1) 2 steps.
     assert idle_share([2, 5], slots=2, steps=4) == pytest.approx(3 / 8)
+
+
+def _prompts(lengths: Sequence[int], limit: int = 6) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(sum(lengths))
+    return [
+        GenerationRequest(tuple(torch.randint(3, 20, (n,), generator=g).tolist()), limit + i % 3, seed=40 + i)
+        for i, n in enumerate(lengths)
+    ]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_refill_prefills_prompts_of_different_lengths_in_one_forward(
+    core: GenerationCore, temperature: float
+) -> None:
+    requests = _prompts([5, 1, 8, 3, 2, 7, 4])
+    sampling = SamplingConfig(temperature=temperature, top_k=12, ignore_eos=True)
+    together = core.generate_requests(requests, sampling, max_running=8, refill_every=3)
+    stats = core.last_slot_stats
+    assert stats is not None
+    assert stats.prefills == 1  # one refill, one forward over the seven prompts
+    alone = core.generate_requests(requests, sampling, max_running=1, refill_every=3)
+    assert core.last_slot_stats is not None
+    assert core.last_slot_stats.prefills == len(requests)  # each prefilled on its own
+    for request, out, one in zip(requests, together, alone, strict=True):
+        _same(out, one)
+        _same(out, _alone(core, request, sampling))
+
+
+def test_a_refill_over_the_token_cap_splits_into_several_forwards(
+    core: GenerationCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    requests = _prompts([3, 5, 2, 7, 4, 1, 10])
+    sampling = SamplingConfig(temperature=1.0, ignore_eos=True)
+    whole = core.generate_requests(requests, sampling, max_running=8)
+    assert core.last_slot_stats is not None
+    assert core.last_slot_stats.prefills == 1
+    monkeypatch.setattr(
+        core_module, "generate_in_slots", partial(continuous.generate_in_slots, prefill_tokens=8)
+    )
+    split = core.generate_requests(requests, sampling, max_running=8)
+    stats = core.last_slot_stats
+    assert stats is not None
+    # Sorted 1 2 | 3 4 | 5 | 7 | 10: at most 8 padded tokens a forward, the 10-token prompt alone.
+    assert stats.prefills == 5
+    for a, b in zip(whole, split, strict=True):
+        _same(a, b)
+
+
+def test_prefill_groups_pack_sorted_prompts_under_the_cap() -> None:
+    assert prefill_groups([3, 5, 2, 7, 4, 1, 10], 8) == [[5, 2], [0, 4], [1], [3], [6]]
+    assert prefill_groups([4, 4, 4], 12) == [[0, 1, 2]]
+    assert prefill_groups([], 8) == []
+    with pytest.raises(ValueError, match="max_tokens >= 1"):
+        prefill_groups([1], 0)
+
+
+def test_a_batched_prefill_fills_arbitrary_slots_and_leaves_padding_invalid(core: GenerationCore) -> None:
+    decoder = core._continuous_decoder()
+    guard = contextlib.nullcontext
+    requests = _prompts([5, 2, 4])
+    sampling = SamplingConfig(temperature=0.0)
+    b = decoder.allocate(4, 16, 4, per_row=True)
+    with torch.inference_mode():
+        placed = continuous._prefill(
+            decoder, b, [(3, 0), (1, 1), (0, 2)], requests, sampling, guard, first_token
+        )
+        assert sorted(placed) == [0, 1, 3]
+        for s, i in ((3, 0), (1, 1), (0, 2)):
+            one = decoder.allocate(1, 16, 4, per_row=True)
+            continuous._prefill(decoder, one, [(0, i)], requests, sampling, guard, first_token)
+            n = len(requests[i].prompt)
+            assert placed[s].prompt_len == n
+            assert b.valid[s].tolist() == [c < n for c in range(16)]  # padding columns stay invalid
+            assert (b.pos[s], b.col[s], b.step[s], b.limits[s]) == (n, n, 1, requests[i].max_new_tokens)
+            assert b.tokens_out[s, 0] == one.tokens_out[0, 0]
+            assert float(b.logps_out[s, 0]) == pytest.approx(float(one.logps_out[0, 0]), abs=1e-5)
+            for big, small in zip(b.keys + b.values, one.keys + one.values, strict=True):
+                torch.testing.assert_close(big[s, :, :n], small[0, :, :n], atol=1e-5, rtol=0)
+        for cache in b.keys + b.values:
+            assert not cache[2].any()  # the slot no request took is untouched
 
 
 def test_bad_input_names_the_field(core: GenerationCore, tiny_model: Path) -> None:

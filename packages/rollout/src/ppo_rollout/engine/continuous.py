@@ -1,11 +1,18 @@
 """Continuous batching on the static decoder: requests of their own lengths and stops share slots.
 
-A call holds ``slots`` rows of one static KV cache. Each waiting request is prefilled on its own into
-a free slot's rows of the cache (columns ``[0, prompt)``) and samples its first token; then every
-decode step advances all slots at once (``LlamaStaticDecoder.slot_step``: each row has its own cache
-column, position and output column). Every ``refill_every`` steps -- or as soon as every occupied
-slot has reached its length limit -- the host reads the tokens, ends the rows that hit a stop, frees
-their slots and prefills waiting requests into them. A row that reaches its ``max_new_tokens`` stops
+A call holds ``slots`` rows of one static KV cache. The waiting requests that take free slots are
+prefilled together, into each slot's rows of the cache (columns ``[0, prompt)``), and each samples its
+first token; then every decode step advances all slots at once (``LlamaStaticDecoder.slot_step``:
+each row has its own cache column, position and output column). Every ``refill_every`` steps -- or as
+soon as every occupied slot has reached its length limit -- the host reads the tokens, ends the rows
+that hit a stop, frees their slots and prefills waiting requests into them.
+
+A refill's prefill is one forward over its prompts right-padded to the longest (a causal mask with
+the padding columns off, each row's logits read at its own last prompt position), split into several
+forwards where the padded prompts would exceed :data:`PREFILL_TOKENS`: the prompts sorted by length,
+so each forward pads little. The forward writes a scratch cache whose rows are then copied into the
+slots' rows; the padding columns copied beyond a prompt stay invalid (never attended to) until decode
+overwrites them. A row that reaches its ``max_new_tokens`` stops
 on the device at once; a row that hits a stop sequence decodes on until the next check and the
 tokens past its stop are cut off, so the check interval costs slot-steps, never changes an output.
 
@@ -20,8 +27,9 @@ as ``rollout_fns.cut_at_stop`` does).
 Exactness: each request draws its sampling noise from a generator of its own, seeded with the
 request's seed, in the shape a one-row call draws it (``[1, vocab]`` per token, see
 ``core.pick_with_noise``), so a request's tokens are a fixed function of its prompt, sampling and
-seed whatever slot or wave it runs in: the same as ``GenerationCore.generate([prompt], ...,
-seed=seed)`` up to the rounding of a batched matmul.
+seed whatever slot, wave or prefill batch it runs in: the same as ``GenerationCore.generate([prompt],
+..., seed=seed)`` up to the rounding of a batched matmul. A batched prefill samples each row's first
+token from that row's logits ``[1, vocab]`` with the row's generator, as a prefill of its own does.
 """
 
 from __future__ import annotations
@@ -48,9 +56,21 @@ from .static_decode import (
     round_up,
 )
 
-__all__ = ["GenerationRequest", "SlotStats", "generate_in_slots", "idle_share", "row_seed"]
+__all__ = [
+    "PREFILL_TOKENS",
+    "GenerationRequest",
+    "SlotStats",
+    "generate_in_slots",
+    "idle_share",
+    "prefill_groups",
+    "row_seed",
+]
 
 _SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
+
+PREFILL_TOKENS = 8192
+"""The most prompt tokens one prefill forward computes, padding included (rows x longest prompt): it
+bounds the forward's scratch cache and attention mask. A longer prompt is prefilled alone."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +102,7 @@ class SlotStats:
     slots: int
     steps: int  # decode steps run
     busy_slot_steps: int  # slot-steps that made a token some output keeps
+    prefills: int = 0  # prefill forwards run (each prefills one or more requests)
 
     @property
     def slot_steps(self) -> int:
@@ -104,6 +125,21 @@ def idle_share(lengths: Sequence[int], slots: int, steps: int) -> float:
 def row_seed(seed: int, row: int) -> int:
     """The seed of row ``row`` of a call seeded ``seed`` (a fixed mix, so each row's draws are its own)."""
     return (int(seed) * 1_000_003 + row * 2_654_435_761 + 1) & _SEED_MASK
+
+
+def prefill_groups(lengths: Sequence[int], max_tokens: int = PREFILL_TOKENS) -> list[list[int]]:
+    """Indices into ``lengths`` (prompt lengths), grouped into prefill forwards: shortest first, each
+    group as many as fit in ``max_tokens`` padded tokens (rows x its longest), a longer prompt alone."""
+    if max_tokens < 1:
+        raise ValueError(f"prefill_groups needs max_tokens >= 1, got {max_tokens}")
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+        # Sorted ascending: prompt i is the longest of the group it joins.
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 @dataclass
@@ -148,17 +184,21 @@ def generate_in_slots(
     guard: Callable[[], AbstractContextManager[Any]],
     make_sampler: Callable[[SamplingConfig], Sampler],
     first_token: Callable[[torch.Tensor, SamplingConfig, torch.Generator], tuple[torch.Tensor, torch.Tensor]],
+    prefill_tokens: int = PREFILL_TOKENS,
 ) -> tuple[Outputs, SlotStats]:
     """(token ids, log-probs, finish reason) per request in request order, and the slot use.
 
     ``stop_token_ids`` (eos and the sampling's stop tokens) end every request; each request's own
     ``stop`` sequences end it alone. ``first_token(logits [1, V], sampling, generator)`` samples a
-    prefill's token as a one-row call does.
+    prefill's token as a one-row call does. ``prefill_tokens``: the most padded prompt tokens of one
+    prefill forward (see :func:`prefill_groups`).
     """
     if slots < 1:
         raise ValueError(f"max_running must be >= 1, got {slots}")
     if refill_every < 1:
         raise ValueError(f"refill_every must be >= 1, got {refill_every}")
+    if prefill_tokens < 1:
+        raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
     batch = batch_bucket(min(slots, len(requests)))
     capacity = round_up(max(len(r.prompt) + r.max_new_tokens for r in requests), KV_BLOCK)
     # One spare output column: a finished row samples its pad tokens there.
@@ -176,11 +216,15 @@ def generate_in_slots(
     occupied: dict[int, _Slot] = {}
     results: dict[int, tuple[tuple[int, ...], tuple[float, ...], str]] = {}
     steps = 0
+    prefills = 0
     while waiting or occupied:
-        for s in range(batch):
-            if s not in occupied and waiting:
-                i = waiting.popleft()
-                occupied[s] = _place(decoder, b, s, i, requests[i], sampling, guard, first_token)
+        # Free slots in order take waiting requests in order; their prefills run in groups.
+        free = [s for s in range(batch) if s not in occupied]
+        placed = [(s, waiting.popleft()) for s in free[: len(waiting)]]
+        for group in prefill_groups([len(requests[i].prompt) for _, i in placed], prefill_tokens):
+            pairs = [placed[g] for g in group]
+            occupied.update(_prefill(decoder, b, pairs, requests, sampling, guard, first_token))
+            prefills += 1
         since_check = 0
         while since_check < refill_every and any(slot.made < slot.limit for slot in occupied.values()):
             columns = max(slot.prompt_len + slot.made for slot in occupied.values())
@@ -208,7 +252,7 @@ def generate_in_slots(
             del occupied[s]
             _empty(b, s, pad_token_id)
     busy = sum(len(out[0]) - 1 for out in results.values())
-    return [results[i] for i in range(len(requests))], SlotStats(batch, steps, busy)
+    return [results[i] for i in range(len(requests))], SlotStats(batch, steps, busy, prefills)
 
 
 def _finish(tokens: Sequence[int], slot: _Slot, stops: Sequence[tuple[int, ...]]) -> _Finish | None:
@@ -232,39 +276,62 @@ def _empty(b: DecodeBuffers, s: int | slice, pad: int) -> None:
     b.step[s] = 0
 
 
-def _place(
+def _prefill(
     decoder: LlamaStaticDecoder,
     b: DecodeBuffers,
-    s: int,
-    index: int,
-    request: GenerationRequest,
+    pairs: Sequence[tuple[int, int]],
+    requests: Sequence[GenerationRequest],
     sampling: SamplingConfig,
     guard: Callable[[], AbstractContextManager[Any]],
     first_token: Callable[[torch.Tensor, SamplingConfig, torch.Generator], tuple[torch.Tensor, torch.Tensor]],
-) -> _Slot:
-    """Prefills ``request`` into slot ``s`` (its rows of the cache) and samples its first token."""
+) -> dict[int, _Slot]:
+    """Prefills each ``(slot, request index)`` of ``pairs`` into its slot's rows of the cache, in one
+    forward over the prompts right-padded, and samples each request's first token."""
     dev = decoder.device
-    n = len(request.prompt)
-    generator = torch.Generator(device=dev)
-    generator.manual_seed(int(request.seed) & _SEED_MASK)
-    ids = torch.tensor([request.prompt], dtype=torch.long, device=dev)
-    positions = torch.arange(n, device=dev)[None]
-    # The slot's rows of the cache, as a one-row buffer: the prefill writes there and nowhere else.
-    view = dataclasses.replace(
-        b, keys=[k[s : s + 1] for k in b.keys], values=[v[s : s + 1] for v in b.values]
+    prompts = [requests[i].prompt for _, i in pairs]
+    lengths = [len(p) for p in prompts]
+    rows, width = len(pairs), max(lengths)
+    # 0 on padding: any valid id (its keys are never attended to, its logits never read).
+    ids = torch.tensor([[*p, *(0,) * (width - len(p))] for p in prompts], dtype=torch.long, device=dev)
+    n = torch.tensor(lengths, dtype=torch.long, device=dev)
+    slot_index = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=dev)
+    positions = torch.arange(width, device=dev)[None].expand(rows, width)
+    valid = positions < n[:, None]
+    # The slots are any rows of the cache; the forward writes rows [0, rows), so it writes a scratch
+    # cache of the prompts' columns, copied into the slots' rows below (padding columns included: they
+    # stay invalid, and decode overwrites them).
+    shape = (rows, decoder.kv_heads, width, decoder.head_dim)
+    scratch = dataclasses.replace(
+        b,
+        keys=[torch.empty(shape, dtype=k.dtype, device=dev) for k in b.keys],
+        values=[torch.empty(shape, dtype=v.dtype, device=dev) for v in b.values],
     )
-    valid = torch.ones((1, n), dtype=torch.bool, device=dev)
     with guard(), sdpa_kernel(SDPA_BACKENDS):
-        logits = decoder.forward(ids, positions, view, decoder.prefill_bias(valid), n, col=None).float()
-    tok0, logp0 = first_token(logits, sampling, generator)
-    b.valid[s].zero_()
-    b.valid[s, :n] = True
-    b.tok[s] = tok0[0]
-    b.pos[s] = n
-    b.col[s] = n
-    b.step[s] = 1
-    b.tokens_out[s, 0] = tok0[0]
-    b.logps_out[s, 0] = logp0[0]
-    b.limits[s] = request.max_new_tokens
-    b.finished[s] = request.max_new_tokens == 1
-    return _Slot(index, n, request.max_new_tokens, 1, 0, generator)
+        logits = decoder.forward(
+            ids, positions, scratch, decoder.prefill_bias(valid), width, col=None, last=n - 1
+        ).float()
+        for cache, part in zip(b.keys + b.values, scratch.keys + scratch.values, strict=True):
+            cache[:, :, :width].index_copy_(0, slot_index, part)
+    placed: dict[int, _Slot] = {}
+    firsts = []
+    for r, (s, i) in enumerate(pairs):
+        request = requests[i]
+        generator = torch.Generator(device=dev)
+        generator.manual_seed(int(request.seed) & _SEED_MASK)
+        # One row's logits [1, V], its own generator: the draw of a prefill of its own.
+        firsts.append(first_token(logits[r : r + 1], sampling, generator))
+        placed[s] = _Slot(i, lengths[r], request.max_new_tokens, 1, 0, generator)
+    tok0 = torch.cat([t for t, _ in firsts])
+    logp0 = torch.cat([lp for _, lp in firsts])
+    limits = torch.tensor([requests[i].max_new_tokens for _, i in pairs], dtype=torch.long, device=dev)
+    columns = torch.arange(b.capacity, device=dev)[None]
+    b.valid.index_copy_(0, slot_index, columns < n[:, None])
+    b.tok.index_copy_(0, slot_index, tok0)
+    b.pos.index_copy_(0, slot_index, n)
+    b.col.index_copy_(0, slot_index, n)
+    b.step.index_fill_(0, slot_index, 1)
+    b.tokens_out[:, 0].index_copy_(0, slot_index, tok0)
+    b.logps_out[:, 0].index_copy_(0, slot_index, logp0.to(b.logps_out.dtype))
+    b.limits.index_copy_(0, slot_index, limits)
+    b.finished.index_copy_(0, slot_index, limits == 1)
+    return placed
