@@ -105,22 +105,3 @@ def test_the_start_up_line_names_what_starts(
 
     config = load_config(REPO / "configs" / config_file if config_file else None, overrides)
     assert _role_names(config) == expected
-
-
-@pytest.mark.parametrize(
-    ("config_file", "together"),
-    [
-        (None, True),  # CPU
-        ("smollm2-ppo-1gpu.yaml", True),  # GPU, built-in engine: it reserves nothing when it starts
-        ("sglang-hf-template.yaml", False),  # GPU, SGLang: the trainers wait for its memory pool
-    ],
-)
-def test_roles_start_together_unless_sglang_sizes_its_memory_first(
-    config_file: str | None, together: bool
-) -> None:
-    from ppo_driver.config import load_config
-    from ppo_driver.roles import starts_together
-
-    config = load_config(REPO / "configs" / config_file if config_file else None, [])
-    assert config.placement.device == ("cpu" if config_file is None else "cuda")
-    assert starts_together(config) is together

@@ -216,6 +216,13 @@ def run_hf(core: GenerationCore, requests: list[GenerationRequest], args: argpar
     return Run("transformers generate", seconds, steps, idle, tokens)
 
 
+WAYS: dict[str, Callable[[GenerationCore, list[GenerationRequest], argparse.Namespace], Run]] = {
+    "continuous": run_continuous,
+    "static": run_static,
+    "transformers": run_hf,
+}
+
+
 def machine(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -247,6 +254,17 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=64, help="continuous slots and static batch size")
     parser.add_argument("--refill-every", type=int, default=8)
     parser.add_argument("--skip-hf", action="store_true", help="leave out transformers generate")
+    parser.add_argument(
+        "--ways",
+        default="continuous,static,transformers",
+        help="comma-separated ways to time, continuous first (the speed-ups are over it)",
+    )
+    parser.add_argument(
+        "--attention",
+        default=None,
+        choices=["ranged", "matmul", "sdpa"],
+        help="the engine's decode attention (default: the engine's own, ranged where its kernel runs)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads",
@@ -256,6 +274,12 @@ def main() -> int:
         "a busy machine OpenMP's waiting threads made them 50x slower)",
     )
     args = parser.parse_args()
+    args.ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    if args.skip_hf:
+        args.ways = [w for w in args.ways if w != "transformers"]
+    unknown = [w for w in args.ways if w not in WAYS]
+    if unknown or not args.ways or args.ways[0] != "continuous":
+        parser.error(f"--ways: names from {sorted(WAYS)}, continuous first; got {args.ways}")
     args.size = args.size or ("0.82B" if args.device == "cuda" else "tiny")
     threads = args.threads or (1 if args.device == "cpu" else None)
     if threads is not None:
@@ -284,6 +308,9 @@ def bench(args: argparse.Namespace, dtype: str, tmp: Path) -> int:
         label = args.size
     mode = "auto" if device == "cuda" else "static-eager"
     core = GenerationCore(path, device=device, dtype=dtype, decode=mode)
+    decoder = core._continuous_decoder()
+    if args.attention is not None:
+        decoder.attention = args.attention  # before any call: no graphs captured yet
     drawn = long_tail.lognormal_lengths(args.requests, args.median, args.max, args.sigma, args.seed)
     low, high = args.prompt_len
     requests = [
@@ -300,14 +327,15 @@ def bench(args: argparse.Namespace, dtype: str, tmp: Path) -> int:
         f"max {max(drawn)}), {args.slots} slots, refill every {args.refill_every}",
         flush=True,
     )
-    ways = [run_continuous, run_static] + ([] if args.skip_hf else [run_hf])
+    ways = [WAYS[name] for name in args.ways]
     if device == "cuda":
         # Untimed: the engine's graph capture for every KV bucket (a full run of each of its ways), and
         # generate's one-off set-up (a short call: a full one would double the longest part of the run).
-        run_continuous(core, requests, args)
-        run_static(core, requests, args)
-        if not args.skip_hf:
-            hf_generate(core.model, requests[:8], 4)
+        for way in ways:
+            if way is run_hf:
+                hf_generate(core.model, requests[:8], 4)
+            else:
+                way(core, requests, args)
     rate = long_tail.copy_rate(device)
     runs = [way(core, requests, args) for way in ways]
     for run in runs:

@@ -264,7 +264,9 @@ class StartupSection(_Section):
         "training step's generate and each trainer runs its train phase once on a dummy batch, undone bit "
         "for bit: the first step's one-time costs (graph captures, CUDA's first kernel loads) move into "
         "start-up, alongside the other roles' start; results are the same either way. auto: on with "
-        "placement.device=cuda (on CPU a first step costs what the others do)",
+        "placement.device=cuda (on CPU a first step costs what the others do). The engines' warm-up holds "
+        "their whole KV cache (samples x prompt and response tokens) while the trainers warm up: where "
+        "the two do not fit on the device together, set false",
     )
 
     def enabled(self, device: str) -> bool:

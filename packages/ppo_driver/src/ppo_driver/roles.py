@@ -95,11 +95,11 @@ def create_roles(
 ) -> Roles:
     """Placement groups, then the rollout manager and engines, the actor and the critic groups.
 
-    Where :func:`starts_together` (``together`` None), the three are started together: each role's
+    On CPU (``together`` None: from ``placement.device``) the three are started together: each role's
     processes import torch and load the model, most of a run's start-up, and one after the other they
-    wait on each other. With SGLang engines on GPUs the trainers' processes start (and import) while
-    the engines start, and are set up after them: the engines size their memory before the trainers
-    take theirs (a trainer makes no CUDA context before setup)."""
+    leave cores idle. On GPUs the trainers' processes start (and import) while the engines start, and
+    are set up after them: the engines size their memory before the trainers take theirs (a trainer
+    makes no CUDA context before setup)."""
     from ppo_placement import create_placement_groups, remove_placement_groups
     from ppo_rollout.manager import RolloutManager
     from ppo_trainer.group import SpawnedWorkers, TrainGroup, spawn_workers
@@ -112,7 +112,7 @@ def create_roles(
     if config.use_critic:
         trainer_configs["critic"] = build.critic_trainer_config(actor_config, config)
     trainer_roles: tuple[TrainerRole, ...] = ("actor", "critic") if config.use_critic else ("actor",)
-    together = starts_together(config) if together is None else together
+    together = config.placement.device == "cpu" if together is None else together
     spawned: dict[str, SpawnedWorkers] = {}
 
     # train.lora.share_base: the critic maps the actor's frozen base, so it is set up after the actor.
@@ -190,13 +190,6 @@ def create_roles(
         startup=startup,
         warming=warming,
     )
-
-
-def starts_together(config: RunConfig) -> bool:
-    """Whether the roles are set up at the same time: on CPU, and with the built-in engines, which
-    reserve no share of the device when they start (SGLang's servers size their memory pool from what
-    is free then, ``rollout.sglang.mem_fraction_static``, so the trainers wait for them)."""
-    return config.placement.device == "cpu" or config.rollout.engine == "builtin"
 
 
 def _warming(
