@@ -308,9 +308,8 @@ def bench(args: argparse.Namespace, dtype: str, tmp: Path) -> int:
         label = args.size
     mode = "auto" if device == "cuda" else "static-eager"
     core = GenerationCore(path, device=device, dtype=dtype, decode=mode)
-    decoder = core._continuous_decoder()
     if args.attention is not None:
-        decoder.attention = args.attention  # before any call: no graphs captured yet
+        core._continuous_decoder().attention = args.attention  # before any call: no graphs captured yet
     drawn = long_tail.lognormal_lengths(args.requests, args.median, args.max, args.sigma, args.seed)
     low, high = args.prompt_len
     requests = [

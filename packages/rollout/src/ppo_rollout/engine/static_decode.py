@@ -324,7 +324,7 @@ class LlamaStaticDecoder:
         ids: torch.Tensor,
         positions: torch.Tensor,
         buffers: DecodeBuffers,
-        bias: torch.Tensor,
+        bias: torch.Tensor | None,
         kv_len: int,
         col: torch.Tensor | None,
         per_row: bool = False,
@@ -337,8 +337,8 @@ class LlamaStaticDecoder:
         ``col`` None: a prefill, whose keys and values go to columns ``[0, T)`` of rows ``[0, B)``;
         otherwise T is 1 and they go to column ``col`` of every row (``per_row``: column ``col[r]`` of
         row ``r``). ``bias`` [B, 1, T, kv_len] is the additive attention mask over the first ``kv_len``
-        columns; ``ranges`` (starts, ends) [B], given with ``col``, replace it: row ``r`` attends to
-        columns ``[starts[r], ends[r])`` through the ranged kernel.
+        columns; ``ranges`` (starts, ends) [B], given with ``col`` instead of a mask (``bias`` None): row
+        ``r`` attends to columns ``[starts[r], ends[r])`` through the ranged kernel.
         """
         rows, width = ids.shape
         flat_cols = self._flat_columns(buffers, col) if per_row and col is not None else None
@@ -366,6 +366,8 @@ class LlamaStaticDecoder:
                 out = ranged_attention.ranged_attention(
                     q, keys, values, ranges[0], ranges[1], kv_len, self.scaling
                 )
+            elif bias is None:
+                raise ValueError("forward needs an attention mask (bias) unless it is given ranges")
             elif self.attention == "matmul" and col is not None:
                 out = self._attend_matmul(q, keys[:rows, :, :kv_len], values[:rows, :, :kv_len], bias)
             else:
@@ -428,6 +430,20 @@ class LlamaStaticDecoder:
         else:
             self.decode_step(buffers, kv_len, sampler, pad_token_id)
 
+    def _step_logits(self, b: DecodeBuffers, kv_len: int) -> torch.Tensor:
+        """A decode step's logits [B, V], with this step's column already valid: the ranged kernel over
+        each row's columns up to it, or the step's KV bucket under the valid mask."""
+        if self.attention != "ranged":
+            bias = self._bias(b.valid[:, None, None, :kv_len])
+            return self.forward(b.tok[:, None], b.pos[:, None], b, bias, kv_len, b.col, per_row=b.per_row)
+        # A slot's request starts at its column 0; a static batch's rows are left-padded, each starts
+        # at its first valid column.
+        starts = torch.zeros_like(b.col) if b.per_row else b.valid[:, :kv_len].to(torch.int32).argmax(dim=1)
+        ranges = (starts, (b.col + 1).expand(b.batch).contiguous())  # the kernel reads one end a row
+        return self.forward(
+            b.tok[:, None], b.pos[:, None], b, None, kv_len, b.col, per_row=b.per_row, ranges=ranges
+        )
+
     def slot_step(self, buffers: DecodeBuffers, kv_len: int, sampler: Sampler, pad_token_id: int) -> None:
         """One token for every unfinished row of per-row buffers, in place.
 
@@ -440,15 +456,7 @@ class LlamaStaticDecoder:
         # operations the batch step's graphs already hold.
         row_index = torch.arange(b.batch, device=b.tok.device)
         b.valid.view(-1).index_fill_(0, row_index * b.capacity + b.col, True)
-        if self.attention == "ranged":
-            # A slot's request starts at its column 0: it attends to [0, col].
-            ranges = (torch.zeros_like(b.col), b.col + 1)
-            logits = self.forward(
-                b.tok[:, None], b.pos[:, None], b, b.valid, kv_len, b.col, per_row=True, ranges=ranges
-            )
-        else:
-            bias = self._bias(b.valid[:, None, None, :kv_len])
-            logits = self.forward(b.tok[:, None], b.pos[:, None], b, bias, kv_len, b.col, per_row=True)
+        logits = self._step_logits(b, kv_len)
         tokens, logp = sampler(logits, b.noise)
         tokens = tokens.masked_fill(b.finished, pad_token_id)
         out_index = row_index * b.max_new + b.step
@@ -465,14 +473,7 @@ class LlamaStaticDecoder:
         """One token for every row, entirely in place on ``buffers`` (the body of a captured graph)."""
         b = buffers
         b.valid.index_fill_(1, b.col, True)
-        if self.attention == "ranged":
-            # Rows are left-padded: each attends from its first valid column to this step's, no padding.
-            starts = b.valid[:, :kv_len].to(torch.int32).argmax(dim=1)
-            ranges = (starts, (b.col + 1).expand(b.batch).contiguous())
-            logits = self.forward(b.tok[:, None], b.pos[:, None], b, b.valid, kv_len, b.col, ranges=ranges)
-        else:
-            bias = self._bias(b.valid[:, None, None, :kv_len])
-            logits = self.forward(b.tok[:, None], b.pos[:, None], b, bias, kv_len, b.col)
+        logits = self._step_logits(b, kv_len)
         tokens, logp = sampler(logits, b.noise)
         tokens = tokens.masked_fill(b.finished, pad_token_id)
         b.tokens_out.index_copy_(1, b.step, tokens[:, None])
