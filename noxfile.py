@@ -5,13 +5,17 @@ installs that package's wheel and its sibling packages' wheels, non-editable, in
 with only the third-party dependencies they declare (pinned from the one ``uv.lock``, no workspace)
 and the ``test`` group, then runs the package's README example and its tests against the installed
 wheel: a file the wheel lacks or a dependency a package uses but does not declare fails there.
-``uv run nox`` runs every session.
+``uv run nox`` runs every session, then prints each session's seconds as a table (slowest first; also
+written to ``.nox/durations.md``, see ``tools/session_times.py`` and docs/ci.md for the time budget).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import tomllib
 from pathlib import Path
+from types import ModuleType
 
 import nox
 
@@ -21,6 +25,20 @@ nox.options.reuse_existing_virtualenvs = False
 
 ROOT = Path(__file__).parent
 PYTHON = "3.11"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+# Every session is timed: the table is printed when nox exits, after its own summary.
+timed = _load("session_times").SessionTimes(ROOT / ".nox" / "durations.md").timed
 
 # Ray 2.60 starts its workers through `uv run` when the driver runs under it (it does here, through
 # `uv run nox`), which repackages the working tree for every worker; the sessions' venvs already hold
@@ -124,6 +142,7 @@ def _install_wheel(session: nox.Session, dist: str, extras: tuple[str, ...], *, 
 
 @nox.session(python=PYTHON)
 @nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
+@timed
 def tests(session: nox.Session, package: str) -> None:
     """One package from its built wheel: installs alone, runs its README example, passes its tests."""
     dist, extras = PACKAGES[package]
@@ -138,6 +157,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 
 @nox.session(python=PYTHON)
+@timed
 def e2e(session: nox.Session) -> None:
     """Whole-system tests in tests-e2e/, with the driver and everything it depends on.
 
@@ -151,6 +171,7 @@ def e2e(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+@timed
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole workspace."""
     session.install("ruff>=0.8")
@@ -159,6 +180,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+@timed
 def typecheck(session: nox.Session) -> None:
     """mypy over every package's sources."""
     _sync(session, None, groups=("dev",))
@@ -167,6 +189,7 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session(name="weight-sync-alone", python=PYTHON)
+@timed
 def weight_sync_alone(session: nox.Session) -> None:
     """ppo-weight-sync as another trainer gets it: its wheel and torch, nothing else; its README example."""
     _install_wheel(session, "ppo-weight-sync", (), test=False)
@@ -177,6 +200,7 @@ def weight_sync_alone(session: nox.Session) -> None:
 
 
 @nox.session(name="release-check", python=PYTHON)
+@timed
 def release_check(session: nox.Session) -> None:
     """Fails when a package's public interface changed without a version bump (tools/interfaces/).
 

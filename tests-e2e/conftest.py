@@ -120,11 +120,14 @@ RUN_S = float(os.environ.get("PPO_E2E_RUN_S", "300"))
 class Run:
     """One `ppo-driver train` process over ``run_dir``; every process it starts carries ``mark``."""
 
-    def __init__(self, run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, *extra: str, env: dict[str, str] | None = None, wrap: list[str] | None = None
+    ) -> None:
+        """``wrap``: a command prefix that execs the rest (``unshare -m sh -c '... exec "$0" "$@"'``)."""
         self.run_dir = run_dir
         self.mark = uuid.uuid4().hex
         (run_dir / "processes.json").unlink(missing_ok=True)  # an earlier run's
-        args = [ppo_driver_exe(), "train", "--run-dir", str(run_dir)]
+        args = [*(wrap or []), ppo_driver_exe(), "train", "--run-dir", str(run_dir)]
         for key, value in DRILL_SETTINGS.items():
             args += ["--set", f"{key}={value}"]
         args += list(extra)

@@ -1,12 +1,14 @@
 """Fault drills, in the spirit of miles' fault-tolerance suite: kill each role's process, kill the
-driver during a save, stop it with SIGTERM, tamper with checkpoints, cut the metrics file. After each
-fault the run says what happened and where a re-run resumes, no process of the run is left, and the
-re-run ends with the same final weights as an uninterrupted run, bit for bit.
+driver during a save, stop it with SIGTERM and with two Ctrl-C, tamper with checkpoints, cut the
+metrics file. After each fault the run says what happened and where a re-run resumes, no process of the
+run is left, and the re-run ends with the same final weights as an uninterrupted run, bit for bit; a run
+resumed from a checkpoint logs the uninterrupted run's steps after it.
 
 One uninterrupted reference run (module fixture) serves every test; runs are 8 short steps. Most of a
-run's time is its start-up (Ray, the roles' processes), so the drills of the same kind of run share
-runs: one folder goes through a kill of each role, a SIGTERM, a kill of the driver mid-save and a cut
-metrics file, each run resuming from what the one before left.
+run's time is its start-up (Ray, the roles' processes), so drills share runs: the reference run is also
+the one watched for sockets bound outside the loopback interface (with the host name on the LAN), and
+one folder goes through a kill of each role, a SIGTERM, a kill of the driver mid-save, two Ctrl-C, a
+SIGKILLed driver and a cut metrics file, each run resuming from what the one before left.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import (
@@ -37,17 +43,70 @@ from conftest import (
 from ppo_driver import checkpoint as ck
 
 LOOPBACK = ("127.0.0.1", "0000:0000:0000:0000:0000:0000:0000:0001")
+# What a resumed run logs as the uninterrupted one did, after its checkpoint.
+RESUMED_SAME = ("rollout/reward_mean", "actor/loss", "critic/loss", "critic/values_mean", "actor/grad_norm")
+
+
+def _lan_address() -> str | None:
+    """This machine's first non-loopback IPv4 address."""
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return str(a.address)
+    return None
+
+
+def _host_name_on_the_lan(folder: Path) -> tuple[list[str], str | None, str]:
+    """A command prefix that runs a command in a private mount namespace (``unshare -m``) whose
+    /etc/hosts resolves this machine's host name to its LAN address, that address, and why not ('')."""
+    lan = _lan_address()
+    if lan is None:
+        return [], None, "this machine has no non-loopback IPv4 address to map the host name to"
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-m", "true"], capture_output=True).returncode != 0:
+        return [], None, "no private mount namespace here (`unshare -m` needs root or user namespaces)"
+    hosts = folder / "hosts"
+    hosts.write_text(f"{lan} {socket.gethostname()}\n127.0.0.1 localhost\n")
+    return [unshare, "-m", "sh", "-c", f'mount --bind {hosts} /etc/hosts && exec "$0" "$@"'], lan, ""
+
+
+@dataclass(frozen=True)
+class Reference:
+    run_dir: Path
+    lan: str | None  # the address the host name resolved to in the run, None: not mapped
+    not_mapped: str  # why not
+    sockets: frozenset[tuple[str, int, int]]  # every listening socket of the run's processes seen
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = Run(tmp_path_factory.mktemp("reference") / "run")
-    assert run.finish() == 0, run.text()
-    return run.run_dir
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    folder = tmp_path_factory.mktemp("reference")
+    wrap, lan, why = _host_name_on_the_lan(folder)
+    run = Run(folder / "run", wrap=wrap)
+    # Sampled all along: the roles' groups exist only while they are awake (destroyed when they sleep),
+    # so one look may miss them.
+    seen: set[tuple[str, int, int]] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(listening(marked(run.mark)))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        assert run.finish() == 0, run.text()
+    finally:
+        done.set()
+        watcher.join()
+    return Reference(run.run_dir, lan, why, frozenset(seen))
 
 
-@pytest.mark.timeout(1800)
-def test_kills_and_stops_lose_nothing(reference: Path, tmp_path: Path) -> None:
+@pytest.mark.timeout(3600)
+def test_kills_and_stops_lose_nothing(reference: Reference, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
 
     # The actor's process dies while its checkpoint is written in the background, after the loop
@@ -103,6 +162,17 @@ def test_kills_and_stops_lose_nothing(reference: Path, tmp_path: Path) -> None:
     os.kill(victim, signal.SIGKILL)
     expect_clean_failure(run, "engine rollout-0: ")
 
+    # Two Ctrl-C 0.2 s apart: the second stops the run at once, whatever the loop was waiting on.
+    extra = _second_sigint_stops_at_once(run_dir)
+
+    # A SIGKILLed driver: the reaper ends what Ray's agents would leave running for a minute.
+    found = latest(run_dir)
+    run = Run(run_dir)
+    run.wait_for_step((found[0] if found else 0) + 1)
+    run.proc.kill()
+    run.finish()
+    assert run.leftovers(timeout=20) == [], run.text()
+
     # A kill mid-write cuts the metrics file's last line: dropped with a warning.
     metrics = run_dir / "metrics.jsonl"
     metrics.write_text(metrics.read_text()[:-7])
@@ -112,20 +182,17 @@ def test_kills_and_stops_lose_nothing(reference: Path, tmp_path: Path) -> None:
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, DRILL_STEPS + 1))
     # Every due checkpoint was written, the discarded unfinished ones too (checkpoint.keep=4; the
-    # SIGTERM saved a step of its own).
-    due = sorted({*range(2, DRILL_STEPS + 1, 2), stopped[0]})[-4:]
-    check_completed_like(run_dir, reference, due)
+    # SIGTERM saved a step of its own, and so may a first SIGINT whose step ended before the second).
+    due = sorted({*range(2, DRILL_STEPS + 1, 2), stopped[0], *extra})[-4:]
+    check_completed_like(run_dir, reference.run_dir, due)
+    _a_finished_run_is_left_alone(run_dir)
 
 
-@pytest.mark.timeout(3600)
-def test_second_signal_and_sigkill_leave_nothing_and_a_finished_run_is_left_alone(
-    reference: Path, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "run"
-
-    # Two Ctrl-C 0.2 s apart: the second stops the run at once, whatever the loop was waiting on.
+def _second_sigint_stops_at_once(run_dir: Path) -> set[int]:
+    """Two Ctrl-C 0.2 s apart; the steps of odd (not due) checkpoints complete after them."""
+    found = latest(run_dir)
     run = Run(run_dir)
-    run.wait_for_step(2)
+    run.wait_for_step((found[0] if found else 0) + 1)
     # A one-machine run listens on the loopback interface alone: Ray's servers and workers too.
     sockets = listening(marked(run.mark))
     assert sockets, "no listening socket found"  # the GCS server's at least
@@ -143,21 +210,15 @@ def test_second_signal_and_sigkill_leave_nothing_and_a_finished_run_is_left_alon
     assert hint in text, text
     assert "Traceback" not in text, text
     assert run.leftovers(timeout=15) == [], text
-    for _, folder in ck.complete_checkpoints(run_dir / "checkpoints"):
+    complete = ck.complete_checkpoints(run_dir / "checkpoints")
+    for _, folder in complete:
         ck.verify(folder)  # nothing half-written was marked complete
+    return {step for step, _ in complete if step % 2}
 
-    # A SIGKILLed driver: the reaper ends what Ray's agents would leave running for a minute.
-    run = Run(run_dir)
-    run.wait_for_step((found[0] if found else 0) + 1)
-    run.proc.kill()
-    run.finish()
-    assert run.leftovers(timeout=20) == [], run.text()
 
-    run = Run(run_dir)
-    assert run.finish() == 0, run.text()
-    assert final_checksum(run_dir) == final_checksum(reference)
+def _a_finished_run_is_left_alone(run_dir: Path) -> None:
+    """Nothing left to do: said before Ray starts, and the finished run's files stay as they were."""
 
-    # Nothing left to do: said before Ray starts, and the finished run's files stay as they were.
     def files() -> dict[Path, bytes]:
         # Not the lock (its holder's pid) nor processes.json, which Run removes before it starts one.
         skip = (".lock", "processes.json")
@@ -173,9 +234,9 @@ def test_second_signal_and_sigkill_leave_nothing_and_a_finished_run_is_left_alon
 
 
 @pytest.mark.timeout(1800)
-def test_tampered_checkpoints_are_skipped_for_the_previous_one(reference: Path, tmp_path: Path) -> None:
+def test_tampered_checkpoints_are_skipped_for_the_previous_one(reference: Reference, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    shutil.copytree(reference, run_dir)
+    shutil.copytree(reference.run_dir, run_dir)
     (run_dir / "summary.json").unlink()
     root = run_dir / "checkpoints"
     assert [s for s, _ in ck.complete_checkpoints(root)] == [2, 4, 6, 8]
@@ -205,7 +266,22 @@ def test_tampered_checkpoints_are_skipped_for_the_previous_one(reference: Path, 
     assert "driver.json is not valid JSON" in text
     assert f"resumed from {root / 'step_000002'} (step 2)" in text
     assert "the last line is cut short" in text
-    assert final_checksum(run_dir) == final_checksum(reference)
+    assert final_checksum(run_dir) == final_checksum(reference.run_dir)
+    # Resumed after step 2, the run is the uninterrupted one: every step after the checkpoint logs the
+    # same figures, and the run's summary says where it started.
+    assert "differs from the checkpoint's" not in text
+    resumed, full = _metrics(run_dir), _metrics(reference.run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, DRILL_STEPS + 1))
+    for a, b in zip(resumed[2:], full[2:], strict=True):
+        for key in RESUMED_SAME:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["first_step"] == 3
+    assert summary["weights_match"] is True
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _error_line(text: str) -> str:
@@ -337,66 +413,14 @@ def test_non_finite_weights_reach_neither_engines_nor_checkpoints(
     assert not (run.run_dir / "summary.json").exists()
 
 
-def _lan_address() -> str | None:
-    """This machine's first non-loopback IPv4 address."""
-    import socket as _socket
-
-    import psutil
-
-    for addresses in psutil.net_if_addrs().values():
-        for a in addresses:
-            if a.family == _socket.AF_INET and not a.address.startswith("127."):
-                return str(a.address)
-    return None
-
-
 @pytest.mark.timeout(900)
-def test_a_local_run_listens_on_loopback_with_the_host_name_on_the_lan(tmp_path: Path) -> None:
-    """The loopback check above passes wherever the host name resolves to 127.0.0.1 (as on many CI
-    machines). Here the host name resolves to this machine's LAN address, in a private mount namespace
-    whose /etc/hosts says so (``unshare -m``), so that a socket bound by host name would listen there."""
-    import socket as _socket
-    import uuid
-
-    from conftest import MARK, ppo_driver_exe
-
-    lan = _lan_address()
-    if lan is None:
-        pytest.skip("this machine has no non-loopback IPv4 address to map the host name to")
-    unshare = shutil.which("unshare")
-    if unshare is None or subprocess.run([unshare, "-m", "true"], capture_output=True).returncode != 0:
-        pytest.skip("no private mount namespace here (`unshare -m` needs root or user namespaces)")
-    hosts = tmp_path / "hosts"
-    hosts.write_text(f"{lan} {_socket.gethostname()}\n127.0.0.1 localhost\n")
-    mark = uuid.uuid4().hex
-    steps = 4
-    sets = {"train.steps": steps, "rollout.prompts_per_step": 8, "logging.tensorboard": "false"}
-    args = [ppo_driver_exe(), "train", "--run-dir", str(tmp_path / "run")]
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    script = f'mount --bind {hosts} /etc/hosts && exec "$0" "$@"'
-    log_path = tmp_path / "run.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", MARK: mark}
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [unshare, "-m", "sh", "-c", script, *args],
-            cwd=tmp_path,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            # Sampled all along: the roles' groups exist only while they are awake (destroyed when they
-            # sleep), so one look may miss them.
-            seen: set[tuple[str, int, int]] = set()
-            deadline = time.monotonic() + 600
-            while proc.poll() is None:
-                assert time.monotonic() < deadline, log_path.read_text()
-                seen.update(listening(marked(mark)))
-                time.sleep(0.2)
-            assert proc.returncode == 0, log_path.read_text()
-            assert seen, "no listening socket found"
-            assert [s for s in seen if s[0] not in LOOPBACK] == [], (sorted(seen), lan)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+def test_a_local_run_listens_on_loopback_with_the_host_name_on_the_lan(reference: Reference) -> None:
+    """The loopback check of the two Ctrl-C drill passes wherever the host name resolves to 127.0.0.1
+    (as on many CI machines). The reference run ran with the host name resolving to this machine's LAN
+    address, in a private mount namespace whose /etc/hosts says so (``unshare -m``), so that a socket
+    bound by host name would listen there; its sockets were sampled all along the run."""
+    if reference.lan is None:
+        pytest.skip(reference.not_mapped)
+    assert reference.sockets, "no listening socket found"
+    outside = [s for s in reference.sockets if s[0] not in LOOPBACK]
+    assert outside == [], (sorted(reference.sockets), reference.lan)

@@ -1,5 +1,6 @@
 """The loop's other shapes, in one local Ray instance: GRPO without a critic (disaggregated, two
-engines, evaluation every step) and critic-only warm-up steps."""
+engines, evaluation every step) with DAPO's dynamic sampling and overlong shaping (it trains only on
+groups whose scores vary, and logs the rollout/dynamic metrics), critic-only warm-up steps, and LoRA."""
 
 from __future__ import annotations
 
@@ -28,19 +29,33 @@ def local_ray() -> Iterator[None]:
     ray.shutdown()
 
 
+PROMPTS = 8
+
+
 @pytest.mark.timeout(300)
-def test_grpo_without_critic_disaggregated(local_ray: None, tmp_path: Path) -> None:
+def test_grpo_without_critic_disaggregated_trains_only_on_groups_whose_scores_vary(
+    local_ray: None, tmp_path: Path
+) -> None:
     config = load_config(
         None,
         [
             *QUIET,
             "algorithm.estimator=grpo",
+            "algorithm.normalize_advantages=null",
             "placement.critic=none",
             "placement.mode=disaggregate",
             "placement.rollout_gpus=2",
             "train.steps=3",
+            f"rollout.prompts_per_step={PROMPTS}",
             "rollout.eval_interval=1",
             "rollout.eval_prompts=4",
+            "rollout.dynamic_sampling.enabled=true",
+            "rollout.dynamic_sampling.max_rounds=4",
+            "rollout.dynamic_sampling.over_sample=1.0",
+            "rollout.dynamic_sampling.on_exhausted=stop",
+            "rollout.overlong.buffer_len=2",
+            "rollout.overlong.penalty_factor=0.5",
+            "checkpoint.interval=0",
         ],
     )
     result = train(config, tmp_path / "run", console=Console(quiet=True))
@@ -52,6 +67,18 @@ def test_grpo_without_critic_disaggregated(local_ray: None, tmp_path: Path) -> N
         # Engines on their own bundles stay resident; the actor sleeps between its phases.
         assert record["offload/transitions"] == ["actor:wake", "actor:sleep"]
         assert record["offload/rollout_sleeps"] == 0
+        # Every trained group has varying scores: none padded in.
+        assert record["rollout/dynamic/kept_groups"] == PROMPTS
+        assert record["rollout/dynamic/padded_groups"] == 0
+        assert 1 <= record["rollout/dynamic/rounds"] <= 4
+        # A second round refills what the first dropped.
+        refilled = record["rollout/dynamic/samples_generated_per_trained"] > 1
+        assert (record["rollout/dynamic/rounds"] > 1) == refilled
+        constant = record["rollout/dynamic/all_correct_groups"] + record["rollout/dynamic/all_wrong_groups"]
+        assert 0.0 <= constant < 1.0
+    # The random tiny model leaves some groups all wrong: refilling is exercised.
+    assert max(r["rollout/dynamic/rounds"] for r in result.history) >= 2
+    assert max(r["rollout/dynamic/all_wrong_groups"] for r in result.history) > 0
     assert len(result.engine_checksums) == 2
     assert result.weights_match
 

@@ -1,14 +1,27 @@
-"""Overlapped transitions (``offload.overlap``) on real Ray workers on CPU: the same training as the
-sequential order, bit for bit; the step budget still adds up, with the hidden seconds apart; a
-background sleep or wake that fails is reported in the phase that started it."""
+"""Three runs of the loop on real Ray workers on CPU, one local Ray instance for the module, each
+checked by several tests:
+
+- overlapped transitions (``offload.overlap``): the same training as the sequential order, bit for bit;
+  the step budget still adds up, with the hidden seconds apart; a background sleep or wake that fails is
+  reported in the phase that started it (two runs of the CLI of their own);
+- the start order on GPUs (the sequential run starts its roles in it): the trainers' processes start
+  before the engines (their imports overlap the engines' start) and are set up after the engines exist
+  (the engines size their GPU memory before a trainer makes a CUDA context); the run then trains and
+  its engines hold the actor's weights;
+- ``startup.warm_up``: a run with the warm-up computes what the sequential run without it computes,
+  step for step (every figure that is not a clock, a byte count or a rate, and the final weights), and
+  its start-up table has the warm-up's row with each trainer's own warm-up under it.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -17,15 +30,19 @@ from conftest import run_cli
 from rich.console import Console
 
 from ppo_driver import checkpoint as ck
-from ppo_driver.config import load_config
+from ppo_driver.config import RunConfig, load_config
 from ppo_driver.loop import RunResult, train
 from ppo_driver.ray_start import start_local_ray
+from ppo_driver.roles import Roles, create_roles
 
 QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 # Three steps with a checkpoint after the second (a save while transitions overlap) and the final one.
 RUN = [*QUIET, "train.steps=3", "checkpoint.interval=2", "rollout.eval_interval=2"]
 TRANSITIONS = [f"{r}/{a}" for r in ("actor", "critic", "engines") for a in ("sleep", "wake")]
 SAME = ("rollout/reward_mean", "actor/loss", "critic/loss", "critic/values_mean", "actor/grad_norm")
+# Figures that measure time, bytes or rates: they differ from one run to the next.
+RolesFactory = Callable[[RunConfig, Path, float], Roles]
+_MEASURED = ("time/", "bytes/", "weight_sync/", "offload/", "/sleep", "/wake", "tflops", "_per_s", "seconds")
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +52,12 @@ def local_ray() -> Iterator[None]:
     ray.shutdown()
 
 
-def _train(tmp_path: Path, name: str, overlap: str) -> tuple[RunResult, str]:
+def _train(
+    tmp_path: Path, name: str, sets: list[str], roles_factory: RolesFactory = create_roles
+) -> tuple[RunResult, str]:
     out = io.StringIO()
-    config = load_config(None, [*RUN, f"offload.overlap={overlap}"])
-    result = train(config, tmp_path / name, console=Console(file=out, width=200))
+    config = load_config(None, [*RUN, *sets])
+    result = train(config, tmp_path / name, console=Console(file=out, width=200), roles_factory=roles_factory)
     return result, out.getvalue()
 
 
@@ -63,17 +82,63 @@ def _digests(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): _digest(p) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def _in_gpu_order(monkeypatch: pytest.MonkeyPatch, events: list[str]) -> RolesFactory:
+    """The roles started as on GPUs (``together=False``), each start logged to ``events``."""
+    from ppo_rollout import manager
+    from ppo_trainer import group
+
+    spawn, make_rollout, make_group = (
+        group.spawn_workers,
+        manager.RolloutManager.__init__,
+        group.TrainGroup.__init__,
+    )
+
+    def spawn_logged(role: Any, *args: Any, **kwargs: Any) -> Any:
+        events.append(f"spawn {role}")
+        return spawn(role, *args, **kwargs)
+
+    def rollout_logged(self: Any, *args: Any, **kwargs: Any) -> None:
+        make_rollout(self, *args, **kwargs)
+        events.append("engines made")
+
+    def group_logged(self: Any, role: Any, *args: Any, **kwargs: Any) -> None:
+        events.append(f"set up {role} ({'adopted' if kwargs.get('spawned') else 'spawned there'})")
+        make_group(self, role, *args, **kwargs)
+
+    monkeypatch.setattr(group, "spawn_workers", spawn_logged)
+    monkeypatch.setattr(manager.RolloutManager, "__init__", rollout_logged)
+    monkeypatch.setattr(group.TrainGroup, "__init__", group_logged)
+
+    def in_gpu_order(config: RunConfig, model_path: Path, timeout_s: float) -> Roles:
+        return create_roles(config, model_path, timeout_s, together=False)
+
+    return in_gpu_order
+
+
+@dataclass(frozen=True)
+class Runs:
+    sequential: tuple[RunResult, str]  # offload.overlap=auto (sequential on cpu), roles in GPU order
+    overlapped: tuple[RunResult, str]  # offload.overlap=on
+    warmed: tuple[RunResult, str]  # the sequential run's settings and startup.warm_up=true
+    start_order: list[str]  # the sequential run's roles' starts, in order
+
+
 @pytest.fixture(scope="module")
-def both(local_ray: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult, str]]:
+def runs(local_ray: None, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("overlap")
-    # auto on cpu: the rule picks the sequential order (no shared GPU to measure).
-    return {"sequential": _train(root, "sequential", "auto"), "overlapped": _train(root, "overlapped", "on")}
+    events: list[str] = []
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        # auto on cpu: the rule picks the sequential order (no shared GPU to measure).
+        sequential = _train(root, "sequential", ["offload.overlap=auto"], _in_gpu_order(monkeypatch, events))
+    overlapped = _train(root, "overlapped", ["offload.overlap=on"])
+    warmed = _train(root, "warmed", ["offload.overlap=auto", "startup.warm_up=true"])
+    return Runs(sequential, overlapped, warmed, events)
 
 
 @pytest.mark.timeout(600)
-def test_the_rule_is_logged_and_followed(both: dict[str, tuple[RunResult, str]]) -> None:
-    seq, seq_out = both["sequential"]
-    ovl, ovl_out = both["overlapped"]
+def test_the_rule_is_logged_and_followed(runs: Runs) -> None:
+    seq, seq_out = runs.sequential
+    ovl, ovl_out = runs.overlapped
     assert "transitions: sequential (offload.overlap=auto on placement.device=cpu" in seq_out
     assert "transitions: overlapped (offload.overlap=on; memory not checked)" in ovl_out
     for result, overlapped in ((seq, False), (ovl, True)):
@@ -106,9 +171,9 @@ def test_the_rule_is_logged_and_followed(both: dict[str, tuple[RunResult, str]])
 
 
 @pytest.mark.timeout(600)
-def test_overlapped_training_is_bit_identical_to_sequential(both: dict[str, tuple[RunResult, str]]) -> None:
-    seq, _ = both["sequential"]
-    ovl, _ = both["overlapped"]
+def test_overlapped_training_is_bit_identical_to_sequential(runs: Runs) -> None:
+    seq, _ = runs.sequential
+    ovl, _ = runs.overlapped
     assert [r["step"] for r in ovl.history] == [1, 2, 3]
     for a, b in zip(seq.history, ovl.history, strict=True):
         for key in SAME:
@@ -126,8 +191,8 @@ def test_overlapped_training_is_bit_identical_to_sequential(both: dict[str, tupl
 
 
 @pytest.mark.timeout(600)
-def test_overlapped_budget_adds_up_with_hidden_seconds_apart(both: dict[str, tuple[RunResult, str]]) -> None:
-    ovl, _ = both["overlapped"]
+def test_overlapped_budget_adds_up_with_hidden_seconds_apart(runs: Runs) -> None:
+    ovl, _ = runs.overlapped
     parts = [
         "generate", "critic_train", "actor_train", "save", "generate_wait", "eval",
         *TRANSITIONS, "weight_update", "handoff", "check_weights",
@@ -146,7 +211,7 @@ def test_overlapped_budget_adds_up_with_hidden_seconds_apart(both: dict[str, tup
     assert hidden_total > 0  # something ran under other work
     # Every transition's bytes are booked once over the run: as many as the sequential run moved,
     # but for the start-up (not a step's) and the last step (its sleep is waited for in that step).
-    seq, _ = both["sequential"]
+    seq, _ = runs.sequential
     for t in TRANSITIONS:
         moved = sum(r[f"bytes/{t}"] for r in ovl.history)
         assert moved == pytest.approx(sum(r[f"bytes/{t}"] for r in seq.history), rel=0.5), t
@@ -154,6 +219,47 @@ def test_overlapped_budget_adds_up_with_hidden_seconds_apart(both: dict[str, tup
     rows = {p["part"]: p for p in summary["parts"]}
     assert rows["actor/sleep"]["mean_hidden_s"] is not None
     assert rows["generate"]["mean_hidden_s"] is None  # not a transition
+
+
+@pytest.mark.timeout(600)
+def test_trainers_spawn_before_the_engines_and_set_up_after_them(runs: Runs) -> None:
+    assert runs.start_order == [
+        "spawn actor",
+        "spawn critic",
+        "engines made",
+        "set up actor (adopted)",
+        "set up critic (adopted)",
+    ]
+    result, _ = runs.sequential
+    assert result.last_step == 3
+    assert result.weights_match, (result.actor_checksum, result.engine_checksums)
+    assert result.startup is not None
+
+
+def _computed(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if not any(m in k for m in _MEASURED) and not k.endswith("_s")}
+
+
+@pytest.mark.timeout(600)
+def test_a_warmed_run_computes_what_an_unwarmed_one_does(runs: Runs) -> None:
+    warm, cold = runs.warmed[0], runs.sequential[0]
+    assert [_computed(r) for r in warm.history] == [_computed(r) for r in cold.history]  # bit for bit
+    assert [r["step"] for r in warm.history] == [1, 2, 3]
+    assert warm.actor_checksum == cold.actor_checksum
+    assert warm.weights_match
+    warm_summary = json.loads((warm.run_dir / "summary.json").read_text())
+    cold_summary = json.loads((cold.run_dir / "summary.json").read_text())
+    warm_parts = [p["part"] for p in warm_summary["startup"]["parts"]]
+    assert "warm-up (after roles)" in warm_parts
+    assert warm_parts.index("warm-up (after roles)") < warm_parts.index("offload plan")
+    detail = warm_summary["startup"]["alongside"]["warm-up (after roles)"]
+    assert detail["actor"] > 0  # the trainers ran their phases
+    assert detail["critic"] > 0
+    assert detail["rollout"] == 0.0  # the CPU engine decodes in a loop: no graphs to capture
+    assert "warm-up (after roles)" not in [p["part"] for p in cold_summary["startup"]["parts"]]
+    first = warm_summary["first_step_time"]
+    assert first["seconds"] > 0
+    assert first["over_steady"] > 0
 
 
 def _run_with_fault(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> str:

@@ -180,7 +180,7 @@ class _Weights:
     def __init__(self, actor: str, engines: list[str]) -> None:
         self.actor, self.engines = actor, engines
 
-    def weights_checksum(self) -> str:
+    def weights_checksum(self, rows: int | None = None) -> str:
         return self.actor
 
     def weights_checksums(self) -> list[str]:

@@ -14,7 +14,7 @@ import pytest
 from ppo_rollout.config import MultiTurnSettings, SamplingConfig, SamplingSettings
 from ppo_rollout.engine.core import GenerationCore
 from ppo_rollout.generate_client import GenerateClient
-from ppo_rollout.rollout_fns import PromptGroup, RolloutContext
+from ppo_rollout.rollout_fns import ContextCall, ContextTools, PromptGroup, RolloutContext
 from ppo_rollout.runner import ClientSeeds, run_rollout
 from ppo_rollout.tasks import get_task, make_tiny_model
 from ppo_rollout.testing.long_tail import (
@@ -125,7 +125,7 @@ def test_each_sample_gets_its_drawn_length_in_one_continuous_call(engine: LocalE
 
     def context(client: GenerateClient) -> RolloutContext:
         return RolloutContext(
-            client, tokenizer=tokenizer, sampling=sampling, limits=MultiTurnSettings(), versions=[0], step=2
+            client, ContextTools(tokenizer, MultiTurnSettings()), ContextCall(sampling, (0,), step=2)
         )
 
     run = run_rollout(fn, "long_tail", groups, [engine], context, ClientSeeds(5, 2, 0), timeout_s=120)

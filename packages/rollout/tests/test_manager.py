@@ -113,7 +113,7 @@ def test_bad_prompts_are_refused_with_the_row(manager: RolloutManager) -> None:
     with pytest.raises(ValueError, match="is empty"):
         manager.renderer.render({"prompt": "   "})
     with pytest.raises(ValueError, match=r"too long: 301 tokens > rollout.max_prompt_length 256"):
-        manager._groups([{"prompt": "1" * 300}], 1)
+        manager.generation.groups([{"prompt": "1" * 300}], 1)
 
 
 def test_bad_reward_result_names_the_function(manager: RolloutManager) -> None:
@@ -121,13 +121,13 @@ def test_bad_reward_result_names_the_function(manager: RolloutManager) -> None:
     def nan_reward(samples):  # type: ignore[no-untyped-def]
         return [float("nan")] * len(samples)
 
-    saved = manager.reward_fn
-    manager.reward_fn = nan_reward
+    saved = manager.scorer.reward_fn
+    manager.scorer.reward_fn = nan_reward
     try:
         with pytest.raises(RewardError, match=r"nan_reward returned nan for sample 0"):
             manager.generate(step=9)
     finally:
-        manager.reward_fn = saved
+        manager.scorer.reward_fn = saved
 
 
 def test_offload_then_onload(manager: RolloutManager) -> None:

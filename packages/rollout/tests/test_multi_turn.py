@@ -22,7 +22,15 @@ from ppo_rollout.environment import Action, EnvironmentFailure, StepResult
 from ppo_rollout.environments.guess import GuessNumberEnvironment
 from ppo_rollout.generate_client import GenerateClient, call_seed
 from ppo_rollout.observation import ObservationRenderer
-from ppo_rollout.rollout_fns import PromptGroup, RolloutContext, multi_turn, single_turn
+from ppo_rollout.rollout_fns import (
+    ContextCall,
+    ContextEnvironment,
+    ContextTools,
+    PromptGroup,
+    RolloutContext,
+    multi_turn,
+    single_turn,
+)
 from ppo_rollout.runner import ClientSeeds, run_rollout
 from ppo_rollout.tasks import get_task, make_tiny_model
 from ppo_rollout.trajectory import Trajectory
@@ -88,18 +96,9 @@ def _run(
     )
 
     def context(client: GenerateClient) -> RolloutContext:
-        return RolloutContext(
-            client,
-            tokenizer=tokenizer,
-            sampling=sampling,
-            limits=limits,
-            versions=[11, 12],
-            observations=renderer,
-            environment=environment,
-            environment_name="test-env",
-            env_pool=pool,
-            step=3,
-        )
+        seat = ContextEnvironment(environment, "test-env", pool=pool)
+        tools = ContextTools(tokenizer, limits, renderer, seat)
+        return RolloutContext(client, tools, ContextCall(sampling, (11, 12), step=3))
 
     try:
         run = run_rollout(fn, "fn", groups, engines, context, ClientSeeds(5, 3, 0), timeout_s=120)
@@ -327,7 +326,7 @@ def test_a_failing_environment_is_named_with_row_and_turn(
 def test_on_env_error_zero_scores_the_trajectory_and_goes_on(
     engines: list[LocalEngine], tokenizer: Any
 ) -> None:
-    limits = MultiTurnSettings(env_timeout_s=5, on_env_error="zero")
+    limits = MultiTurnSettings(env_timeout_s=5, on_env_error="zero", max_env_error_share=1.0)
     trajectories = _run(
         multi_turn,
         _groups(tokenizer, 2, 2),

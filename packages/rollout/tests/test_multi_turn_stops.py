@@ -15,7 +15,15 @@ from ppo_rollout.engine.core import GenerationCore, GenerationOutput
 from ppo_rollout.environment import Action, StepResult
 from ppo_rollout.generate_client import GenerateClient
 from ppo_rollout.observation import ObservationRenderer
-from ppo_rollout.rollout_fns import PromptGroup, RolloutContext, cut_at_stop, multi_turn
+from ppo_rollout.rollout_fns import (
+    ContextCall,
+    ContextEnvironment,
+    ContextTools,
+    PromptGroup,
+    RolloutContext,
+    cut_at_stop,
+    multi_turn,
+)
 from ppo_rollout.runner import ClientSeeds, run_rollout
 from ppo_rollout.stops import RequestStop, stop_token_sequences
 from ppo_rollout.tasks import get_task
@@ -95,18 +103,9 @@ def _rollout(
     pool = concurrent.futures.ThreadPoolExecutor(4)
 
     def context(client: GenerateClient) -> RolloutContext:
-        return RolloutContext(
-            client,
-            tokenizer=tokenizer,
-            sampling=GREEDY,
-            limits=limits,
-            versions=[7],
-            observations=renderer,
-            environment=Never,
-            environment_name="never",
-            env_pool=pool,
-            engine_stops=engine_stops,
-        )
+        seat = ContextEnvironment(Never, "never", pool=pool)
+        tools = ContextTools(tokenizer, limits, renderer, seat, engine_stops=engine_stops)
+        return RolloutContext(client, tools, ContextCall(GREEDY, (7,)))
 
     try:
         run = run_rollout(multi_turn, "multi_turn", groups, [engine], context, ClientSeeds(1, 0, 0), 120)

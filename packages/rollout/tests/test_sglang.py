@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from ppo_rollout.batch import FIELDS
@@ -200,7 +201,14 @@ def test_multi_turn_continues_from_ids_through_sglang(sglang_manager: tuple[Roll
     from ppo_rollout.config import MultiTurnSettings
     from ppo_rollout.environments.guess import GuessNumberEnvironment
     from ppo_rollout.observation import ObservationRenderer
-    from ppo_rollout.rollout_fns import PromptGroup, RolloutContext, multi_turn
+    from ppo_rollout.rollout_fns import (
+        ContextCall,
+        ContextEnvironment,
+        ContextTools,
+        PromptGroup,
+        RolloutContext,
+        multi_turn,
+    )
     from ppo_rollout.runner import ClientSeeds, run_rollout
     from ppo_rollout.tasks import get_task
 
@@ -217,11 +225,10 @@ def test_multi_turn_continues_from_ids_through_sglang(sglang_manager: tuple[Roll
     environment = functools.partial(GuessNumberEnvironment, higher_text="+", lower_text="-")
 
     def context(client):  # type: ignore[no-untyped-def]
-        return RolloutContext(
-            client, tokenizer=tokenizer, sampling=sampling, limits=limits, versions=[0],
-            observations=ObservationRenderer(tokenizer, chat_template=False, max_tokens=16),
-            environment=environment, environment_name="guess_number", env_pool=pool,
-        )  # fmt: skip
+        observations = ObservationRenderer(tokenizer, chat_template=False, max_tokens=16)
+        seat = ContextEnvironment(environment, "guess_number", pool=pool)
+        tools = ContextTools(tokenizer, limits, observations, seat)
+        return RolloutContext(client, tools, ContextCall(sampling, (0,)))
 
     run = run_rollout(multi_turn, "multi_turn", groups, manager.engines, context, ClientSeeds(1, 0, 0), 120)
     pool.shutdown()
@@ -249,8 +256,29 @@ def test_manager_batch_from_sglang_engine(sglang_manager: tuple[RolloutManager, 
         n = int(fields["response_length"][k])
         assert fields["rollout_log_probs"][k].shape == (n,)
         assert fields["loss_mask"][k].tolist() == [1.0] * n
-    with pytest.raises(SGLangError, match="checksums are not available"):
-        manager.weights_checksums()
+
+
+def test_weights_checksum_reads_the_weights_back_from_the_server(
+    sglang_manager: tuple[RolloutManager, Path], standin: tuple[SGLangClient, Path], tiny_model: Path
+) -> None:
+    """train.check_weights with SGLang: every tensor read back (/get_weights_by_name), in the rollout's
+    dtype, hashes as the actor's weights do; with rows, both sides hash the same first rows."""
+    from ppo_rollout.engine.handles import model_manifest
+    from ppo_weight_sync.sglang_weights import rows_checksum
+
+    manager, _ = sglang_manager
+    client, record = standin
+    state = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    named = [(n, t.to(torch.float32)) for n, t in state.items()]
+    assert manager.weights_checksums() == [rows_checksum(named)]
+    manifest = model_manifest(str(tiny_model), "float32")
+    assert [n for n, _, _ in manifest] == list(state)
+    assert client.weights_checksum(manifest, rows=2) == rows_checksum(named, 2) != rows_checksum(named)
+    asked = [r["body"] for r in _requests(record) if r["path"] == "/get_weights_by_name"][-len(named) :]
+    assert {b["truncate_size"] for b in asked} == {2}
+    # a tensor the server does not hold is named
+    with pytest.raises(SGLangError, match=r"could not give the weights of model\.nothing\.weight"):
+        client.read_weights([("model.nothing.weight", "float32", (2, 2))])
 
 
 def test_weight_update_over_http_changes_generations(

@@ -32,7 +32,8 @@ step budget's model: hidden 2048, 16 layers, 16 heads, MLP 5632, the copy task's
 
 Long samples: ``--sample-tokens N`` makes every sample ``N`` tokens long (its response fills what its
 prompt leaves), ``--median M`` (with ``--sigma``) draws the responses from the lognormal
-distribution the rollout benchmarks use instead (``ppo_rollout.testing.long_tail``), each cut to ``N``
+distribution the rollout benchmarks use instead (``lognormal_lengths`` below, the same draws as
+``ppo_rollout.testing.long_tail``'s), each cut to ``N``
 tokens with its prompt, ``--samples`` sets their count, ``--max-tokens`` takes several budgets (a
 variant each), ``--logprob-chunk`` sets ``train.logprob_chunk_tokens``, ``--variants`` picks the
 variants. The
@@ -53,6 +54,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import math
 import os
 import statistics
 import sys
@@ -147,11 +149,28 @@ def make_samples(
     return Samples.from_fields(fields)
 
 
+def lognormal_lengths(count: int, median: float, longest: int, sigma: float, seed: int) -> list[int]:
+    """Lognormal response lengths: ``exp(N(log median, sigma))`` rounded, clipped to [1, longest].
+
+    A copy of ``ppo_rollout.testing.long_tail.lognormal_lengths`` (the trainer imports nothing of the
+    rollout; ``tests/test_bench_train_phase.py`` checks that both draw the same lengths)."""
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if median <= 0 or longest < 1 or sigma < 0:
+        raise ValueError(
+            f"lognormal lengths need median > 0, longest >= 1 and sigma >= 0; got median={median}, "
+            f"longest={longest}, sigma={sigma}"
+        )
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.exp(math.log(median) + sigma * torch.randn(count, generator=g, dtype=torch.float64))
+    return [max(1, min(longest, round(float(x)))) for x in draws]
+
+
 def long_samples(size: Size, args: argparse.Namespace) -> Samples:
     """The samples of ``--sample-tokens`` (and ``--median``), else of the size's own ranges. Fixed:
     every sample exactly ``--sample-tokens`` long (its response fills what its prompt leaves, so
     packed micro-batches of as many samples have one length); lognormal: the response lengths the
-    rollout benchmarks draw (``ppo_rollout.testing.long_tail``), each cut to what its prompt leaves."""
+    rollout benchmarks draw (``lognormal_lengths``), each cut to what its prompt leaves."""
     if args.sample_tokens is None:
         if args.median is not None:
             raise SystemExit("--median needs --sample-tokens (the longest sample)")
@@ -164,8 +183,6 @@ def long_samples(size: Size, args: argparse.Namespace) -> Samples:
         )
     if args.median is None:
         return make_samples(size, sample_tokens=args.sample_tokens)
-    from ppo_rollout.testing.long_tail import lognormal_lengths
-
     drawn = lognormal_lengths(size.samples, args.median, args.sample_tokens, args.sigma, seed=0)
     return make_samples(size, responses=drawn, sample_tokens=args.sample_tokens)
 

@@ -3,9 +3,11 @@ lengths, two token budgets, the table's rows and columns (the GPU figures come f
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -61,3 +63,33 @@ def test_fixed_sample_tokens_make_every_sample_that_long() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "4 samples, 160 tokens (40 a sample, longest 40)" in done.stdout
+
+
+def _script_module(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_train_phase", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_scripts_lognormal_lengths_are_the_rollout_benchmarks_draws(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The script keeps its own copy (the trainer imports nothing of the rollout): the same lengths as
+    ``ppo_rollout.testing.long_tail``'s for the same arguments, and the same refusals."""
+    from ppo_rollout.testing.long_tail import lognormal_lengths as rollouts
+
+    script = _script_module(monkeypatch)
+    for count, median, longest, sigma, seed in [
+        (64, 20.0, 64, 1.0, 0),
+        (500, 300.0, 2048, 0.7, 3),
+        (0, 5.0, 9, 0.0, 1),
+    ]:
+        assert script.lognormal_lengths(count, median, longest, sigma, seed) == rollouts(
+            count, median, longest, sigma, seed
+        )
+    with pytest.raises(ValueError, match="median > 0"):
+        script.lognormal_lengths(3, 0.0, 10, 1.0, seed=0)

@@ -180,12 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as exc:
         from ppo_driver.faults import Interrupted, RunFailed
-        from ppo_driver.runlock import RunFolderBusyError
+        from ppo_driver.runlock import RunLockError
 
         if isinstance(exc, Interrupted):  # one line, no traceback: the user asked for the stop
             err.print(f"{exc}", highlight=False, markup=False)
             return 128 + exc.signum
-        if isinstance(exc, RunFailed | RunFolderBusyError):
+        if isinstance(exc, RunFailed | RunLockError):
             where = ""
             if isinstance(exc, RunFailed) and exc.traceback_file is not None:
                 where = f" (traceback: {exc.traceback_file})"
@@ -357,6 +357,9 @@ def _train(args: argparse.Namespace, console: Console, startup: StartupClock) ->
         logging.basicConfig(level=config.logging.level, format="%(levelname)s %(name)s: %(message)s")
         run_dir = Path(config.logging.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
         warned = preflight.check(config, run_dir=run_dir)  # before the run folder exists and Ray starts
+        from ppo_rollout import env_errors
+
+        env_errors.set_log_path(run_dir.resolve() / env_errors.LOG_NAME)  # on_env_error: zero's log
         preflight.check_devices(config)  # a local cuda run's GPUs, counted before Ray waits for them
         preflight.check_ray_address(config)  # a cluster to join answers at its address
         # What resuming from the run's checkpoint folder would mix (another run, model, data, lr).

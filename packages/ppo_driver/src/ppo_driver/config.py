@@ -186,7 +186,8 @@ class TrainSection(TrainSettings):
     check_weights: bool = Field(
         default=False,
         description="after every weight update, compare each engine's weights checksum with the "
-        "actor's and stop on a mismatch (built-in engines; the step budget's check_weights part)",
+        "actor's and stop on a mismatch (SGLang: read back through /get_weights_by_name, "
+        "rollout.sglang.check_rows; the step budget's check_weights part)",
     )
 
 
@@ -236,9 +237,13 @@ class LoggingSection(_Section):
     tensorboard: bool = Field(
         default=True, description="write TensorBoard events when tensorboard is installed"
     )
-    progress: bool = True
+    progress: bool = Field(
+        default=True, description="print a line per step (rewards, accuracy, seconds) and the eval lines"
+    )
     worker_logs: bool = Field(default=False, description="print the Ray workers' output in the console")
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="WARNING", description="Python logging level of the driver and the libraries it uses"
+    )
 
 
 class RayConfig(_Section):
@@ -274,6 +279,32 @@ class StartupSection(_Section):
         return device == "cuda" if self.warm_up == "auto" else self.warm_up
 
 
+def _section_fields(cls: Any) -> dict[str, FieldInfo]:
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        return dict(cls.model_fields)
+    if is_pydantic_dataclass(cls):
+        return dict(cls.__pydantic_fields__)
+    return {}
+
+
+def _refuse_bools(cls: Any, data: Mapping[str, Any], prefix: str) -> None:
+    """A YAML boolean (``true``, ``on``, ``yes``) given for a number refused: pydantic would read it as
+    1 or 0 (``train.actor_lr: true`` trains at lr 1.0)."""
+    fields = _section_fields(cls)
+    for name, value in data.items():
+        info = fields.get(name) or next((f for f in fields.values() if f.alias == name), None)
+        if info is None:
+            continue
+        annotation = info.annotation
+        choices = set(getattr(annotation, "__args__", ())) or {annotation}
+        if isinstance(value, bool) and bool(choices & {int, float}) and bool not in choices:
+            raise ValueError(
+                f"{prefix}{name}: {str(value).lower()} is a YAML boolean, not a number; give a number"
+            )
+        if isinstance(value, Mapping) and _section_fields(annotation):
+            _refuse_bools(annotation, value, f"{prefix}{name}.")
+
+
 class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     placement: PlacementConfig = PlacementConfig()
@@ -299,6 +330,17 @@ class RunConfig(_Section):
     @property
     def samples_per_step(self) -> int:
         return self.rollout.prompts_per_step * self.rollout.sampling.n_samples_per_prompt
+
+    @model_validator(mode="before")
+    @classmethod
+    def _before(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            _refuse_bools(cls, data, "")
+            rollout = data.get("rollout")
+            # A dataset is enough: the task's default (copy_small) is for a config that sets neither.
+            if isinstance(rollout, Mapping) and rollout.get("dataset") is not None and "task" not in rollout:
+                data = {**data, "rollout": {**rollout, "task": None}}
+        return data
 
     @model_validator(mode="after")
     def _check_rules(self) -> RunConfig:
@@ -414,12 +456,14 @@ class RunConfig(_Section):
                 "model lacks; set model.path to a chat model, or rollout.chat_template=false"
             )
         if r.engine == "sglang":
-            if t.check_weights:
-                raise ValueError(
-                    "train.check_weights needs the engines' weights checksums, which SGLang servers do not "
-                    "give; set train.check_weights=false or rollout.engine='builtin'"
-                )
             adapters = t.lora is not None and t.lora.update == "adapters" and "actor" in t.lora.roles
+            if t.check_weights and (adapters or p.gpus_per_engine > 1):
+                raise ValueError(
+                    "train.check_weights reads an SGLang server's weights back (/get_weights_by_name), "
+                    "whole only from a server of one GPU and merged only without adapter-only updates; "
+                    "set train.check_weights=false, or placement.gpus_per_engine=1 and train.lora.update="
+                    "'merged'"
+                )
             if adapters and p.colocate and p.gpus_per_engine > 1:
                 raise ValueError(
                     "train.lora.update='adapters' with SGLang loads the adapters over HTTP, which "

@@ -16,7 +16,8 @@ Every sleep and wake is the driver's, taken from ``OffloadPlan.transitions`` bet
 workers only carry them out. ``offload.overlap`` (``overlap.py``, decided right after start-up) runs
 them in the background and wakes the next phase's roles ahead (``phases.py``). A critic-only
 warm-up step (``train.num_critic_only_steps``) skips 3 and 5; a GRPO run has no critic and skips 2.
-The step's timing and metrics are kept by its record (``step_record.py``), not here.
+The step's timing and metrics, and the order of its phases (which roles wake ahead of which), are
+kept by its record (``step_record.py``); the batch's staleness by the schedule (``schedule.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,7 @@ from ppo_driver.runlock import RunLock
 from ppo_driver.saving import CheckpointSaver
 from ppo_driver.schedule import BatchSchedule, Cadence
 from ppo_driver.startup import StartupClock, StartupTable, first_step_ratio
-from ppo_driver.step_record import StepRecord, Where
+from ppo_driver.step_record import StepPlan, StepRecord, Where
 from ppo_driver.stops import (
     check_space,
     report_failures,
@@ -56,7 +57,6 @@ from ppo_driver.stops import (
     stop_if_asked,
     where_to_resume,
 )
-from ppo_lifecycle.plan import Phase
 from ppo_value_transport import pair_values
 
 if TYPE_CHECKING:
@@ -152,56 +152,41 @@ def train(
 
 def step(run: Run, n: int) -> dict[str, Any]:
     """Step ``n`` (the module docstring's 1-6); returns its metrics."""
-    actor, critic = run.roles.actor, run.roles.critic
-    trains_actor = n > run.config.train.num_critic_only_steps
-    rec = StepRecord(n, run.phases, run.saver, run.where, run.roles_in_budget)
-    # The phase after each one, for the roles an overlapped run wakes ahead (phases.py).
-    after_generate: Phase | None = (
-        "critic_train" if critic is not None else "actor_train" if trains_actor else None
-    )
-    batch = _generate(run, rec, then=after_generate)
-    values: list[Pieces] | None = None
-    if critic is not None:
-        values = _critic_trains(critic, rec, batch, then="actor_train" if trains_actor else "generate")
-    if trains_actor:
-        with rec.phase("actor_train", then="weight_update"):  # the critic sleeps, the actor wakes
-            result = actor.train(n, batch.boxes, values)
-            rec.carve("handoff", result.metrics.get("handoff_get_s", 0.0))
-        rec.trained("actor", result.metrics)  # before the save and the weight update
-        if values is not None:
-            rec.metrics["handoff/values_used"] = 1
+    roles = run.roles
+    plan = StepPlan(critic=roles.critic is not None, actor=n > run.config.train.num_critic_only_steps)
+    rec = StepRecord(n, run.phases, run.saver, run.where, run.roles_in_budget, plan)
+    batch = _generate(run, rec)
+    values = _critic_trains(roles.critic, rec, batch) if roles.critic is not None else None
+    if plan.actor:
+        _actor_trains(roles.actor, rec, batch, values)
     last = n == run.config.train.steps or run.signals.requested is not None
     with rec.saving():
         saved = run.saver.maybe_save(n, last=last)  # the roles' files follow once they sleep
     with rec.part("generate_wait"):
         run.schedule.drain()  # the engines finish the next batch before their weights change
-    if trains_actor:
+    if plan.actor:
         _update_weights(run, rec)
-    # Onload the engines; wake the next step's first role ahead, unless a checkpoint still waits for
+    # The engines back; the next step's first role woken ahead, unless a checkpoint still waits for
     # this step's sleeps (saving.py), or no step follows.
-    rec.enter("generate", then=None if last or saved else _first_phase(run.config))
+    rec.next_step(wake_ahead=not (last or saved))
     if run.evaluates.due(n):
         with rec.part("eval"):
-            rec.add("eval", run.roles.rollout.evaluate(n))
-    rec.metrics["actor_trained"] = int(trains_actor)
+            rec.add("eval", roles.rollout.evaluate(n))
     return rec.finish(last=last)
 
 
-def _generate(run: Run, rec: StepRecord, *, then: Phase | None) -> RolloutBatch:
+def _generate(run: Run, rec: StepRecord) -> RolloutBatch:
     """The step's batch (generated now, or one step ahead), and the next one started when due."""
-    with rec.phase("generate", then=then):
+    with rec.phase("generate"):
         batch = run.schedule.batch(rec.step)
     rec.metrics.update(batch.metrics)
-    rec.metrics["rollout/staleness"] = _check_staleness(rec.step, batch.metrics, run.published)
-    rec.metrics["rollout/prefetched_next"] = int(run.schedule.start_next(rec.step))
+    rec.metrics.update(run.schedule.after_batch(rec.step, batch, run.published))
     return batch
 
 
-def _critic_trains(
-    critic: TrainGroupLike, rec: StepRecord, batch: RolloutBatch, *, then: Phase
-) -> list[Pieces]:
+def _critic_trains(critic: TrainGroupLike, rec: StepRecord, batch: RolloutBatch) -> list[Pieces]:
     """The critic trains on its split of the batch and hands its values over to the actor's ranks."""
-    with rec.phase("critic_train", then=then):  # offloads colocated engines, wakes the critic
+    with rec.phase("critic_train"):  # offloads colocated engines, wakes the critic
         result = critic.train(rec.step, batch.critic_boxes)
         rec.carve("handoff", result.metrics.get("handoff_put_s", 0.0))
     rec.trained("critic", result.metrics)
@@ -215,13 +200,26 @@ def _critic_trains(
     return values
 
 
+def _actor_trains(
+    actor: TrainGroupLike, rec: StepRecord, batch: RolloutBatch, values: list[Pieces] | None
+) -> None:
+    """The actor trains on the batch, with the critic's values when there is a critic."""
+    with rec.phase("actor_train"):  # the critic sleeps, the actor wakes
+        result = actor.train(rec.step, batch.boxes, values)
+        rec.carve("handoff", result.metrics.get("handoff_get_s", 0.0))
+    rec.trained("actor", result.metrics)  # before the save and the weight update
+    if values is not None:
+        rec.metrics["handoff/values_used"] = 1
+
+
 def _update_weights(run: Run, rec: StepRecord) -> None:
     with rec.phase("weight_update"):  # the actor reconnects to the engines if it slept
         rec.add("weight_sync", run.roles.actor.update_weights(version=str(rec.step)))
     run.published = rec.step
     if run.config.train.check_weights:
         with rec.part("check_weights"):
-            check_weights_match(rec.step, run.roles)
+            r = run.config.rollout
+            check_weights_match(rec.step, run.roles, r.sglang.check_rows if r.engine == "sglang" else None)
 
 
 # --- setup -----------------------------------------------------------------------------------------
@@ -510,27 +508,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _check_staleness(step: int, batch_metrics: Mapping[str, Any], published: int) -> int:
-    """Weight versions between the batch's oldest sample and the latest published weights: 0 in the
-    synchronous loop, at most 1 one step off (anything more is a scheduling bug, stopped here)."""
-    oldest = batch_metrics.get("rollout/weight_version_min", -1.0)
-    if oldest < 0:  # the engines report no numeric version: nothing to check
-        return 0
-    behind = int(published - oldest)
-    if behind > 1:
-        raise RuntimeError(
-            f"step {step}: the batch was generated with weight version {int(oldest)}, {behind} versions "
-            f"behind the published {published}; at most one is allowed"
-        )
-    return behind
-
-
-def check_weights_match(step: int, roles: Roles) -> None:
-    """Every engine holds the actor's weights (``train.check_weights``, after each update)."""
+def check_weights_match(step: int, roles: Roles, rows: int | None = None) -> None:
+    """Every engine holds the actor's weights (``train.check_weights``, after each update); ``rows``:
+    each tensor's first rows only, on both sides (``rollout.sglang.check_rows``)."""
     # The engines hash their weights while the actor hashes its own (each is seconds at 1B parameters).
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="check-weights") as pool:
         on_engines = pool.submit(roles.rollout.weights_checksums)
-        actor = roles.actor.weights_checksum()
+        actor = roles.actor.weights_checksum(rows)
         engines = list(on_engines.result())
     wrong = [i for i, c in enumerate(engines) if c != actor]
     if wrong or not engines:
@@ -551,11 +535,6 @@ def _choose_overlap(config: RunConfig, roles: Roles) -> OverlapChoice:
     return choose_overlap(
         o.overlap, device=device, offload=o.enabled, memory=memory, headroom_gb=o.overlap_headroom_gb
     )
-
-
-def _first_phase(config: RunConfig) -> Phase:
-    """The phase after ``generate`` in a step that follows (warm-up steps train the critic too)."""
-    return "critic_train" if config.use_critic else "actor_train"
 
 
 def _timed(make: Callable[[RunConfig, Path], Path], config: RunConfig, run_dir: Path) -> tuple[Path, float]:

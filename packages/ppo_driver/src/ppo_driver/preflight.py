@@ -12,7 +12,10 @@ field named, instead of minutes later inside a Ray worker.
   runs it alongside Ray's and the roles' start (``DatasetCheck``) and stops before the first step;
 - ``train.backend='megatron'``: CUDA, Python >= 3.12, megatron-core importable, and
   ``train.tensor_parallel`` dividing each role's GPUs and the model's heads (ppo-trainer's rules);
-- the run folder and the checkpoint folder can be created and written.
+- ``train.lora``: ``target_modules`` against the model's linear layers, and on CPU ``/dev/shm``'s room
+  for a shared base (``model_preflight``, on a meta-device build of the model);
+- the run folder and the checkpoint folder can be created and written (and, to start over with
+  ``checkpoint.resume=false``, the checkpoint folder's parent).
 
 This module reads the config and changes nothing; only ``check_dataset`` imports transformers (to
 tokenize), when it is called.
@@ -73,12 +76,24 @@ def check_yaml_file(path: Path) -> None:
 def check(config: RunConfig, *, run_dir: Path | None = None) -> list[str]:
     """Raise ``ConfigError`` listing every problem found; ``run_dir`` also checks the folders. Returns
     the warnings (one line each) of a config that passes."""
+    from ppo_driver.model_preflight import lora_problems
+
     data_problems, warnings = _dataset(config)
-    problems = [*_reward(config), *_rollout_parts(config), *_model(config), *data_problems, *_backend(config)]
+    model_problems = _model(config)
+    problems = [
+        *_reward(config),
+        *_rollout_parts(config),
+        *_multi_turn(config),
+        *model_problems,
+        *([] if model_problems else lora_problems(config)),
+        *data_problems,
+        *_backend(config),
+    ]
     if run_dir is not None:
         problems += _writable("--run-dir / logging.run_dir", run_dir)
         if config.checkpoint.dir:
             problems += _writable("checkpoint.dir", Path(config.checkpoint.dir))
+            problems += _checkpoint_parent(config, Path(config.checkpoint.dir))
     if problems:
         n = len(problems)
         raise ConfigError(
@@ -146,6 +161,23 @@ def _rollout_parts(config: RunConfig) -> list[str]:
     return problems
 
 
+def _multi_turn(config: RunConfig) -> list[str]:
+    """The truncation marker fits the observation limit (a token spans at least one character, and the
+    built-in tiny model's tokenizer writes one per character: a marker of as many characters as the
+    limit cannot fit; ``ObservationRenderer`` checks the exact count at start)."""
+    r = config.rollout
+    if r.resolved_rollout_function == "single_turn":
+        return []
+    limits = r.multi_turn
+    if len(limits.truncation_marker) < limits.max_observation_tokens or config.model.path is not None:
+        return []
+    return [
+        f"rollout.multi_turn.truncation_marker ({len(limits.truncation_marker)} characters, as many tokens "
+        f"with the built-in tiny model) does not fit rollout.multi_turn.max_observation_tokens "
+        f"({limits.max_observation_tokens}); shorten the marker or raise the limit"
+    ]
+
+
 def _model(config: RunConfig) -> list[str]:
     path = config.model.path
     if path is None:
@@ -155,7 +187,7 @@ def _model(config: RunConfig) -> list[str]:
         return _model_folder(path, local)
     if local.exists():
         return [f"model.path={path!r} is a file; point it at the Hugging Face model folder that holds it"]
-    if _HUB_ID.match(path) and not _looks_local(path):
+    if _HUB_ID.match(path) and not _looks_local(path) and not path.startswith("models/"):
         if _in_hub_cache(path):
             return []
         return [
@@ -165,8 +197,8 @@ def _model(config: RunConfig) -> list[str]:
         ]
     return [
         f"model.path={path!r} does not exist (no folder {local.absolute()}); make it with `ppo-driver "
-        f"import-model SRC {path}` (SRC: a .gguf file or a Hugging Face folder), or set model.path to an "
-        "existing model folder, or to null for the built-in tiny model"
+        f"import-model SRC {path}` (SRC: a .gguf file or a Hugging Face folder; docs/guide/real-model.md "
+        "shows how), or set model.path to an existing model folder, or to null for the built-in tiny model"
     ]
 
 
@@ -384,6 +416,26 @@ def _writable(field: str, folder: Path) -> list[str]:
         what = "is not writable" if probe == folder else f"cannot be created: {probe} is not writable"
         return [f"{field}: {folder} {what}; pick a folder you can write to"]
     return []
+
+
+def _checkpoint_parent(config: RunConfig, folder: Path) -> list[str]:
+    """``checkpoint.resume=false`` moves an earlier run's checkpoints aside, a rename in the folder's
+    parent: that parent must be writable when there are checkpoints to move."""
+    from ppo_driver import checkpoint
+
+    folder = folder.expanduser().absolute()
+    if config.checkpoint.resume or not folder.is_dir():
+        return []
+    held = (c.name for c in folder.iterdir())  # what move_aside moves
+    if not any(checkpoint.STEP_DIR.match(n) or n.startswith((".tmp-", ".old-")) for n in held):
+        return []
+    if os.access(folder.parent, os.W_OK | os.X_OK):
+        return []
+    return [
+        f"checkpoint.dir: checkpoint.resume=false moves the earlier checkpoints in {folder} aside, but its "
+        f"parent {folder.parent} is not writable; set checkpoint.resume=true, empty the folder, or pick "
+        "another checkpoint.dir"
+    ]
 
 
 def visible_gpus() -> int:

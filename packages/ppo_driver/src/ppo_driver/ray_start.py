@@ -145,6 +145,12 @@ LOCAL_RAY_ENV = {
     "RAY_gcs_server_port_wait_time_s": "60",
     "RAY_gcs_server_request_timeout_seconds": "180",
 }
+# Ray turns token authentication on for a new local instance and warns that it did on every start
+# (``_warn_token_auth_enabled`` in ray/_private/authentication/authentication_token_setup.py; see
+# https://docs.ray.io/en/latest/ray-security/token-auth.html). The authentication stays; its notice goes.
+# (Setting RAY_AUTH_MODE=token instead, after Ray's import, leaves the driver's RayConfig without token
+# mode, and the driver is then refused by its own GCS: InvalidAuthToken.)
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 # The retry waits at least this long for each start-up stage, whatever the environment asked for.
 LOCAL_RAY_RETRY_ENV = {"RAY_gcs_server_port_wait_time_s": "180"}
 
@@ -154,6 +160,7 @@ def start_local_ray(config: RunConfig, console: Console) -> None:
     running, and try once more with longer start-up waits."""
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
+    logging.getLogger(TOKEN_AUTH_LOGGER).setLevel(logging.ERROR)
     if config.ray.write_bytecode:
         # The workers inherit this environment: with the variable set, each of them compiled torch,
         # transformers and Ray from source at every start (a worker's imports took 11.6 CPU-s instead

@@ -11,14 +11,16 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 from ppo_driver import build
 from ppo_driver.config import RunConfig
 
 if TYPE_CHECKING:
-    from ppo_rollout.manager import RolloutBatch
-    from ppo_trainer.group import TrainResult
+    from ppo_placement import RoleSlots
+    from ppo_rollout.manager import RolloutBatch, RolloutManager
+    from ppo_trainer.config import TrainerConfig
+    from ppo_trainer.group import SpawnedWorkers, TrainGroup, TrainResult
     from ppo_value_transport import Box, Pieces
     from ppo_weight_sync.endpoints import EngineEndpoint
 
@@ -36,7 +38,7 @@ class TrainGroupLike(Protocol):
     def update_weights(self, version: str) -> dict[str, float]: ...
     def save(self, folder: Path) -> None: ...
     def load(self, folder: Path) -> None: ...
-    def weights_checksum(self) -> str: ...
+    def weights_checksum(self, rows: int | None = None) -> str: ...
     def pop_metrics(self) -> dict[str, float]: ...
     def memory_info(self) -> list[dict[str, float]]: ...
     def shutdown(self) -> None: ...
@@ -89,6 +91,77 @@ RoleFactory = Callable[[RunConfig, Path, float], Roles]
 
 TrainerRole = Literal["actor", "critic"]
 
+if TYPE_CHECKING:
+    _Role = RolloutManager | TrainGroup
+
+
+class _SharedBase:
+    """``train.lora.share_base``: the critic maps the actor's frozen base, so it is set up after the
+    actor; this hands the actor's group (or its failure to start) over to the critic's maker."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._actor: Future[TrainGroup] = Future()
+
+    def actor_made(self, actor: TrainGroup) -> None:
+        self._actor.set_result(actor)
+
+    def actor_failed(self, exc: BaseException) -> None:
+        self._actor.set_exception(exc)  # the critic waiting for it fails too
+
+    def actor(self, timeout_s: float) -> TrainGroup:
+        return self._actor.result(timeout=timeout_s)
+
+
+@dataclass(frozen=True)
+class _Trainers:
+    """What the trainer roles are made from: their slots and configs, the workers spawned ahead
+    (filled in before the makers run), the shared base."""
+
+    slots: Mapping[str, RoleSlots]
+    configs: Mapping[str, TrainerConfig]
+    spawned: dict[str, SpawnedWorkers]
+    base: _SharedBase
+    timeout_s: float
+
+    def actor(self) -> TrainGroup:
+        from ppo_trainer.group import TrainGroup
+
+        try:
+            group = TrainGroup(
+                "actor",
+                self.slots["actor"],
+                self.configs["actor"],
+                timeout_s=self.timeout_s,
+                spawned=self.spawned.get("actor"),
+                publish_base=self.base.enabled,
+            )
+        except BaseException as exc:
+            self.base.actor_failed(exc)
+            raise
+        self.base.actor_made(group)
+        return group
+
+    def critic(self) -> TrainGroup:
+        from ppo_trainer.group import TrainGroup
+
+        slots, config, spawned = self.slots["critic"], self.configs["critic"], self.spawned.get("critic")
+        if not self.base.enabled:
+            return TrainGroup(
+                "critic", slots, config, timeout_s=self.timeout_s, spawned=spawned, publish_base=False
+            )
+        actor = self.base.actor(self.timeout_s)
+        critic = TrainGroup(
+            "critic",
+            slots,
+            config,
+            timeout_s=self.timeout_s,
+            spawned=spawned,
+            base=actor.shared_base_handles(),
+        )
+        actor.base_mapped()  # the files go; the two mappings stay
+        return critic
+
 
 def create_roles(
     config: RunConfig, model_path: Path, timeout_s: float, *, together: bool | None = None
@@ -102,77 +175,23 @@ def create_roles(
     makes no CUDA context before setup)."""
     from ppo_placement import create_placement_groups, remove_placement_groups
     from ppo_rollout.manager import RolloutManager
-    from ppo_trainer.group import SpawnedWorkers, TrainGroup, spawn_workers
+    from ppo_trainer.group import TrainGroup
 
     t0 = time.perf_counter()
     placements = create_placement_groups(build.placement_spec(config), timeout_s=min(timeout_s, 120.0))
     placed_s = time.perf_counter() - t0
-    actor_config = build.actor_trainer_config(config, model_path)
-    trainer_configs = {"actor": actor_config}
-    if config.use_critic:
-        trainer_configs["critic"] = build.critic_trainer_config(actor_config, config)
-    trainer_roles: tuple[TrainerRole, ...] = ("actor", "critic") if config.use_critic else ("actor",)
+    trainers = _trainers(config, model_path, placements.slots, timeout_s)
     together = config.placement.device == "cpu" if together is None else together
-    spawned: dict[str, SpawnedWorkers] = {}
-
-    # train.lora.share_base: the critic maps the actor's frozen base, so it is set up after the actor.
-    share = build.shares_base(config)
-    actor_made: Future[TrainGroup] = Future()
-
-    def trainer(role: TrainerRole) -> Callable[[], TrainGroup]:
-        slots, trainer_config = placements.slots[role], trainer_configs[role]
-
-        def make() -> TrainGroup:
-            if role == "critic" and share:
-                actor = actor_made.result(timeout=timeout_s)
-                critic = TrainGroup(
-                    role,
-                    slots,
-                    trainer_config,
-                    timeout_s=timeout_s,
-                    spawned=spawned.get(role),
-                    base=actor.shared_base_handles(),
-                )
-                actor.base_mapped()  # the files go; the two mappings stay
-                return critic
-            try:
-                group = TrainGroup(
-                    role,
-                    slots,
-                    trainer_config,
-                    timeout_s=timeout_s,
-                    spawned=spawned.get(role),
-                    publish_base=share and role == "actor",
-                )
-            except BaseException as exc:
-                if role == "actor":
-                    actor_made.set_exception(exc)  # the critic waiting for it fails too
-                raise
-            if role == "actor":
-                actor_made.set_result(group)
-            return group
-
-        return make
-
-    makers: dict[str, Callable[[], RolloutManager | TrainGroup]] = {
-        "rollout": lambda: RolloutManager(
-            build.rollout_config(config, model_path),
-            placements.slots.get("rollout"),
-            dp_size=config.placement.actor_gpus,
-            critic_dp_size=critic_dp_size(config),
-        ),
-        **{role: trainer(role) for role in trainer_roles},
-    }
+    makers = _makers(config, model_path, placements.slots, trainers)
     warming: dict[str, Callable[[], dict[str, float]]] = {}
     if config.startup.enabled(config.placement.device):
         makers = {name: _warming(name, make, config, timeout_s, warming) for name, make in makers.items()}
     try:
         if not together:  # their imports overlap the engines' start; set up in order below
-            for role in trainer_roles:
-                spawned[role] = spawn_workers(role, placements.slots[role], trainer_configs[role], timeout_s)
+            _spawn_trainers(trainers)
         made = _make_all(makers, together=together)
     except BaseException:
-        for workers in spawned.values():
+        for workers in trainers.spawned.values():
             workers.kill()  # those no group adopted (a group's own failure killed its workers)
         remove_placement_groups(placements)
         raise
@@ -190,6 +209,47 @@ def create_roles(
         startup=startup,
         warming=warming,
     )
+
+
+def _trainers(
+    config: RunConfig, model_path: Path, slots: Mapping[str, RoleSlots], timeout_s: float
+) -> _Trainers:
+    """The trainer roles' configs (the critic's from the actor's), and the shared base's handoff."""
+    actor_config = build.actor_trainer_config(config, model_path)
+    configs = {"actor": actor_config}
+    if config.use_critic:
+        configs["critic"] = build.critic_trainer_config(actor_config, config)
+    return _Trainers(slots, configs, {}, _SharedBase(build.shares_base(config)), timeout_s)
+
+
+def _spawn_trainers(trainers: _Trainers) -> None:
+    """Every trainer role's workers started now (their imports), to be set up later by its maker."""
+    from ppo_trainer.group import spawn_workers
+
+    for role in trainers.configs:
+        trainers.spawned[role] = spawn_workers(
+            cast(TrainerRole, role), trainers.slots[role], trainers.configs[role], trainers.timeout_s
+        )
+
+
+def _makers(
+    config: RunConfig, model_path: Path, slots: Mapping[str, RoleSlots], trainers: _Trainers
+) -> dict[str, Callable[[], _Role]]:
+    """Each role's maker, in start order: the rollout manager (its engines), the actor, the critic."""
+    from ppo_rollout.manager import RolloutManager
+
+    def rollout() -> RolloutManager:
+        return RolloutManager(
+            build.rollout_config(config, model_path),
+            slots.get("rollout"),
+            dp_size=config.placement.actor_gpus,
+            critic_dp_size=critic_dp_size(config),
+        )
+
+    makers: dict[str, Callable[[], _Role]] = {"rollout": rollout, "actor": trainers.actor}
+    if "critic" in trainers.configs:
+        makers["critic"] = trainers.critic
+    return makers
 
 
 def _warming(

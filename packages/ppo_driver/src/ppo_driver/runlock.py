@@ -19,7 +19,11 @@ from typing import IO
 LOCK_FILE = ".lock"
 
 
-class RunFolderBusyError(RuntimeError):
+class RunLockError(RuntimeError):
+    """The run's lock cannot be taken; ``str()`` is one line naming the folder and the fix."""
+
+
+class RunFolderBusyError(RunLockError):
     """Another live process holds the run folder."""
 
 
@@ -35,12 +39,25 @@ class RunLock:
     @classmethod
     def checkpoints(cls, ckpt_root: Path, run_dir: Path) -> RunLock:
         """A ``checkpoint.dir`` outside the run folder: its lock sits beside it (``.<name>.lock``), not
-        in it, since ``checkpoint.resume=false`` renames the folder."""
-        return cls(ckpt_root, lock_file=ckpt_root.parent / f".{ckpt_root.name}.lock", run=run_dir)
+        in it, since ``checkpoint.resume=false`` renames the folder; where that parent cannot be
+        written (a read-only mount, another user's folder), in it (``<checkpoint.dir>/.lock``): the
+        folder cannot be renamed there either."""
+        beside = ckpt_root.parent / f".{ckpt_root.name}.lock"
+        read_only = ckpt_root.parent.is_dir() and not os.access(ckpt_root.parent, os.W_OK | os.X_OK)
+        if read_only and ckpt_root.is_dir():
+            return cls(ckpt_root, lock_file=ckpt_root / LOCK_FILE, run=run_dir)
+        return cls(ckpt_root, lock_file=beside, run=run_dir)
 
     def __enter__(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = self.path.open("a+")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = self.path.open("a+")
+        except OSError as exc:
+            field = f"checkpoint.dir {self.folder}" if self.run is not None else f"run folder {self.folder}"
+            raise RunLockError(
+                f"{field}: its lock {self.path} cannot be written ({exc.strerror or type(exc).__name__}); "
+                "pick a folder you can write to"
+            ) from None
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

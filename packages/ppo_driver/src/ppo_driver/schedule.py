@@ -11,15 +11,18 @@ Resume stays exact because no generation is in flight across a checkpoint: after
 (and after the last step) nothing is prefetched, so the next step generates on its own from the
 checkpointed weights and data position, in an uninterrupted run and in a resumed one alike.
 
+Each batch handed out is checked: at most one weight version behind the published weights
+(:func:`check_staleness`).
+
 :class:`Cadence`: the steps a periodic job (a checkpoint, an evaluation) runs after.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from ppo_rollout.manager import RolloutBatch
@@ -91,6 +94,15 @@ class BatchSchedule:
         self._pending = (step + 1, self._pool.submit(self.rollout.generate, step + 1))
         return True
 
+    def after_batch(self, step: int, batch: RolloutBatch, published: int) -> dict[str, int]:
+        """Step ``step`` has its batch: its staleness checked against the latest ``published`` weight
+        version (:func:`check_staleness`), then the next batch started when due (:meth:`start_next`);
+        both as the step's metrics."""
+        return {
+            "rollout/staleness": check_staleness(step, batch.metrics, published),
+            "rollout/prefetched_next": int(self.start_next(step)),
+        }
+
     def drain(self) -> None:
         """Wait until no generation is in flight (before the engines' weights change)."""
         if self._pending is not None:
@@ -115,3 +127,18 @@ class BatchSchedule:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._pending = None
+
+
+def check_staleness(step: int, batch_metrics: Mapping[str, Any], published: int) -> int:
+    """Weight versions between the batch's oldest sample and the latest published weights: 0 in the
+    synchronous loop, at most 1 one step off (anything more is a scheduling bug, stopped here)."""
+    oldest = batch_metrics.get("rollout/weight_version_min", -1.0)
+    if oldest < 0:  # the engines report no numeric version: nothing to check
+        return 0
+    behind = int(published - oldest)
+    if behind > 1:
+        raise RuntimeError(
+            f"step {step}: the batch was generated with weight version {int(oldest)}, {behind} versions "
+            f"behind the published {published}; at most one is allowed"
+        )
+    return behind

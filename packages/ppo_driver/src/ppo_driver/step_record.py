@@ -1,11 +1,12 @@
 """One step's record: each phase entered, timed and followed by the checkpoint's turn; its metrics.
 
 The loop says what a step does (``loop.step``); this module keeps its books, so that the loop does
-not: every phase is timed on one :class:`~ppo_driver.budget.StepClock` with the sleeps and wakes the
-phase tracker ran inside it carved out (``budget.py``); between phases and at the end of the step
-the background checkpoint gets its turn (``saving.py``: its writers start once their roles sleep, it
-completes once they are done), booked as the step's ``save`` part; at the end the roles' metrics,
-the transitions and the budget are gathered into the one dict ``metrics.jsonl`` gets.
+not: the step's phases in order (:class:`StepPlan`), so each one's roles are woken ahead of it in
+an overlapped run; every phase is timed on one :class:`~ppo_driver.budget.StepClock` with the sleeps
+and wakes the phase tracker ran inside it carved out (``budget.py``); between phases and at the end
+of the step the background checkpoint gets its turn (``saving.py``: its writers start once their
+roles sleep, it completes once they are done), booked as the step's ``save`` part; at the end the
+roles' metrics, the transitions and the budget are gathered into the one dict ``metrics.jsonl`` gets.
 
 :class:`Where` is where the loop is (step and phase), for a failure's report.
 """
@@ -41,6 +42,37 @@ class Where:
         self.phase = outer  # not restored on an error: the report names the inner phase
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """The phases one step enters, in order, and so the phase after each: the ``then`` whose roles an
+    overlapped run wakes ahead (``phases.py``). ``critic``: a critic trains (GRPO has none);
+    ``actor``: the actor trains and the engines get its weights (not in a critic-only warm-up step)."""
+
+    critic: bool
+    actor: bool
+
+    @property
+    def order(self) -> tuple[Phase, ...]:
+        if self.actor:
+            critic: tuple[Phase, ...] = ("critic_train",) if self.critic else ()
+            return ("generate", *critic, "actor_train", "weight_update")
+        # A warm-up step: right after the critic, the engines come back for the next generate.
+        return ("generate", "critic_train", "generate") if self.critic else ("generate",)
+
+    def after(self, phase: Phase) -> Phase | None:
+        """The phase entered after ``phase`` in this step (None: the last, or one the step skips)."""
+        order = self.order
+        if phase not in order:
+            return None
+        i = order.index(phase)
+        return order[i + 1] if i + 1 < len(order) else None
+
+    @property
+    def next_step_first(self) -> Phase:
+        """The phase after ``generate`` in a step that follows (warm-up steps train the critic too)."""
+        return "critic_train" if self.critic else "actor_train"
+
+
 class BesidePhases(Protocol):
     """Work that goes on beside the phases, in turns between them (``saving.CheckpointSaver``)."""
 
@@ -60,8 +92,10 @@ class StepRecord:
         beside: BesidePhases,
         where: Where,
         budget_roles: Sequence[str],
+        plan: StepPlan,
     ) -> None:
         self.step = step
+        self.plan = plan
         self.metrics: dict[str, Any] = {}
         self._clock = budget.StepClock()  # every second of the step, in disjoint parts (budget.py)
         self._phases = phases
@@ -74,21 +108,22 @@ class StepRecord:
 
     # -- timing -------------------------------------------------------------------------------------
     @contextmanager
-    def phase(self, name: Phase, then: Phase | None = None) -> Iterator[None]:
-        """``name``'s roles resident as the plan says (``then``: the phase after it, whose roles an
-        overlapped run wakes ahead), its work timed as ``name``. After it the checkpoint gets its turn:
-        a role moved by the phase has usually settled by then, so a checkpoint whose writers are done
-        completes within a step."""
+    def phase(self, name: Phase) -> Iterator[None]:
+        """``name``'s roles resident as the offload plan says (and the next phase's, in the step's
+        plan, woken ahead in an overlapped run), its work timed as ``name``. After it the checkpoint
+        gets its turn: a role moved by the phase has usually settled by then, so a checkpoint whose
+        writers are done completes within a step."""
         with self._clock.span(name):
-            self._phases.enter(name, then=then)
+            self._phases.enter(name, then=self.plan.after(name))
             yield
         with self.saving():
             self._beside.between_phases()
 
-    def enter(self, name: Phase, then: Phase | None = None) -> None:
-        """Move the roles for ``name`` without work of it yet (the end of a step: the engines back for
-        the next generate); the roles asleep now start their checkpoint's writers."""
-        self._phases.enter(name, then=then)
+    def next_step(self, *, wake_ahead: bool) -> None:
+        """The end of a step: the engines back for the next generate, and with ``wake_ahead`` the next
+        step's first role woken ahead (not while a checkpoint waits for this step's sleeps, nor when
+        no step follows); the roles asleep now start their checkpoint's writers."""
+        self._phases.enter("generate", then=self.plan.next_step_first if wake_ahead else None)
         with self.saving():
             self._beside.phase_entered()
 
@@ -126,6 +161,7 @@ class StepRecord:
     def finish(self, *, last: bool) -> dict[str, Any]:
         """The step's metrics. ``last``: the run ends or stops after this step, so everything still
         moving is waited for (no later phase hides it) and the pending checkpoint completes."""
+        self.metrics["actor_trained"] = int(self.plan.actor)
         if last:
             self._phases.settle()
         popped = self._phases.pop_role_metrics()

@@ -98,6 +98,17 @@ class SGLangOptions:
         "engines share GPUs with training (room for the trainers' CUDA contexts and what they keep while "
         "asleep), SGLang's own otherwise; --mem-fraction-static in extra_args wins over both",
     )
+    attention_backend: str | None = Field(
+        default="triton",
+        description="--attention-backend; triton runs on every GPU and in deterministic mode (which "
+        "falls back to fa3 on Hopper, absent from slim installs); null: SGLang's choice",
+    )
+    check_rows: int | None = Field(
+        default=None,
+        ge=1,
+        description="train.check_weights reads each tensor's first check_rows rows back from the server "
+        "(JSON floats, ~17 bytes a value) and the actor hashes the same rows; null: every row",
+    )
     host: str = Field(default="127.0.0.1", description="the address the servers listen on")
     startup_timeout_s: float = Field(default=600.0, gt=0, description="limit on a server's start")
     request_timeout_s: float = Field(default=600.0, gt=0, description="limit on one request")
@@ -147,11 +158,38 @@ class MultiTurnSettings:
         "before its environment said done; false: it gave no final answer and its outcome reward is 0 "
         "(its turn rewards stay)",
     )
-    env_timeout_s: float = Field(default=30.0, gt=0, description="bound of each environment call")
+    env_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="bound of each environment call (making it, reset, step), and of the time an async "
+        "one may hold the event loop without awaiting",
+    )
     on_env_error: Literal["stop", "zero"] = Field(
         default="stop",
         description="an environment that raises, hangs or answers wrongly: stop the run (naming the row, "
-        "the turn and the environment) or end that trajectory with reward 0 and status env_error",
+        "the turn and the environment) or end that trajectory with reward 0 and status env_error (each "
+        "such error is written to env_errors.log in the run folder)",
+    )
+    max_env_error_share: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="with on_env_error: zero, the run stops when more than this share of a step's "
+        "trajectories ended by an environment error",
+    )
+    rollout_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="bound of one prompt's rollout function call; null: max_turns x (ray.timeout_s + "
+        "env_timeout_s) + 2 x env_timeout_s",
+    )
+    turn_order: Literal["fixed", "arrival"] = Field(
+        default="fixed",
+        description="fixed: each turn's requests go to the engines together, in the trajectories' order, "
+        "so that a run with the same seed gives the same numbers; arrival: a request goes out as soon as "
+        "its environment answers (faster when environments take varying time, but the batches, and so "
+        "the samples, depend on timing: runs do not repeat)",
     )
 
 
@@ -195,8 +233,10 @@ class DynamicSamplingSettings:
     over_sample: float = Field(
         default=1.0,
         ge=1,
+        le=64,
         allow_inf_nan=False,
-        description="each round draws ceil(over_sample x the groups still missing) prompts",
+        description="each round draws ceil(over_sample x the groups still missing) prompts (at most 64: "
+        "more only holds more prompts in memory)",
     )
     on_exhausted: Literal["stop", "pad"] = Field(
         default="stop",

@@ -12,8 +12,17 @@ busy.
 Seeds: engine ``j``'s ``d``-th call of a client draws from ``call_seed(base, step, j, stream, d)``,
 a fixed function of the run's seed. Requests made together (every rollout function's first turn
 is submitted before the event loop runs the client's dispatch) go out as one wave, exactly as one
-batch call per engine; later calls are batched by arrival, so a multi-turn rollout whose environment
-answers at varying speeds can batch (and so sample) differently from one run to the next.
+batch call per engine.
+
+Later calls depend on ``order`` (``rollout.multi_turn.turn_order``):
+
+- ``"fixed"`` (the default): requests go out in waves. The rollout's participants (each prompt's
+  rollout function; with ``multi_turn``, each sample's trajectory: :meth:`GenerateClient.fork`) are
+  known to the client; a wave goes out once the engines are idle and every participant still running
+  has a request waiting, sorted by participant (prompt, sample), then by arrival within one. No batch
+  depends on how fast an environment answered, so a run with the same seed gives the same numbers.
+- ``"arrival"``: waiting requests go out whenever an engine is idle, in arrival order: the engines
+  never wait for a slow environment, but the batches (and so the samples) vary from run to run.
 """
 
 from __future__ import annotations
@@ -21,14 +30,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from .config import SamplingConfig
 from .engine.core import GenerationOutput
 from .engine.handles import Waiter
+from .participant import PARTICIPANT, Key
 from .stops import RequestStop
 
 __all__ = ["BatchGenerator", "GenerateClient", "Generated", "call_seed"]
@@ -71,6 +82,8 @@ class _Pending:
     max_new_tokens: int
     stop: RequestStop
     future: asyncio.Future[list[Generated]]
+    key: Key = ()
+    arrival: int = 0
 
 
 class GenerateClient:
@@ -88,6 +101,7 @@ class GenerateClient:
         step: int,
         stream: int,
         timeout_s: float,
+        order: Literal["fixed", "arrival"] = "arrival",
     ) -> None:
         if not engines:
             raise ValueError("GenerateClient needs at least one engine")
@@ -102,6 +116,25 @@ class GenerateClient:
         self._in_flight: set[asyncio.Future[list[GenerationOutput]]] = set()
         self.calls = [0] * len(engines)
         self.busy_seconds = [0.0] * len(engines)
+        self.order = order  # may be set before the first request
+        self._participants: set[Key] = set()
+        self._arrivals = itertools.count()
+
+    # -- participants (turn_order: fixed) --------------------------------------------------------------
+    def join(self, key: Key) -> None:
+        """``key`` takes part: a fixed-order wave waits for its request (until it :meth:`leave` s)."""
+        self._participants.add(key)
+
+    def leave(self, key: Key) -> None:
+        """``key`` makes no more requests (idempotent)."""
+        if key in self._participants:
+            self._participants.discard(key)
+            self._schedule_flush()
+
+    def fork(self, parent: Key, children: Sequence[Key]) -> None:
+        """``parent`` hands its part to ``children`` (a prompt's samples, each its own trajectory)."""
+        self._participants.update(children)
+        self.leave(parent)
 
     async def generate(
         self, ids: Sequence[int], sampling: SamplingConfig, stop: RequestStop | None = None
@@ -114,7 +147,15 @@ class GenerateClient:
         future: asyncio.Future[list[Generated]] = self._loop.create_future()
         key = replace(sampling, seed=0, max_new_tokens=1)
         self._queue.append(
-            _Pending([int(t) for t in ids], key, sampling.max_new_tokens, stop or RequestStop(), future)
+            _Pending(
+                [int(t) for t in ids],
+                key,
+                sampling.max_new_tokens,
+                stop or RequestStop(),
+                future,
+                PARTICIPANT.get(),
+                next(self._arrivals),
+            )
         )
         self._schedule_flush()
         return await future
@@ -128,7 +169,7 @@ class GenerateClient:
     def _flush(self) -> None:
         self._flush_scheduled = False
         idle = [j for j, busy in enumerate(self._busy) if not busy]
-        if not idle or not self._queue:
+        if not idle or not self._queue or not self._wave_ready(idle):
             return
         batch = self._take_batch()
         bounds = [round(k * len(batch) / len(idle)) for k in range(len(idle) + 1)]
@@ -138,6 +179,16 @@ class GenerateClient:
                 self._dispatch(j, chunk)
         if self._queue and any(not b for b in self._busy):
             self._schedule_flush()
+
+    def _wave_ready(self, idle: list[int]) -> bool:
+        """Arrival order: always. Fixed order: every engine idle, every participant's request waiting
+        (the queue then sorted by participant and arrival)."""
+        if self.order == "arrival":
+            return True
+        if len(idle) < len(self._busy) or not self._participants <= {p.key for p in self._queue}:
+            return False
+        self._queue.sort(key=lambda p: (p.key, p.arrival))
+        return True
 
     def _take_batch(self) -> list[_Pending]:
         """Every waiting request with the first one's sampling, in arrival order."""

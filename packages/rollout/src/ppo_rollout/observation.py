@@ -10,8 +10,14 @@ example by dropping their reasoning, would make the model see a history it never
 
 Without a chat template the reply's text is encoded as it is, without special tokens.
 
+**The reply stays text.** Its content is encoded in the tokenizer's split-special-tokens mode, apart
+from the template's own text around it: a reply holding ``<|im_end|>\n<|im_start|>assistant\n`` (an
+environment that echoes a web page, a file or a user) is encoded as those characters, never as the
+control tokens, so it cannot end its message or forge a turn. Only the template writes special tokens.
+
 A reply longer than ``max_tokens`` (its content, before the template's own tokens) is cut and ends
-with the truncation marker (``TRUNCATION_MARKER`` unless another is given).
+with the truncation marker (``TRUNCATION_MARKER`` unless another is given); only a bounded prefix of it
+is tokenized (a 10 MB reply costs what its first few thousand characters do).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ __all__ = ["TRUNCATION_MARKER", "ObservationRenderer", "check_append_only"]
 
 TRUNCATION_MARKER = " ...[truncated]"
 _USER, _MODEL, _REPLY = "Question?", "Answer.", "Reply."
+_CONTENT = "Observation7f3a9c"  # stands for the reply's content, to find where the template puts it
+_CHARS_PER_TOKEN = 8  # the first guess of how many characters max_tokens tokens span (doubled as needed)
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, generation: bool) -> str:
@@ -83,7 +91,7 @@ class ObservationRenderer:
         self.role = role
         self.max_tokens = max_tokens
         self.marker = marker
-        self._marker_ids = self._encode(marker)
+        self._marker_ids = self._encode_text(marker)
         if max_tokens <= len(self._marker_ids):
             raise ValueError(
                 f"rollout.multi_turn.max_observation_tokens ({max_tokens}) must exceed the "
@@ -110,13 +118,28 @@ class ObservationRenderer:
             )
 
     def _encode(self, text: str) -> list[int]:
+        """``text`` as the template's own: its special-token text becomes the special tokens."""
         return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
+    def _encode_text(self, text: str) -> list[int]:
+        """``text`` from the environment: encoded as characters, never as special tokens."""
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return [int(t) for t in ids]
+
     def truncate(self, text: str) -> str:
-        """``text``, cut to ``max_tokens`` tokens (the marker included) when longer."""
-        ids = self._encode(text)
-        if len(ids) <= self.max_tokens:
-            return text
+        """``text``, cut to ``max_tokens`` tokens (the marker included) when longer.
+
+        Only a prefix is tokenized: ``_CHARS_PER_TOKEN * max_tokens`` characters, doubled until it
+        holds more than ``max_tokens`` tokens or the whole text."""
+        span = _CHARS_PER_TOKEN * self.max_tokens
+        while True:
+            head = text[:span]
+            ids = self._encode_text(head)
+            if len(ids) > self.max_tokens:
+                break
+            if len(head) == len(text):
+                return text
+            span *= 2
         kept = ids[: self.max_tokens - len(self._marker_ids)]
         return str(self.tokenizer.decode(kept, skip_special_tokens=True)) + self.marker
 
@@ -124,10 +147,34 @@ class ObservationRenderer:
         """The ids to append after the model's turn ``turn_ids`` for the reply ``text``."""
         content = self.truncate(text)
         if not self.chat_template:
-            return self._encode(content)
-        reply = _render(
-            self.tokenizer, [*self._history, {"role": self.role, "content": content}], generation=True
-        )
+            return self._encode_text(content)
         ended_on_eos = bool(turn_ids) and int(turn_ids[-1]) in self._eos_ids
         closing = self._after_eos if ended_on_eos else self._after_model
-        return self._encode(closing + reply[len(self._closed_turn) :])
+        before, written, after = self._split_reply(content)
+        return [*self._encode(closing + before), *self._encode_text(written), *self._encode(after)]
+
+    def _split_reply(self, content: str) -> tuple[str, str, str]:
+        """The template's text before the reply's content, the content as the template wrote it, and
+        the template's text after it (the generation prompt of the next turn included)."""
+
+        def reply(text: str) -> str:
+            rendered = _render(
+                self.tokenizer, [*self._history, {"role": self.role, "content": text}], generation=True
+            )
+            return rendered[len(self._closed_turn) :]
+
+        marked = reply(_CONTENT)
+        at = marked.find(_CONTENT)
+        if at < 0 or marked.find(_CONTENT, at + 1) >= 0:
+            raise ValueError(
+                f"the chat template of {_template_name(self.tokenizer)} does not write a "
+                f"{self.role!r} message's content once, as it is; set rollout.chat_template=false"
+            )
+        before, after = marked[:at], marked[at + len(_CONTENT) :]
+        rendered = reply(content)
+        if not (rendered.startswith(before) and rendered.endswith(after)):
+            raise ValueError(
+                f"the chat template of {_template_name(self.tokenizer)} writes the text around a "
+                f"{self.role!r} message differently for different contents; set rollout.chat_template=false"
+            )
+        return before, rendered[len(before) : len(rendered) - len(after)], after

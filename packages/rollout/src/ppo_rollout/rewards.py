@@ -12,9 +12,11 @@ function.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import numbers
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ __all__ = [
     "register_reward",
     "registered_rewards",
     "resolve_reward",
+    "response_text",
 ]
 
 
@@ -44,7 +47,7 @@ class RewardInput:
     """One generated sample as a reward function sees it."""
 
     prompt: str  # prompt text: the dataset row's, or the chat template's rendering of it
-    response: str  # decoded response, special tokens (eos) removed
+    response: str  # decoded response: the end-of-sequence token(s) ending it removed (response_text)
     response_token_ids: tuple[int, ...]
     finish_reason: str  # "stop" | "length"
     row: Mapping[str, Any] = field(default_factory=dict)  # the dataset row: labels, metadata
@@ -56,6 +59,39 @@ class RewardInput:
 
 
 RewardFn = Callable[[Sequence[RewardInput]], Sequence[float]]
+
+
+def _end_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's eos and pad ids and its model folder's generation-config eos ids (the ids the
+    engines stop on; read from a local folder only, never over the network)."""
+    own = tuple(i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if isinstance(i, int))
+    return _generation_eos(str(getattr(tokenizer, "name_or_path", "")), own)
+
+
+@functools.lru_cache(maxsize=16)
+def _generation_eos(model_path: str, own: tuple[int, ...]) -> frozenset[int]:
+    ids = set(own)
+    try:
+        from transformers import GenerationConfig
+
+        local = model_path and os.path.isdir(model_path)
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id if local else None
+        ids |= {eos} if isinstance(eos, int) else set(eos or ())
+    except (OSError, ValueError, TypeError):  # no generation config: the tokenizer's ids
+        pass
+    return frozenset(ids)
+
+
+def response_text(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """A response as its reward reads it: decoded with its special tokens kept as text, except the
+    end-of-sequence (or padding) tokens that end it. Dropping every special token would reward a
+    model that pads an answer with ``<bos>`` (or any special token) instead of ending it: ``12<bos><bos>``
+    would read as ``12``."""
+    ends = _end_ids(tokenizer)
+    ids = list(token_ids)
+    while ids and ids[-1] in ends:
+        ids.pop()
+    return str(tokenizer.decode(ids, skip_special_tokens=False))
 
 
 class RewardError(ValueError):

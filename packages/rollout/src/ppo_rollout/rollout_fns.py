@@ -17,20 +17,23 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from . import env_errors
 from .config import MultiTurnSettings, SamplingConfig, SamplingSettings
 from .environment import (
     Action,
     Environment,
     EnvironmentFactory,
     EnvironmentFailure,
+    EnvironmentStop,
     StepResult,
     bounded_call,
     check_step_result,
 )
 from .observation import ObservationRenderer
+from .participant import PARTICIPANT
 from .specs import import_named
 from .stops import RequestStop, stop_token_sequences
 from .trajectory import Trajectory, TrajectoryBuilder
@@ -41,6 +44,9 @@ if TYPE_CHECKING:  # torch-free at import: the pre-flight resolves rollout funct
     from .generate_client import GenerateClient
 
 __all__ = [
+    "ContextCall",
+    "ContextEnvironment",
+    "ContextTools",
     "PromptGroup",
     "RolloutContext",
     "RolloutFn",
@@ -92,38 +98,96 @@ def cut_at_stop(
     return low
 
 
-class RolloutContext:
-    """What a rollout function may use: the engines, the tokenizer, observations, the environment."""
+@dataclass(frozen=True)
+class ContextEnvironment:
+    """The configured environment as a rollout function gets it: the factory (``None``: none set),
+    its name (for messages), its keyword arguments (``rollout.environment_args``), and the thread pool
+    plain ``def`` environments run on."""
 
-    def __init__(
-        self,
-        client: GenerateClient,
-        *,
-        tokenizer: PreTrainedTokenizerBase,
-        sampling: SamplingSettings,
-        limits: MultiTurnSettings,
-        versions: Sequence[int],
-        observations: ObservationRenderer | None = None,
-        environment: EnvironmentFactory | None = None,
-        environment_name: str = "",
-        environment_args: Mapping[str, Any] | None = None,
-        env_pool: concurrent.futures.Executor | None = None,
-        step: int = 0,
-        engine_stops: bool = True,
-    ) -> None:
+    factory: EnvironmentFactory | None = None
+    name: str = ""
+    args: Mapping[str, Any] = field(default_factory=dict)
+    pool: concurrent.futures.Executor | None = None
+
+
+@dataclass(frozen=True)
+class ContextTools:
+    """What stays the same through a run: the tokenizer, the turn limits, the observation renderer,
+    the environment, and whether stop strings go to the engines (``engine_stops``)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    limits: MultiTurnSettings
+    observations: ObservationRenderer | None = None
+    environment: ContextEnvironment = field(default_factory=ContextEnvironment)
+    engine_stops: bool = True
+
+
+@dataclass(frozen=True)
+class ContextCall:
+    """What one rollout call sets: the sampling, each engine's weight version, the step."""
+
+    sampling: SamplingSettings
+    versions: tuple[int, ...]
+    step: int = 0
+
+
+class RolloutContext:
+    """What a rollout function may use: the engines, the tokenizer, observations, the environment.
+
+    ``tools`` stay the same through a run; ``call`` is this rollout call's sampling, weight versions
+    and step. Their fields read as the context's own (``ctx.tokenizer``, ``ctx.limits``, ``ctx.step``).
+    """
+
+    def __init__(self, client: GenerateClient, tools: ContextTools, call: ContextCall) -> None:
         self.client = client
-        self.tokenizer = tokenizer
-        self.sampling = sampling
-        self.limits = limits
-        self.versions = list(versions)
-        self.observations = observations
-        self.environment = environment
-        self.environment_name = environment_name
-        self.environment_args = dict(environment_args or {})
-        self.env_pool = env_pool
-        self.step = step
-        self.engine_stops = engine_stops
+        self.tools = tools
+        self.call = call
         self._stop: RequestStop | None = None
+
+    # -- what the context was given -------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tools.tokenizer
+
+    @property
+    def limits(self) -> MultiTurnSettings:
+        return self.tools.limits
+
+    @property
+    def observations(self) -> ObservationRenderer | None:
+        return self.tools.observations
+
+    @property
+    def engine_stops(self) -> bool:
+        return self.tools.engine_stops
+
+    @property
+    def environment(self) -> EnvironmentFactory | None:
+        return self.tools.environment.factory
+
+    @property
+    def environment_name(self) -> str:
+        return self.tools.environment.name
+
+    @property
+    def environment_args(self) -> dict[str, Any]:
+        return dict(self.tools.environment.args)
+
+    @property
+    def env_pool(self) -> concurrent.futures.Executor | None:
+        return self.tools.environment.pool
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        return self.call.sampling
+
+    @property
+    def versions(self) -> list[int]:
+        return list(self.call.versions)
+
+    @property
+    def step(self) -> int:
+        return self.call.step
 
     # -- generation ----------------------------------------------------------------------------------
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -163,9 +227,21 @@ class RolloutContext:
         cut = cut_at_stop(ids, self.limits.stop, self.decode)
         if cut is not None:
             ids, log_probs, finish = ids[:cut], log_probs[:cut], "stop"
-        return Turn(ids, log_probs, finish, self.versions[engine], self.decode(ids))
+        return Turn(ids, log_probs, finish, self.call.versions[engine], self.decode(ids))
 
     # -- the environment ---------------------------------------------------------------------------
+    async def make_environment(self, where: str) -> Environment:
+        """:meth:`new_environment` within ``env_timeout_s``, on the environments' threads (a factory
+        that hangs or raises stops the run, naming the environment, whatever ``on_env_error`` says)."""
+        try:
+            env: Environment = await bounded_call(
+                self.new_environment, timeout_s=self.limits.env_timeout_s, pool=self._pool(), where=where
+            )
+        except EnvironmentFailure as exc:
+            cause = exc.__cause__
+            raise EnvironmentStop(str(cause) if isinstance(cause, ValueError) else str(exc)) from cause
+        return env
+
     def new_environment(self) -> Environment:
         if self.environment is None:
             raise ValueError(
@@ -219,6 +295,7 @@ class RolloutContext:
 RolloutFn = Callable[[RolloutContext, PromptGroup], Coroutine[Any, Any, list[Trajectory]]]
 
 _REGISTRY: dict[str, RolloutFn] = {}
+BUILTIN_ROLLOUT_FUNCTIONS: frozenset[str] = frozenset({"single_turn", "multi_turn"})
 
 
 def register_rollout_function(name: str) -> Callable[[RolloutFn], RolloutFn]:
@@ -258,19 +335,33 @@ async def single_turn(ctx: RolloutContext, group: PromptGroup) -> list[Trajector
 @register_rollout_function("multi_turn")
 async def multi_turn(ctx: RolloutContext, group: PromptGroup) -> list[Trajectory]:
     """Turns against ``rollout.environment`` until it says done or a limit ends the trajectory."""
+    samples = [(group.index, i) for i in range(group.samples)]
+    ctx.client.fork((group.index,), samples)  # each sample's turns are a participant of their own
     return list(await asyncio.gather(*(_episode(ctx, group, i) for i in range(group.samples))))
 
 
 async def _episode(ctx: RolloutContext, group: PromptGroup, sample: int) -> Trajectory:
+    key = (group.index, sample)
+    PARTICIPANT.set(key)  # this task's requests are this sample's (turn_order: fixed)
+    try:
+        return await _turns(ctx, group, sample)
+    finally:
+        ctx.client.leave(key)
+
+
+async def _turns(ctx: RolloutContext, group: PromptGroup, sample: int) -> Trajectory:
     limits, builder = ctx.limits, TrajectoryBuilder(group.index, group.prompt_ids)
     # The first turn is requested before the environment resets: every trajectory's first turn goes
     # out in the step's first wave of requests.
     pending = asyncio.ensure_future(ctx.generate(builder.input_ids, max_new_tokens=_budget(ctx, builder)))
-    env = ctx.new_environment()
     failure: EnvironmentFailure | None = None
     try:
+        env = await ctx.make_environment(ctx.where(group, sample, 0))
         builder.count("env_seconds", await ctx.reset(env, group.row, ctx.where(group, sample, 0)))
     except EnvironmentFailure as exc:
+        if isinstance(exc, EnvironmentStop):
+            pending.cancel()
+            raise
         failure = exc
     while True:
         (turn,) = await pending
@@ -309,7 +400,8 @@ def _budget(ctx: RolloutContext, builder: TrajectoryBuilder) -> int:
 def _failed(
     ctx: RolloutContext, builder: TrajectoryBuilder, failure: EnvironmentFailure, finish: str
 ) -> Trajectory:
-    if ctx.limits.on_env_error == "stop":
+    if ctx.limits.on_env_error == "stop" or isinstance(failure, EnvironmentStop):
         raise failure
+    env_errors.record(str(failure))
     builder.count("env_errors")
     return builder.build("env_error", finish)

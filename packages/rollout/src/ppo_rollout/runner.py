@@ -1,14 +1,27 @@
-"""One step's rollout: every prompt group's rollout function at once, in one event loop."""
+"""One step's rollout: every prompt group's rollout function at once, in one event loop.
+
+Each call of the rollout function is bounded (``rollout.multi_turn.rollout_timeout_s``) and named
+when it fails; a user's function and every ``async`` environment call are watched for blocking the
+loop (``loop_watch``). With ``on_env_error: zero`` the step's environment errors are counted and
+bounded (``env_errors``).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from . import env_errors
+from .config import MultiTurnSettings
+from .environment import EnvironmentFailure
 from .generate_client import BatchGenerator, GenerateClient
-from .rollout_fns import PromptGroup, RolloutContext, RolloutFn
+from .loop_watch import LoopWatch, user_code
+from .participant import PARTICIPANT
+from .rollout_fns import BUILTIN_ROLLOUT_FUNCTIONS, PromptGroup, RolloutContext, RolloutFn
 from .trajectory import Trajectory
 
 __all__ = ["RolloutRun", "run_rollout"]
@@ -50,12 +63,20 @@ def run_rollout(
             engines, seed=seeds.seed, step=seeds.step, stream=seeds.stream, timeout_s=timeout_s
         )
         ctx = make_context(client)
+        limits = ctx.limits
+        client.order = limits.turn_order
+        bound = _rollout_bound(limits, timeout_s)
         started = time.perf_counter()
         try:
-            async with asyncio.TaskGroup() as tasks:
-                running: list[asyncio.Task[list[Trajectory]]] = [
-                    tasks.create_task(fn(ctx, group)) for group in groups
-                ]
+            watch = LoopWatch(limits.env_timeout_s, "rollout.multi_turn.env_timeout_s")
+            async with watch, asyncio.TaskGroup() as tasks:
+                running: list[asyncio.Task[list[Trajectory]]] = []
+                for group in groups:
+                    client.join((group.index,))
+                    context = contextvars.copy_context()
+                    context.run(PARTICIPANT.set, (group.index,))
+                    call = _bounded(fn, fn_name, ctx, group, bound)
+                    running.append(tasks.create_task(call, context=context))
         except BaseExceptionGroup as group_error:
             await client.drain()  # no engine call of this step may outlive it
             raise group_error.exceptions[0] from None
@@ -65,9 +86,40 @@ def run_rollout(
         trajectories: list[Trajectory] = []
         for group, task in zip(groups, running, strict=True):
             trajectories.extend(_checked(task.result(), group, fn_name))
+        if limits.on_env_error == "zero":
+            env_errors.check_share(trajectories, seeds.step, ctx.environment_name, limits.max_env_error_share)
         return RolloutRun(trajectories, seconds, client.idle_share(seconds), sum(client.calls))
 
     return asyncio.run(every_group())
+
+
+def _rollout_bound(limits: MultiTurnSettings, timeout_s: float) -> float:
+    """``rollout_timeout_s``, or what a trajectory of ``max_turns`` full waits could take."""
+    if limits.rollout_timeout_s is not None:
+        return limits.rollout_timeout_s
+    return limits.max_turns * (timeout_s + limits.env_timeout_s) + 2 * limits.env_timeout_s
+
+
+async def _bounded(
+    fn: RolloutFn, fn_name: str, ctx: RolloutContext, group: PromptGroup, bound: float
+) -> list[Trajectory]:
+    """``fn(ctx, group)`` within ``bound`` seconds; a failure names the function and the prompt."""
+    what = f"rollout function {fn_name} (rollout.rollout_function) on prompt {group.index}"
+    coro: Coroutine[Any, Any, list[Trajectory]] = fn(ctx, group)
+    if fn_name not in BUILTIN_ROLLOUT_FUNCTIONS:
+        coro = user_code(coro, what)
+    try:
+        return await asyncio.wait_for(coro, bound)
+    except TimeoutError:
+        raise TimeoutError(
+            f"{what}: did not return within {bound:g} s (rollout.multi_turn.rollout_timeout_s)"
+        ) from None
+    except (EnvironmentFailure, env_errors.EnvErrorShare):
+        raise  # they name the environment, the row and the turn
+    except Exception as exc:
+        raise RuntimeError(f"{what}: raised {type(exc).__name__}: {exc}") from exc
+    finally:
+        ctx.client.leave((group.index,))
 
 
 def _checked(result: object, group: PromptGroup, fn_name: str) -> list[Trajectory]:

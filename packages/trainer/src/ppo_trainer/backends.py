@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ppo_lifecycle.process_groups import ReloadableProcessGroups
 from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.backend_protocol import DataParallel, Region, TrainerBackend
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.megatron_backend import MegatronTrainer  # megatron-core itself loads on first use
 from ppo_trainer.shared_base import SharedBaseHandle
+
+if TYPE_CHECKING:
+    from ppo_trainer.checkpoint.protocol import TorchCheckpointable
+
+    # The torch backend's checkpoint code reads a TorchTrainer through this Protocol (mypy checks it).
+    _CHECKPOINTABLE: type[TorchCheckpointable] = TorchTrainer
 
 
 def make_trainer(

@@ -21,12 +21,15 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
-from ppo_trainer import estimators
+import ppo_trainer.estimators as estimators
+from ppo_trainer.algorithm_types import (
+    CorrectionLevel,
+    GaeUnit,
+    KLEstimator,
+    LossAggregation,
+    WeightBound,
+)
 
-KLEstimator = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
-LossAggregation = Literal[
-    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
-]
 Role = Literal["actor", "critic"]
 Device = Literal["cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16"]
@@ -37,9 +40,6 @@ WeightSyncDType = Literal["float32", "bfloat16", "float16"]
 Backend = Literal["torch", "megatron"]
 PackedAttention = Literal["varlen", "sdpa", "flex_attention"]
 LrSchedule = Literal["constant", "cosine"]
-GaeUnit = Literal["token", "turn"]
-CorrectionLevel = Literal["none", "token", "sequence", "geometric"]
-WeightBound = Literal["truncate", "clip", "none"]
 
 # Shared by every config of this package (and the ones that extend them): unknown keys are errors,
 # and defaults are validated like any input.

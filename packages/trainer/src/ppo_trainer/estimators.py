@@ -10,7 +10,9 @@ The outcome estimators score each sample by its outcome reward plus its per-turn
 one advantage over its generated tokens.
 
 The settings (``ppo_trainer.config``) import this module and must stay free of torch (``ppo-driver
-validate`` reads them without it): the functions import the torch math when they run.
+validate`` reads them without it): the functions import the torch math when they run. They read the
+settings through ``algorithm_types.AdvantageSettings``, not the config class, so the imports run one
+way (``config -> estimators -> ppo_math -> algorithm_types``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ppo_trainer.algorithm_types import AdvantageSettings
+
 if TYPE_CHECKING:
     import torch
 
     from ppo_trainer.batch import Samples
-    from ppo_trainer.config import AlgorithmConfig
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class AdvantageInputs:
     """What an estimator may read: the settings, the samples, and with a critic its token rewards
     (the critic's, KL-shaped) and values, ``[N, R_max]`` each."""
 
-    alg: AlgorithmConfig
+    alg: AdvantageSettings
     samples: Samples
     rewards: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -67,12 +70,12 @@ class Estimator:
 
 # ---------------------------------------------------------------------------------- GAE
 def gae(
-    alg: AlgorithmConfig, rewards: torch.Tensor, values: torch.Tensor, samples: Samples
+    alg: AdvantageSettings, rewards: torch.Tensor, values: torch.Tensor, samples: Samples
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and critic targets over the generated (loss-mask) tokens, ``[N, R_max]`` each:
     per token skipping observations (the default), per turn (``gae_unit: turn``), or decaying
     through observations (``gae_through_observations``, the ablation)."""
-    from ppo_trainer import ppo_math as pm
+    import ppo_trainer.ppo_math as pm
 
     mask = samples.loss_mask
     if alg.gae_unit == "turn":
@@ -103,7 +106,7 @@ def _broadcast(per_sample: torch.Tensor, samples: Samples) -> torch.Tensor:
 
 
 def _grpo(inputs: AdvantageInputs) -> torch.Tensor:
-    from ppo_trainer import ppo_math as pm
+    import ppo_trainer.ppo_math as pm
 
     s = inputs.samples
     scores = pm.grpo_advantages(
@@ -113,14 +116,14 @@ def _grpo(inputs: AdvantageInputs) -> torch.Tensor:
 
 
 def _rloo(inputs: AdvantageInputs) -> torch.Tensor:
-    from ppo_trainer import ppo_math as pm
+    import ppo_trainer.ppo_math as pm
 
     s = inputs.samples
     return _broadcast(pm.rloo_advantages(sample_scores(s), s.prompt_index), s)
 
 
 def _reinforce_baseline(inputs: AdvantageInputs) -> torch.Tensor:
-    from ppo_trainer import ppo_math as pm
+    import ppo_trainer.ppo_math as pm
 
     s = inputs.samples
     return _broadcast(pm.group_mean_baseline(sample_scores(s), s.prompt_index), s)

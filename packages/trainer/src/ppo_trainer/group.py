@@ -313,8 +313,8 @@ class TrainGroup:
     def load(self, folder: Path) -> None:
         self._all("load", str(Path(folder)))
 
-    def weights_checksum(self) -> str:
-        return str(self._all("weights_checksum")[0])
+    def weights_checksum(self, rows: int | None = None) -> str:
+        return str(self._all("weights_checksum", rows)[0])
 
     def pop_metrics(self) -> dict[str, float]:
         return dict(self._all("pop_metrics")[0])

@@ -50,8 +50,7 @@ from ppo_trainer.backend_protocol import (
     scored_model,
 )
 from ppo_trainer.batch import Samples
-from ppo_trainer.checkpoint import optimizer_format as of
-from ppo_trainer.checkpoint.torch_optimizer import init_adam_state
+from ppo_trainer.checkpoint import megatron_io
 from ppo_trainer.config import TrainerConfig
 from ppo_trainer.lr_schedule import set_scheduled_lr
 from ppo_trainer.megatron_groups import MegatronGroups
@@ -308,7 +307,7 @@ class MegatronTrainer:
         # weight of SmolLM2-135M (log-probs 8x less than the torch backend's float32 weights under
         # autocast; benchmarks/backend_parity.py) and the run learnt ~10 steps later.
         with torch.no_grad():
-            self._scatter_optimizer_tensor(
+            self._optimizer_shards().scatter(
                 "param", mc.hf_to_megatron(hf_state, self.shape, critic=self.critic)
             )
         # What the worker reports of its start-up: the models (megatron's layout), the optimizer.
@@ -366,7 +365,7 @@ class MegatronTrainer:
         # Adam's moments would appear in the first step; made here (zeros, step 0, as the step
         # makes them), the memory backend tracks them from setup and the pinned one allocates
         # their host buffers at track(), not in the first sleep. The step is unchanged.
-        _init_optimizer_state(_chained(optimizer))
+        megatron_io.init_optimizer_state(megatron_io.chained(optimizer))
         return optimizer
 
     def _modules(self) -> dict[str, nn.Module]:
@@ -437,7 +436,7 @@ class MegatronTrainer:
         """The float32 main weights (what the optimizer steps; the bf16 weights are their rounding)
         in Hugging Face names, whole CPU tensors. Every rank calls it: the data-parallel shards and
         the tensor-parallel slices are gathered by collectives."""
-        return mc.megatron_to_hf(self._gathered_optimizer_tensor("param"), self.shape, critic=self.critic)
+        return mc.megatron_to_hf(self._optimizer_shards().gathered("param"), self.shape, critic=self.critic)
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Whole Hugging Face tensors (either backend's checkpoint) into the bf16 weights (rounded) and
@@ -447,111 +446,42 @@ class MegatronTrainer:
             self._load_into(self.ddp.module, state, strict_value_head=False)
         mega = mc.hf_to_megatron(state, self.shape, critic=self.critic)
         with torch.no_grad():
-            self._scatter_optimizer_tensor("param", mega)
+            self._optimizer_shards().scatter("param", mega)
 
     # ------------------------------------------------------------------ optimizer state in HF names
-    def _shard_of(self, param: nn.Parameter) -> tuple[dict[str, torch.Tensor], int, int] | None:
-        """This data-parallel rank's main weight and Adam moments for model ``param`` (flat float32
-        shards) and the element range of the parameter they cover; None when it owns none of it."""
-        for opt in self._optimizers():
-            if param in opt.model_param_group_index_map:
-                tensors = opt._get_main_param_and_optimizer_states(param)
-                span = opt._get_model_param_range_map(param)["param"]
-                return tensors, int(span.start), int(span.end)
-        return None
+    # The conversion is checkpoint.megatron_io's (OptimizerShards); this rank supplies its parts.
+    def _optimizer_shards(self) -> megatron_io.OptimizerShards:
+        """This rank's ``DistributedOptimizer`` shards, the trained parameters by megatron name and
+        its tensor-parallel slicing (read now: the groups are rebound after a wake)."""
+        return megatron_io.OptimizerShards(
+            optimizers=self._optimizers(),
+            params=[(_unwrap_name(n), p) for n, p in self.ddp.module.named_parameters() if p.requires_grad],
+            device=self.device,
+            shape=self.shape,
+            critic=self.critic,
+            whole_over_tp=self._whole_over_tp,
+            tp_slice=self._tp_slice,
+        )
 
-    def _trained_params(self) -> list[tuple[str, nn.Parameter]]:
-        return [(_unwrap_name(n), p) for n, p in self.ddp.module.named_parameters() if p.requires_grad]
-
-    def _gathered_optimizer_tensor(self, key: str) -> dict[str, torch.Tensor]:
-        """``key`` ("param", "exp_avg", "exp_avg_sq") of every parameter as whole float32 CPU
-        tensors in megatron names: each data-parallel rank contributes its shard (an all-reduce of
-        the bits: exactly one rank holds each element, the others add zeros), then the
-        tensor-parallel slices are gathered. Collective on every rank."""
-        # The group the distributed optimizer cut its shards over (rebound after a wake).
-        dp_group = self._optimizers()[0].data_parallel_group
-        dp_size = dist.get_world_size(dp_group)
-        out: dict[str, torch.Tensor] = {}
-        for name, param in self._trained_params():
-            flat = torch.zeros(param.numel(), dtype=torch.float32, device=self.device)
-            shard = self._shard_of(param)
-            if shard is not None:
-                tensors, start, end = shard
-                flat[start:end] = tensors[key].detach().view(-1)
-            if dp_size > 1:
-                dist.all_reduce(flat.view(torch.int32), group=dp_group)
-            out[name] = self._whole_over_tp(name, flat.view(param.shape)).cpu()
-        return out
-
-    def _scatter_optimizer_tensor(self, key: str, whole: Mapping[str, torch.Tensor]) -> None:
-        """Whole megatron tensors (``whole``, by megatron name) into this rank's shards of ``key``;
-        parameters absent from ``whole`` keep theirs."""
-        for name, param in self._trained_params():
-            shard = self._shard_of(param)
-            if name not in whole or shard is None:
-                continue
-            tensors, start, end = shard
-            mine = mc.split_for_tp(name, whole[name], self.tp, self.shape, self.critic)[self.tp_rank]
-            flat = mine.reshape(-1)[start:end]
-            tensors[key].view(-1).copy_(flat.to(device=tensors[key].device, dtype=tensors[key].dtype))
-
-    def _adam_steps(self) -> set[int]:
-        """The step counts Adam holds: per parameter (torch) or per param group (fused optimizers)."""
-        steps: set[int] = set()
-        for opt in self._optimizers():
-            inner = opt.optimizer
-            for group in inner.param_groups:
-                if "step" in group:
-                    steps.add(int(group["step"]))
-                for p in group["params"]:
-                    if "step" in inner.state.get(p, {}):
-                        steps.add(int(inner.state[p]["step"]))
-        return steps
+    def _tp_slice(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor-parallel slice of whole megatron tensor ``name``."""
+        return mc.split_for_tp(name, whole, self.tp, self.shape, self.critic)[self.tp_rank]
 
     def hf_optimizer_state(self) -> dict[str, Any]:
-        """The ``DistributedOptimizer``'s Adam state as the torch backend's ``optimizer.pt`` dict:
-        moments gathered (data and tensor parallel) and converted to Hugging Face names and layouts
-        with the weights' code, float32 CPU tensors. Every rank calls it and gets the whole dict."""
-        steps = self._adam_steps() or {0}
-        if len(steps) > 1:
-            raise RuntimeError(f"{self.config.role}: Adam's step counts differ across parameters {steps}")
-        moments = {
-            key: of.moments_to_hf(self._gathered_optimizer_tensor(key), self.shape, self.critic)
-            for key in of.ADAM_MOMENTS
-        }
-        group = of.adam_param_group(
-            of.optimizer_names(self.shape, self.critic),
-            lr=self.config.lr,
-            betas=self.config.betas,
-            eps=self.optimizer_config.adam_eps,
-            weight_decay=self.config.weight_decay,
-        )
-        return of.adam_state_dict(moments, steps.pop(), group)
+        """The ``DistributedOptimizer``'s Adam state as the torch backend's ``optimizer.pt`` dict
+        (``megatron_io.hf_optimizer_state``). Every rank calls it and gets the whole dict."""
+        eps = self.optimizer_config.adam_eps
+        return megatron_io.hf_optimizer_state(self._optimizer_shards(), self.config, eps)
 
     def load_hf_optimizer_state(self, state: Mapping[str, Any]) -> None:
         """An ``optimizer.pt`` dict (either backend's) into this rank's shards of the Adam moments and
         the step count, in the tensors the optimizer holds (the memory backend tracks them)."""
-        names = of.optimizer_names(self.shape, self.critic)
-        adam = of.read_adam_state(state, names, source=f"{self.config.role} optimizer state")
         with self.region(self.OPTIMIZER_TAG), torch.no_grad():
-            _init_optimizer_state(self._optimizers())  # present since setup; a no-op then
-            for key in of.ADAM_MOMENTS:
-                self._scatter_optimizer_tensor(
-                    key, of.moments_to_megatron(adam.moments[key], self.shape, self.critic)
-                )
-            for opt in self._optimizers():
-                inner = opt.optimizer
-                for group in inner.param_groups:
-                    if "step" in group:
-                        group["step"] = adam.step
-                    for p in group["params"]:
-                        step = inner.state[p].get("step")
-                        if isinstance(step, torch.Tensor):
-                            step.fill_(adam.step)
+            megatron_io.load_hf_optimizer_state(self._optimizer_shards(), state, self.config.role)
 
     # ------------------------------------------------------------------ tensors the lifecycle moves
     def _optimizers(self) -> list[Any]:
-        return _chained(self.optimizer)
+        return megatron_io.chained(self.optimizer)
 
     def optimizer_state_entries(self) -> int:
         return len(self.optimizer.state)
@@ -769,26 +699,6 @@ def _optimizer_config(config: TrainerConfig) -> Any:
         # Clip at grad_clip; "no clipping" still measures the norm (reported as grad_norm).
         clip_grad=config.grad_clip if config.grad_clip > 0 else math.inf,
     )
-
-
-def _chained(optimizer: Any) -> list[Any]:
-    """The optimizers a megatron optimizer holds (one, or a ``ChainedOptimizer``'s several)."""
-    from megatron.core.optimizer import ChainedOptimizer
-
-    if isinstance(optimizer, ChainedOptimizer):
-        return list(optimizer.chained_optimizers)
-    return [optimizer]
-
-
-def _init_optimizer_state(optimizers: list[Any]) -> None:
-    """Adam's state for every main-weight shard now (``init_adam_state``: what torch's Adam makes in
-    its first step); megatron's own init for the fused optimizers (Transformer Engine, apex)."""
-    for opt in optimizers:
-        inner = opt.optimizer
-        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            init_adam_state(inner)
-        else:
-            opt.init_state_fn(inner, opt.config)
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import get_args
 
 import torch
 
-from ppo_trainer.config import KLEstimator, LossAggregation
+from ppo_trainer.algorithm_types import KLEstimator, LossAggregation
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over data-parallel ranks and returns the sum (identity on a single rank)."""

@@ -50,7 +50,8 @@ from ppo_trainer.models import count_parameters
 from ppo_trainer.shared_base import SharedBase, SharedBaseHandle, mapping_report
 from ppo_trainer.weight_publisher import WeightPublisher
 from ppo_value_transport import Box, Pieces, pack, pack_fields, require_values, unpack_fields, unpack_pieces
-from ppo_weight_sync import EngineEndpoint, RankSends, checksum, free_port
+from ppo_weight_sync import EngineEndpoint, RankSends, free_port
+from ppo_weight_sync.sglang_weights import rows_checksum
 
 log = logging.getLogger(__name__)
 
@@ -117,22 +118,40 @@ class TrainWorker:
 
         ``train.lora.share_base``: the actor's ranks ``publish_base`` (``shared_base_handle``), the
         critic's rank r maps actor rank r's ``base`` (``ppo_trainer.shared_base``)."""
+        self._pin_device_and_seed()
+        groups = self._open_process_group(init_method)
+        memory, lifecycle = self._open_lifecycle(groups)
+        trainer = self._build_trainer(init_method, groups, memory, publish_base, base)
+        self._track(trainer, memory, lifecycle, groups)
+        return {
+            "rank": self.rank,
+            "device": str(self.device),
+            "pid": os.getpid(),
+            "data_parallel": trainer.layout,
+            "saves_asleep": self.saves_asleep(),
+            "startup": self._setup_timer.report(),
+        }
+
+    def _pin_device_and_seed(self) -> None:
+        """This process's CUDA context (on the device set in ``__init__``) and its seeds, per rank."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this process's CUDA context starts here
         seed = self.config.seed + self.rank
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed % 2**32)
+
+    def _open_process_group(self, init_method: str) -> ReloadableProcessGroups:
+        """The role's default group (NCCL on CUDA, else gloo), rendezvousing at ``init_method``."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         groups = ReloadableProcessGroups()
-        timer = self._setup_timer
         # No device_id: a default group bound to a device makes torch build every later NCCL group of
         # this process by ncclCommSplit of the default communicator (``_new_process_group_helper``'s
         # split_from). The weight-update group would then be a split of this role's group, a
         # communicator without the engines: rank 0 would never publish the NCCL unique id the engines
         # wait for in the store. Unbound, the default group initialises on its first collective, on
         # the device set in __init__.
-        with timer.part("process_group"):
+        with self._setup_timer.part("process_group"):
             groups.init_default(
                 backend,
                 init_method,
@@ -142,6 +161,10 @@ class TrainWorker:
             )
         self._groups = groups
         self._dp = groups.default
+        return groups
+
+    def _open_lifecycle(self, groups: ReloadableProcessGroups) -> tuple[MemoryBackend, Lifecycle]:
+        """The memory backend the config names and the ``Lifecycle`` over it and ``groups``."""
         memory = make_memory_backend(self.config, self.device)
         if isinstance(memory, PinnedHostBackend) and self.config.backend == "torch":
             # Before the model and optimizer exist: their segments expandable, a sleep frees each
@@ -151,6 +174,18 @@ class TrainWorker:
             enable_expandable_segments()
         self._memory = memory
         self._lifecycle = Lifecycle(memory, groups, name=f"{self.role}-{self.rank}")
+        return memory, self._lifecycle
+
+    def _build_trainer(
+        self,
+        init_method: str,
+        groups: ReloadableProcessGroups,
+        memory: MemoryBackend,
+        publish_base: bool,
+        base: SharedBaseHandle | None,
+    ) -> TrainerBackend:
+        """The backend ``train.backend`` names (FSDP2 or replicas for the torch one), its start-up
+        parts timed; an asleep sharded role's save group (collective)."""
         shard = self.config.backend == "torch" and self._should_shard()
         dp = DataParallel(
             self.rank,
@@ -163,33 +198,36 @@ class TrainWorker:
             raise ValueError("train.lora.share_base needs train.backend='torch' (train.lora's backend)")
         trainer = make_trainer(self.config, dp, memory.region, groups, publish_base=publish_base, base=base)
         for part, seconds in trainer.setup_seconds.items():
-            timer.add(part, seconds)
+            self._setup_timer.add(part, seconds)
         self._trainer = trainer
         if shard and isinstance(memory, HostCopies) and memory.keeps_host_copies:
             # Built now, while every rank is here: the writers of an asleep sharded role gather on it.
             host = urlparse(init_method).hostname or peer_address()
             self._checkpoints.open_save_group(groups.store, self.rank, self.world_size, host)
-        with timer.part("pinned_buffers"):  # a pinned backend allocates its host buffers as it tracks
+        return trainer
+
+    def _track(
+        self,
+        trainer: TrainerBackend,
+        memory: MemoryBackend,
+        lifecycle: Lifecycle,
+        groups: ReloadableProcessGroups,
+    ) -> None:
+        """The memory backend tracks the trainer's tensors; the lifecycle's hooks; the actor's
+        weight publisher (connected at the first update)."""
+        with self._setup_timer.part("pinned_buffers"):  # a pinned backend allocates host buffers now
             memory.track(trainer.WEIGHTS_TAG, trainer.weight_tensors)
             memory.track(trainer.OPTIMIZER_TAG, trainer.optimizer_tensors)
         # Before the groups go: nothing gathered (FSDP) may stay outside the tracked tensors. After
         # they are rebuilt: FSDP and megatron must run on the new groups, not the destroyed ones
         # they hold (both hooks are no-ops for a replicated torch trainer).
-        self._lifecycle.add_pre_sleep_hook("release_gathered_params", trainer.release_gathered)
-        self._lifecycle.add_post_wake_hook("rebind_process_groups", trainer.after_groups_rebuilt)
+        lifecycle.add_pre_sleep_hook("release_gathered_params", trainer.release_gathered)
+        lifecycle.add_post_wake_hook("rebind_process_groups", trainer.after_groups_rebuilt)
         if self.role == "actor":
             self._publisher = WeightPublisher.open(
                 self.config, self.rank, self.world_size, groups, self.timeout_s
             )
-            self._lifecycle.add_pre_sleep_hook("disconnect_engines", self._publisher.disconnect)
-        return {
-            "rank": self.rank,
-            "device": str(self.device),
-            "pid": os.getpid(),
-            "data_parallel": trainer.layout,
-            "saves_asleep": self.saves_asleep(),
-            "startup": timer.report(),
-        }
+            lifecycle.add_pre_sleep_hook("disconnect_engines", self._publisher.disconnect)
 
     def saves_asleep(self) -> bool:
         """Whether ``save_async`` can write this rank's checkpoint from the host copies of a sleep:
@@ -507,8 +545,9 @@ class TrainWorker:
                 # copies of the weights sit in torch's cache and must go back to the device too.
                 self.sleep()
 
-    def weights_checksum(self) -> str:
-        """``ppo_weight_sync.checksum`` of the weights as sent (rank 0; others return "").
+    def weights_checksum(self, rows: int | None = None) -> str:
+        """``ppo_weight_sync.checksum`` of the weights as sent (rank 0; others return ""); ``rows``: of
+        each tensor's first rows (``rollout.sglang.check_rows``, ``ppo_weight_sync.sglang_weights``).
 
         Collective like ``update_weights``: an asleep worker wakes for it and sleeps again.
         """
@@ -518,7 +557,7 @@ class TrainWorker:
         weights: list[tuple[str, torch.Tensor]] = []
         try:
             weights = self._sync_weights(keep=self.rank == 0)
-            return checksum(weights) if self.rank == 0 else ""
+            return rows_checksum(weights, rows) if self.rank == 0 else ""
         finally:
             weights = []  # the gathered copy must not outlive the cache release of the sleep below
             if was_asleep:

@@ -238,21 +238,33 @@ def generate_in_slots(
                 slot.made = min(slot.made + 1, slot.limit)
             steps += 1
             since_check += 1
-        # The check: stops in the tokens made since the last one, then the length limits.
-        rows = sorted(occupied)
-        made = b.tokens_out[rows, : max(occupied[s].made for s in rows)].cpu().tolist()
-        for s, tokens in zip(rows, made, strict=True):
-            slot = occupied[s]
-            finish = _finish(tokens[: slot.made], slot, shared_stops + requests[slot.request].stop)
-            slot.checked = slot.made
-            if finish is None:
-                continue
-            logps = b.logps_out[s, : finish.length].cpu().tolist()
-            results[slot.request] = (tuple(tokens[: finish.length]), tuple(logps), finish.reason)
-            del occupied[s]
-            _empty(b, s, pad_token_id)
+        _check(b, occupied, results, requests, shared_stops, pad_token_id)
     busy = sum(len(out[0]) - 1 for out in results.values())
     return [results[i] for i in range(len(requests))], SlotStats(batch, steps, busy, prefills)
+
+
+def _check(
+    b: DecodeBuffers,
+    occupied: dict[int, _Slot],
+    results: dict[int, tuple[tuple[int, ...], tuple[float, ...], str]],
+    requests: Sequence[GenerationRequest],
+    shared_stops: tuple[tuple[int, ...], ...],
+    pad: int,
+) -> None:
+    """The check: stops in the tokens made since the last one, then the length limits. A finished
+    request's output goes to ``results`` and its slot is emptied (and leaves ``occupied``)."""
+    rows = sorted(occupied)
+    made = b.tokens_out[rows, : max(occupied[s].made for s in rows)].cpu().tolist()
+    for s, tokens in zip(rows, made, strict=True):
+        slot = occupied[s]
+        finish = _finish(tokens[: slot.made], slot, shared_stops + requests[slot.request].stop)
+        slot.checked = slot.made
+        if finish is None:
+            continue
+        logps = b.logps_out[s, : finish.length].cpu().tolist()
+        results[slot.request] = (tuple(tokens[: finish.length]), tuple(logps), finish.reason)
+        del occupied[s]
+        _empty(b, s, pad)
 
 
 def _finish(tokens: Sequence[int], slot: _Slot, stops: Sequence[tuple[int, ...]]) -> _Finish | None:

@@ -15,7 +15,7 @@ from ..config import AdapterUpdates, SamplingConfig
 from ..stops import RequestStop
 from .builtin import BuiltinEngineActor
 from .core import GenerationOutput
-from .sglang import SGLangClient, SGLangError, SGLangServer, SGLangServerSpec
+from .sglang import SGLangClient, SGLangServer, SGLangServerSpec
 
 __all__ = [
     "BuiltinEngineHandle",
@@ -224,8 +224,13 @@ class SGLangEngineHandle:
         stop_grace_s: float,
         request_timeout_s: float,
         adapter: str | None = None,
+        weights: tuple[str, int | None] = ("bfloat16", None),
     ) -> None:
+        """``weights``: the dtype the actor sends and the rows :meth:`weights_checksum` reads of each
+        tensor (``rollout.dtype``, ``rollout.sglang.check_rows``)."""
         self.name = name
+        self._model_path = str(spec_args["model_path"])
+        self._weights_dtype, self._check_rows = weights
         self._adapter = adapter  # the LoRA adapter every generate request names (adapter-only updates)
         self._gpus = int(spec_args["tp_size"])
         self._request_timeout_s = request_timeout_s
@@ -305,10 +310,18 @@ class SGLangEngineHandle:
         return None  # an SGLang server does not report what its release/resume moved
 
     def weights_checksum(self, timeout_s: float) -> str:
-        raise SGLangError(
-            f"engine {self.name}: weights checksums are not available from an SGLang "
-            "server through this adapter"
-        )
+        """The checksum of the weights read back from the server (``/get_weights_by_name``): every tensor
+        the actor sends (the model's state dict, in the sync dtype), each tensor's first ``check_rows``
+        rows; equal to the actor's ``weights_checksum(rows)`` exactly when the weights are equal."""
+        manifest = model_manifest(self._model_path, self._weights_dtype)
+        future = self._pool.submit(self.client.weights_checksum, manifest, self._check_rows)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"engine {self.name}: reading the weights back did not finish within {timeout_s:.0f} s "
+                "(set rollout.sglang.check_rows to read fewer rows)"
+            ) from None
 
     def shutdown(self) -> None:
         if self._client is not None:
@@ -318,6 +331,18 @@ class SGLangEngineHandle:
             ray.get(self._host_actor.stop.remote(), timeout=120)
         finally:
             ray.kill(self._host_actor, no_restart=True)
+
+
+def model_manifest(model_path: str, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Name, dtype and shape of every tensor of the model's state dict (tied weights under each name, as
+    the actor's ``named_weights`` exports them), built on the meta device: no weights are read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [(n, dtype, tuple(t.shape)) for n, t in model.state_dict().items()]
 
 
 def _spec_on_node(spec_args: dict[str, Any]) -> SGLangServerSpec:

@@ -8,8 +8,15 @@ or ``abort``), the weight-update routes, ``/pause_generation``, ``/continue_gene
 ``/flush_cache``, ``/model_info`` (the weight version), ``/server_info`` (version and ``tp_size``),
 ``/release_memory_occupation`` and ``/resume_memory_occupation`` (``{"tags": [...]}``).
 
-This adapter has been tested against a stand-in server that serves the same routes
-(:mod:`ppo_rollout.testing.sglang_standin`), not against a real SGLang server.
+``/get_weights_by_name`` reads the weights back for ``train.check_weights``
+(:mod:`ppo_weight_sync.sglang_weights`). Checked against SGLang v0.5.17's source
+(``sglang/srt/entrypoints/http_server.py``, ``managers/io_struct.py``, ``server_args.py``,
+``models/llama.py`` ``get_weights_by_name``, ``utils/weight_checker.py``).
+
+Tested with real-server recordings replayed in CI: ``benchmarks/sglang/record.py`` drives a real SGLang
+0.5.17 server through this adapter and records every exchange
+(``packages/rollout/tests/fixtures/sglang-0.5.17/``); ``test_sglang_replay.py`` replays them against the
+stand-in (:mod:`ppo_rollout.testing.sglang_standin`), which the other tests drive.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any
 from ppo_weight_sync import EngineReply, HttpEngineEndpoint, reply_from_http
 from ppo_weight_sync.sglang import SGLangProtocol
 from ppo_weight_sync.sglang_lora import server_args as lora_server_args
+from ppo_weight_sync.sglang_weights import rows_checksum, tensor_from_reply, weights_request
 
 from ..config import AdapterUpdates, SamplingConfig
 from .core import GenerationOutput
@@ -47,7 +55,27 @@ class SGLangError(RuntimeError):
 
 @dataclass(frozen=True)
 class SGLangServerSpec:
-    """The arguments we derive for one server. ``command`` replaces ``python -m sglang.launch_server``."""
+    """The arguments we derive for one server. ``command`` replaces ``python -m sglang.launch_server``.
+
+    Every flag :meth:`argv` writes is one that SGLang v0.5.17's ``sglang/srt/server_args.py`` defines
+    (``ServerArgs.add_cli_args``; the LoRA ones in ``arg_groups/``); ``test_sglang_launch.py`` checks them
+    against the list read from that file. The flags, and why:
+
+    - ``--skip-server-warmup``: the warm-up request can outlast launch timeouts and serves no purpose here
+      (slime skips it too).
+    - ``--enable-deterministic-inference`` with ``--sampling-backend pytorch`` (``deterministic``): SGLang
+      honours ``sampling_seed`` only in deterministic mode, which needs the pytorch sampling backend
+      (``arg_groups/overrides.py`` ``_deterministic_sampling_backend`` sets it from 0.5.17 on; 0.5.15.post1
+      does not, so we always pass it).
+    - ``--attention-backend triton`` (``attention_backend``): deterministic mode with no backend named
+      falls back to ``fa3`` on Hopper (``_deterministic_attention_backend``), whose kernels (sgl_kernel's
+      ``flash_ops``, 1.1 GB) a slim install leaves out and which older GPUs lack; triton runs wherever
+      SGLang does, is one of ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES`` and keeps the radix cache
+      (``RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND``). None: SGLang's choice; extra_args' wins.
+    - ``--enable-memory-saver`` (``enable_memory_saver``): on when the server shares its GPUs with
+      training; ``release_memory_occupation`` / ``resume_memory_occupation`` need it (torch_memory_saver).
+    - ``--mem-fraction-static``: the server's share of the GPU when it is not the GPU's only user.
+    """
 
     model_path: str
     port: int
@@ -61,6 +89,7 @@ class SGLangServerSpec:
     # Seeded sampling: SGLang ignores sampling_seed unless --enable-deterministic-inference is on, which
     # needs --sampling-backend pytorch (0.5.23 sets it itself, 0.5.15.post1 does not: we always pass it).
     deterministic: bool = True
+    attention_backend: str | None = "triton"
     random_seed: int | None = None
     extra_args: tuple[str, ...] = ()
     # adapter-only weight updates: LoRA on, with train.lora's rank and modules (--enable-lora ...)
@@ -105,7 +134,6 @@ class SGLangServerSpec:
             self.host,
             "--port",
             str(self.port),
-            # slime skips the warmup request: it can outlast launch timeouts and serves no purpose here.
             "--skip-server-warmup",
         ]
         if self.enable_memory_saver:
@@ -114,6 +142,8 @@ class SGLangServerSpec:
             args += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.deterministic:
             args += ["--enable-deterministic-inference", "--sampling-backend", "pytorch"]
+        if self.attention_backend is not None and "--attention-backend" not in self.extra_args:
+            args += ["--attention-backend", self.attention_backend]
         if self.random_seed is not None:
             args += ["--random-seed", str(self.random_seed)]
         if self.lora is not None:
@@ -451,6 +481,36 @@ class SGLangClient:
                         f"memory resumed, but continue_generation failed: {resumed.message}"
                     )
         return reply
+
+    # -- weights read back (train.check_weights) -----------------------------------------------------
+    def read_weights(
+        self, manifest: Sequence[tuple[str, str, Sequence[int]]], rows: int | None = None
+    ) -> list[tuple[str, Any]]:
+        """Each tensor of ``manifest`` (name, dtype name, shape: what the actor sends) as the server holds
+        it, through ``/get_weights_by_name`` (:mod:`ppo_weight_sync.sglang_weights`), cast to that dtype;
+        ``rows``: each tensor's first rows only. SGLangError naming a tensor the server cannot give."""
+        from ppo_weight_sync.buckets import dtype_from_name
+
+        out = []
+        for name, dtype, shape in manifest:
+            body = self.endpoint.request("POST", "/get_weights_by_name", weights_request(name, shape, rows))
+            if isinstance(body, dict):
+                raise SGLangError(
+                    f"SGLang server {self.name} could not give the weights of {name}: "
+                    f"{reply_from_http(400, body).message}"
+                )
+            try:
+                out.append((name, tensor_from_reply(name, body, shape, rows, dtype_from_name(dtype))))
+            except ValueError as exc:
+                raise SGLangError(f"SGLang server {self.name}: {exc}") from None
+        return out
+
+    def weights_checksum(
+        self, manifest: Sequence[tuple[str, str, Sequence[int]]], rows: int | None = None
+    ) -> str:
+        """``rows_checksum`` of :meth:`read_weights`: equal to the actor's ``rows_checksum`` of the same
+        tensors exactly when the server holds the same weights."""
+        return rows_checksum(self.read_weights(manifest, rows), None)
 
     def close(self) -> None:
         self.endpoint.close()

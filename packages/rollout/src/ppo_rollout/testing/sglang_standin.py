@@ -104,8 +104,28 @@ def _sampling(sp: dict[str, Any]) -> tuple[SamplingConfig, int]:
         top_k=0 if top_k < 0 else top_k,
         max_new_tokens=int(sp.get("max_new_tokens", 128)),
         stop_token_ids=tuple(int(t) for t in sp.get("stop_token_ids") or ()),
+        ignore_eos=bool(sp.get("ignore_eos", False)),
     )
     return cfg, int(sp.get("sampling_seed") or 0)
+
+
+def _meta_info(reason: Any, prompt: int, completion: int, version: Any, started: float) -> dict[str, Any]:
+    """A finished request's ``meta_info`` without log-probs, SGLang v0.5.17's keys
+    (``managers/tokenizer_manager.py`` ``_handle_batch_output``, metrics off)."""
+    import uuid
+
+    return {
+        "id": uuid.uuid4().hex,
+        "finish_reason": reason,
+        "prompt_tokens": prompt,
+        "weight_version": version,
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
+        "completion_tokens": completion,
+        "cached_tokens": 0,
+        "e2e_latency": time.time() - started,
+        "response_sent_to_client_ts": time.time(),
+    }
 
 
 class _Generation:
@@ -243,6 +263,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self._generate(body or {}, path)
                 except ValueError as exc:  # http_server.generate_request: _create_error_response(e)
                     self._send(400, {"error": {"message": str(exc)}}, path)
+            elif path == "/get_weights_by_name" and method in ("GET", "POST"):
+                self._weights_by_name(body, path)
             elif path == "/standin_tp_checksums" and method == "GET":
                 # for tests: TP rank 0's weights (whole) and ranks 1..'s shards, in rank order
                 checksums = [
@@ -258,10 +280,38 @@ class _Handler(BaseHTTPRequestHandler):
             with contextlib.suppress(OSError):
                 self._send(500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}, path)
 
+    def _weights_by_name(self, body: Any, path: str) -> None:
+        from ppo_weight_sync.requests import ValidationError
+        from ppo_weight_sync.routes import validation_error
+
+        from .sglang_get_weights import get_weights_by_name
+
+        engine = self.server.engine
+        try:
+            status, answer = get_weights_by_name(
+                dict(engine.named_tensors()), engine._core.model.config, body
+            )
+        except ValidationError as exc:
+            refusal = validation_error(str(exc))
+            status, answer = refusal.status, refusal.body
+        self._send(status, answer, path)
+
     def _answer(self, method: str, path: str, body: Any) -> RouteResult | None:
-        """The LoRA routes, then the rest of SGLang's (None: no such route)."""
+        """The LoRA routes, then the rest of SGLang's (None: no such route). Tensor payloads must be
+        base64 (0.5.17 ``utils/msgspec_utils.py`` ``Base64Bytes``: a validation error, 400, otherwise)."""
+        from ppo_weight_sync.routes import validation_error
+
+        payload = (body or {}).get("serialized_named_tensors") if isinstance(body, dict) else None
+        if isinstance(payload, list) and not all(_is_base64(p) for p in payload):
+            return validation_error(
+                f"1 validation error: body.serialized_named_tensors: Value error, Expected base64-encoded "
+                f"bytes [{path}]"
+            )
         answer = self.server.lora.handle(method, path, body)
-        return answer if answer is not None else self.server.state.handle(method, path, body)
+        answer = answer if answer is not None else self.server.state.handle(method, path, body)
+        if path in ("/model_info", "/get_model_info") and answer is not None and answer.status == 200:
+            answer = type(answer)(200, {**self.server.model_info, **answer.body})
+        return answer
 
     def _generate(self, body: dict[str, Any], path: str) -> None:
         ids = body.get("input_ids")
@@ -279,6 +329,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise ValueError(f"lora_path list length ({len(adapters)}) must match batch size ({len(batch)})")
         results = []
         for prompt, sp, adapter in zip(batch, per_req, adapters, strict=True):
+            started = time.time()
             cfg, seed = _sampling(sp)
             stops = _stop_strings(sp)
             if stops and self.server.decode([]) is None:
@@ -286,23 +337,14 @@ class _Handler(BaseHTTPRequestHandler):
             out = self.server.generation.run(list(prompt), cfg, seed, adapter)
             version = self.server.state.receiver.weight_version
             if out is None:  # aborted: SGLang's abort result, no tokens to train on
-                meta: dict[str, Any] = {
-                    "finish_reason": {"type": "abort", "message": "Abort before prefill"},
-                    "prompt_tokens": len(prompt),
-                    "completion_tokens": 0,
-                    "weight_version": version,
-                }
+                abort = {"type": "abort", "message": "Abort before prefill"}
+                meta = _meta_info(abort, len(prompt), 0, version, started)
                 if body.get("return_logprob"):
                     meta["output_token_logprobs"] = []
                 results.append({"text": "", "output_ids": [], "meta_info": meta})
                 continue
             out, reason, text = _finish(out, stops, self.server.decode, cfg.max_new_tokens)
-            meta = {
-                "finish_reason": reason,
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(out.token_ids),
-                "weight_version": version,
-            }
+            meta = _meta_info(reason, len(prompt), len(out.token_ids), version, started)
             if body.get("return_logprob"):
                 meta["output_token_logprobs"] = [
                     [lp, t, None] for lp, t in zip(out.log_probs, out.token_ids, strict=True)
@@ -321,6 +363,7 @@ class _Server(ThreadingHTTPServer):
         state: SGLangServerState,
         record_path: str | None,
         decode: Any,
+        model_path: str = "",
     ) -> None:
         super().__init__(addr, _Handler)
         self.engine = generation.engine
@@ -328,6 +371,18 @@ class _Server(ThreadingHTTPServer):
         self.lora = generation.lora
         self.state = state
         self.decode = decode  # token ids -> text, as SGLang's detokenizer (skip_special_tokens)
+        config = generation.engine._core.model.config
+        # /model_info's other keys (0.5.17 http_server.py model_info; weight_version comes from the state)
+        self.model_info: dict[str, Any] = {
+            "model_path": model_path,
+            "tokenizer_path": model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
         self._record_path = record_path
         self._record_lock = threading.Lock()
 
@@ -338,13 +393,25 @@ class _Server(ThreadingHTTPServer):
             fh.write(json.dumps(entry) + "\n")
 
 
+def _is_base64(value: Any) -> bool:
+    import base64
+    import binascii
+
+    try:
+        base64.b64decode(value, validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        return False
+    return True
+
+
 def _die(message: str) -> None:
     """Where SGLang's scheduler raises, the whole server goes down; so does the stand-in."""
     print(f"stand-in: the scheduler died: {message}", flush=True)
     os._exit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """SGLang's flags the stand-in reads, and its own knobs; other flags are taken and ignored."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -364,36 +431,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standin-ignore-sigterm", action="store_true")
     parser.add_argument("--standin-step-delay", type=float, default=0.0)
     args, _unknown = parser.parse_known_args(argv)
-    if args.standin_exit_code is not None:
-        print(f"stand-in: exiting with code {args.standin_exit_code} as asked", flush=True)
-        return int(args.standin_exit_code)
-    if args.standin_ignore_sigterm:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    else:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    if args.standin_startup_delay:
-        time.sleep(args.standin_startup_delay)
-    from transformers import AutoTokenizer
+    return args
 
+
+def _slow_steps(engine: BuiltinEngine, delay_s: float) -> None:
+    """``--standin-step-delay``: each decode step sleeps first, so tests can act while it generates."""
+    step = engine._step
+
+    @contextlib.contextmanager
+    def slow_step(epoch: int) -> Any:
+        time.sleep(delay_s)
+        with step(epoch):
+            yield
+
+    engine._step = slow_step  # type: ignore[method-assign]
+
+
+def _server_state(args: argparse.Namespace, engine: BuiltinEngine) -> tuple[_Generation, SGLangServerState]:
+    """The generation hooks (LoRA included) and SGLang's server state around the engine's receiver."""
     from ppo_weight_sync.buckets import dtype_name
     from ppo_weight_sync.sglang import SGLangProtocol
     from ppo_weight_sync.testing.sglang_like import SGLangReceiver, SGLangServerState
     from ppo_weight_sync.testing.sglang_lora import SGLangLora
     from ppo_weight_sync.testing.sglang_tp import TPRanks, start_remote_ranks
-
-    from ..engine.builtin import BuiltinEngine
-
-    engine = BuiltinEngine(args.model_path, name=f"standin:{args.port}", torch_threads=1)
-    if args.standin_step_delay:
-        step = engine._step
-
-        @contextlib.contextmanager
-        def slow_step(epoch: int) -> Any:
-            time.sleep(args.standin_step_delay)
-            with step(epoch):
-                yield
-
-        engine._step = slow_step  # type: ignore[method-assign]
 
     lora = SGLangLora(
         lambda: dict(engine._core.named_tensors()),
@@ -424,16 +484,43 @@ def main(argv: list[str] | None = None) -> int:
         spec, version=args.standin_version, tp_size=args.tp_size, device=str(engine.device), timeout_s=1800.0
     )
     generation = _Generation(engine, lora)
-    state = SGLangServerState(args.standin_version, TPRanks(receiver, remotes), generation, _die)
+    return generation, SGLangServerState(args.standin_version, TPRanks(receiver, remotes), generation, _die)
+
+
+def _decoder(model_path: str) -> Any:
+    """Token ids -> text as SGLang's detokenizer (``skip_special_tokens``); None without a tokenizer."""
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer: Any = AutoTokenizer.from_pretrained(args.model_path)
+        tokenizer: Any = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError):  # a weights-only model folder: no text, no stop strings
         tokenizer = None
 
     def decode(ids: list[int]) -> str | None:
         return None if tokenizer is None else str(tokenizer.decode(ids, skip_special_tokens=True))
 
-    server = _Server((args.host, args.port), generation, state, args.standin_record, decode)
+    return decode
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.standin_exit_code is not None:
+        print(f"stand-in: exiting with code {args.standin_exit_code} as asked", flush=True)
+        return int(args.standin_exit_code)
+    if args.standin_ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if args.standin_startup_delay:
+        time.sleep(args.standin_startup_delay)
+    from ..engine.builtin import BuiltinEngine
+
+    engine = BuiltinEngine(args.model_path, name=f"standin:{args.port}", torch_threads=1)
+    if args.standin_step_delay:
+        _slow_steps(engine, args.standin_step_delay)
+    generation, state = _server_state(args, engine)
+    decode = _decoder(args.model_path)
+    server = _Server((args.host, args.port), generation, state, args.standin_record, decode, args.model_path)
     print(
         f"stand-in SGLang {args.standin_version} on http://{args.host}:{args.port} argv={sys.argv[1:]}",
         flush=True,

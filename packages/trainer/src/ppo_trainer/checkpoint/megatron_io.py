@@ -19,6 +19,12 @@ and a load sets both, so a resume continues the run exactly, on either backend. 
 (lr, betas, weight decay) come from the config on the megatron backend; the torch backend adopts the
 file's, as it does for its own checkpoints. A folder without ``optimizer.pt`` loads with a warning
 (Adam then starts from the state it holds).
+
+The second half of the module is that conversion, the megatron backend's side of ``optimizer.pt``:
+``OptimizerShards`` (one rank's ``DistributedOptimizer`` shards gathered to whole megatron tensors and
+scattered back), ``hf_optimizer_state`` / ``load_hf_optimizer_state`` (to and from the file's dict),
+``chained`` and ``init_optimizer_state``. ``MegatronTrainer`` calls them; megatron-core is imported
+only inside the functions that use it, so the module imports without it.
 """
 
 from __future__ import annotations
@@ -26,15 +32,22 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch import nn
 
+from ppo_trainer import megatron_convert as mc
 from ppo_trainer.backend_protocol import TrainerBackend
 from ppo_trainer.checkpoint import format as fmt
+from ppo_trainer.checkpoint import optimizer_format as of
+from ppo_trainer.checkpoint.torch_optimizer import init_adam_state
+from ppo_trainer.config import TrainerConfig
 from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_weight_sync import non_finite_names
 
@@ -107,3 +120,147 @@ def load_shard(trainer: TrainerBackend, folder: Path) -> int | None:
         log.warning("%s: %s has no optimizer.pt; Adam starts afresh", trainer.config.role, folder)
     fmt.restore_rng(folder, _rank())
     return fmt.saved_step(saved)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The megatron backend's ``DistributedOptimizer`` in ``optimizer.pt``'s format. Its main weights and
+# Adam moments are flat float32 shards cut over data parallelism, of tensors sliced over tensor
+# parallelism: gathered into whole tensors in megatron names, converted with the weights' code
+# (``optimizer_format``), and back. megatron-core is imported only where a function needs it.
+
+
+def chained(optimizer: Any) -> list[Any]:
+    """The optimizers a megatron optimizer holds (one, or a ``ChainedOptimizer``'s several)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    if isinstance(optimizer, ChainedOptimizer):
+        return list(optimizer.chained_optimizers)
+    return [optimizer]
+
+
+def init_optimizer_state(optimizers: list[Any]) -> None:
+    """Adam's state for every main-weight shard now (``init_adam_state``: what torch's Adam makes in
+    its first step); megatron's own init for the fused optimizers (Transformer Engine, apex)."""
+    for opt in optimizers:
+        inner = opt.optimizer
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            init_adam_state(inner)
+        else:
+            opt.init_state_fn(inner, opt.config)
+
+
+@dataclass(frozen=True)
+class OptimizerShards:
+    """One megatron rank's view of its ``DistributedOptimizer``: what the conversion reads and writes.
+
+    ``optimizers``: the optimizers it chains (``chained``); ``params``: the trained model parameters by
+    megatron name; ``shape``/``critic``: the model, for the name and layout conversion;
+    ``whole_over_tp``: this rank's tensor-parallel slice of a tensor made whole (collective when TP > 1);
+    ``tp_slice``: a whole tensor's slice of this rank."""
+
+    optimizers: list[Any]
+    params: list[tuple[str, nn.Parameter]]
+    device: torch.device
+    shape: mc.ModelShape
+    critic: bool
+    whole_over_tp: Callable[[str, torch.Tensor], torch.Tensor]
+    tp_slice: Callable[[str, torch.Tensor], torch.Tensor]
+
+    def shard_of(self, param: nn.Parameter) -> tuple[dict[str, torch.Tensor], int, int] | None:
+        """This data-parallel rank's main weight and Adam moments for model ``param`` (flat float32
+        shards) and the element range of the parameter they cover; None when it owns none of it."""
+        for opt in self.optimizers:
+            if param in opt.model_param_group_index_map:
+                tensors = opt._get_main_param_and_optimizer_states(param)
+                span = opt._get_model_param_range_map(param)["param"]
+                return tensors, int(span.start), int(span.end)
+        return None
+
+    def gathered(self, key: str) -> dict[str, torch.Tensor]:
+        """``key`` ("param", "exp_avg", "exp_avg_sq") of every parameter as whole float32 CPU
+        tensors in megatron names: each data-parallel rank contributes its shard (an all-reduce of
+        the bits: exactly one rank holds each element, the others add zeros), then the
+        tensor-parallel slices are gathered. Collective on every rank."""
+        # The group the distributed optimizer cut its shards over (rebound after a wake).
+        dp_group = self.optimizers[0].data_parallel_group
+        dp_size = dist.get_world_size(dp_group)
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.params:
+            flat = torch.zeros(param.numel(), dtype=torch.float32, device=self.device)
+            shard = self.shard_of(param)
+            if shard is not None:
+                tensors, start, end = shard
+                flat[start:end] = tensors[key].detach().view(-1)
+            if dp_size > 1:
+                dist.all_reduce(flat.view(torch.int32), group=dp_group)
+            out[name] = self.whole_over_tp(name, flat.view(param.shape)).cpu()
+        return out
+
+    def scatter(self, key: str, whole: Mapping[str, torch.Tensor]) -> None:
+        """Whole megatron tensors (``whole``, by megatron name) into this rank's shards of ``key``;
+        parameters absent from ``whole`` keep theirs."""
+        for name, param in self.params:
+            shard = self.shard_of(param)
+            if name not in whole or shard is None:
+                continue
+            tensors, start, end = shard
+            flat = self.tp_slice(name, whole[name]).reshape(-1)[start:end]
+            tensors[key].view(-1).copy_(flat.to(device=tensors[key].device, dtype=tensors[key].dtype))
+
+    def adam_steps(self) -> set[int]:
+        """The step counts Adam holds: per parameter (torch) or per param group (fused optimizers)."""
+        steps: set[int] = set()
+        for opt in self.optimizers:
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                if "step" in group:
+                    steps.add(int(group["step"]))
+                for p in group["params"]:
+                    if "step" in inner.state.get(p, {}):
+                        steps.add(int(inner.state[p]["step"]))
+        return steps
+
+    def set_adam_step(self, step: int) -> None:
+        """Adam's step count, wherever the optimizers keep it (in place: a tensor step is filled)."""
+        for opt in self.optimizers:
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                if "step" in group:
+                    group["step"] = step
+                for p in group["params"]:
+                    held = inner.state[p].get("step")
+                    if isinstance(held, torch.Tensor):
+                        held.fill_(step)
+
+
+def hf_optimizer_state(shards: OptimizerShards, config: TrainerConfig, eps: float) -> dict[str, Any]:
+    """The ``DistributedOptimizer``'s Adam state as the torch backend's ``optimizer.pt`` dict:
+    moments gathered (data and tensor parallel) and converted to Hugging Face names and layouts
+    with the weights' code, float32 CPU tensors. Every rank calls it and gets the whole dict.
+    ``config``: the role and its hyperparameters (``eps``: Adam's, from megatron's optimizer config)."""
+    steps = shards.adam_steps() or {0}
+    if len(steps) > 1:
+        raise RuntimeError(f"{config.role}: Adam's step counts differ across parameters {steps}")
+    moments = {
+        key: of.moments_to_hf(shards.gathered(key), shards.shape, shards.critic) for key in of.ADAM_MOMENTS
+    }
+    group = of.adam_param_group(
+        of.optimizer_names(shards.shape, shards.critic),
+        lr=config.lr,
+        betas=config.betas,
+        eps=eps,
+        weight_decay=config.weight_decay,
+    )
+    return of.adam_state_dict(moments, steps.pop(), group)
+
+
+def load_hf_optimizer_state(shards: OptimizerShards, state: Mapping[str, Any], role: str) -> None:
+    """An ``optimizer.pt`` dict (either backend's) into this rank's shards of the Adam moments and
+    the step count, in the tensors the optimizer holds (the caller runs it in the memory backend's
+    optimizer region, without gradients)."""
+    names = of.optimizer_names(shards.shape, shards.critic)
+    adam = of.read_adam_state(state, names, source=f"{role} optimizer state")
+    init_optimizer_state(shards.optimizers)  # present since setup; a no-op then
+    for key in of.ADAM_MOMENTS:
+        shards.scatter(key, of.moments_to_megatron(adam.moments[key], shards.shape, shards.critic))
+    shards.set_adam_step(adam.step)

@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from ppo_lifecycle.memory.host import HostMemoryBackend
 from ppo_lifecycle.memory.protocol import HostCopies, MemoryBackend
-from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.backend_protocol import TrainerBackend
 from ppo_trainer.checkpoint import format as fmt
 from ppo_trainer.checkpoint import megatron_io, sharded, torch_io
 from ppo_trainer.checkpoint.background import BackgroundSave
+from ppo_trainer.checkpoint.protocol import TorchCheckpointable
 from ppo_trainer.config import TrainerConfig
 
 
@@ -84,7 +84,7 @@ class RankCheckpoints:
         the capture's seconds and the bytes it writes. The caller checked ``saves_asleep``."""
         self.wait()
         start = time.perf_counter()
-        if not isinstance(trainer, TorchTrainer):
+        if not isinstance(trainer, TorchCheckpointable):
             raise TypeError(f"{self.name}: saves from host copies are the torch backend's")
         state: torch_io.ShardState | sharded.ShardedCapture
         if self._group is not None:  # sharded: the writers gather the shards on their own group

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from ppo_lifecycle.memory import HostCopies
-from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.checkpoint import format as fmt
+from ppo_trainer.checkpoint.protocol import TorchCheckpointable
 from ppo_trainer.checkpoint.torch_io import ShardState, whole_state
 from ppo_trainer.checkpoint.torch_optimizer import state_by_name
 from ppo_weight_sync.net import local_address_toward
@@ -126,7 +126,7 @@ class ShardedCapture:
     """One rank's host copies of a sharded role's checkpoint (``capture_shards``); ``assemble`` in
     the writer thread turns them into the usual ``ShardState`` (whole tensors on rank 0)."""
 
-    trainer: TorchTrainer
+    trainer: TorchCheckpointable
     step: int | None
     group: SaveGroup
     rng: tuple[dict[str, torch.Tensor], dict[str, str]]
@@ -226,7 +226,7 @@ class ShardedCapture:
 
 
 def capture_shards(
-    trainer: TorchTrainer, step: int | None, host: HostCopies, group: SaveGroup
+    trainer: TorchCheckpointable, step: int | None, host: HostCopies, group: SaveGroup
 ) -> ShardedCapture:
     """This rank's part of an asleep sharded role's checkpoint: host copies, no collective, no copy.
 

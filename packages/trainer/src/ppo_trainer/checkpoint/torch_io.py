@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import PreTrainedModel
 
 from ppo_lifecycle.memory.protocol import HostCopies
-from ppo_trainer.backend import TorchTrainer
 from ppo_trainer.backend_protocol import TrainerBackend
 from ppo_trainer.checkpoint import format as fmt
 from ppo_trainer.checkpoint import torch_optimizer
+from ppo_trainer.checkpoint.protocol import TorchCheckpointable
 from ppo_trainer.converters import lora
 from ppo_trainer.errors import NonFiniteWeightsError
 from ppo_trainer.models import CriticModel, load_policy_state_into_critic, map_policy_state_to_critic
@@ -105,7 +105,7 @@ def private_copy(state: ShardState) -> ShardState:
     return dataclasses.replace(state, model=tree(state.model), optimizer=optimizer, policy=policy)
 
 
-def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = None) -> ShardState:
+def capture(trainer: TorchCheckpointable, step: int | None, host: HostCopies | None = None) -> ShardState:
     """This rank's checkpoint state. Sharded, a collective (every rank gathers).
 
     ``host``: the trainer is asleep and its tensors are read from the host copies its sleep made
@@ -138,13 +138,13 @@ def capture(trainer: TorchTrainer, step: int | None, host: HostCopies | None = N
     return whole_state(trainer, step, rng, model_state, optimizer_state, given=host is not None)
 
 
-def _in_shared_base(trainer: TorchTrainer, value: Any) -> bool:
+def _in_shared_base(trainer: TorchCheckpointable, value: Any) -> bool:
     shared = trainer.shared_base
     return shared is not None and isinstance(value, torch.Tensor) and shared.holds(value)
 
 
 def whole_state(
-    trainer: TorchTrainer,
+    trainer: TorchCheckpointable,
     step: int | None,
     rng: tuple[dict[str, torch.Tensor], dict[str, str]],
     model_state: Mapping[str, Any],
@@ -255,9 +255,9 @@ def save_shard(trainer: TrainerBackend, folder: Path, step: int | None) -> None:
     write_shard(capture(_torch_trainer(trainer), step), folder)
 
 
-def _torch_trainer(trainer: TrainerBackend) -> TorchTrainer:
+def _torch_trainer(trainer: TrainerBackend) -> TorchCheckpointable:
     # save_shard/load_shard satisfy backend_protocol.CheckpointIO, typed for any backend.
-    if not isinstance(trainer, TorchTrainer) or trainer.config.backend != "torch":
+    if not isinstance(trainer, TorchCheckpointable) or trainer.config.backend != "torch":
         raise TypeError(
             f"checkpoint.torch_io saves the torch backend; this is {trainer.config.backend!r} "
             "(use ppo_trainer.checkpoint.megatron_io)"
@@ -310,7 +310,10 @@ def load_shard(trainer: TrainerBackend, folder: Path) -> int | None:
     A critic accepts an actor's ``model.safetensors`` (a policy checkpoint): its backbone loads and the
     value head stays fresh; the optimizer state is then not loaded (it belongs to another model).
     """
-    trainer = _torch_trainer(trainer)
+    return _load(_torch_trainer(trainer), folder)
+
+
+def _load(trainer: TorchCheckpointable, folder: Path) -> int | None:
     model_file, saved = fmt.read_saved(folder, trainer.config.role)
     saved_role = saved.get("role", trainer.config.role)
     with trainer.region(trainer.WEIGHTS_TAG):
@@ -330,7 +333,7 @@ def load_shard(trainer: TrainerBackend, folder: Path) -> int | None:
     return fmt.saved_step(saved)
 
 
-def _load_policy_into_critic(trainer: TorchTrainer, model_file: Path) -> None:
+def _load_policy_into_critic(trainer: TorchCheckpointable, model_file: Path) -> None:
     """A policy checkpoint's backbone into the critic (its value head stays)."""
     assert isinstance(trainer.model, CriticModel)
     if trainer.sharded:
@@ -350,7 +353,7 @@ def _load_policy_into_critic(trainer: TorchTrainer, model_file: Path) -> None:
         load_policy_state_into_critic(trainer.model, state)
 
 
-def _load_with_shared_base(trainer: TorchTrainer, model_file: Path) -> tuple[list[str], list[str]]:
+def _load_with_shared_base(trainer: TorchCheckpointable, model_file: Path) -> tuple[list[str], list[str]]:
     """``model.safetensors`` into a model whose frozen base is shared (``train.lora.share_base``; its
     tensors are views into one buffer, which safetensors' ``load_model`` refuses). The actor, the
     owner, writes the base; the critic leaves it to the owner (the actor loads the same bytes from its
@@ -373,7 +376,7 @@ def _load_with_shared_base(trainer: TorchTrainer, model_file: Path) -> tuple[lis
     return missing, unexpected
 
 
-def _load_model(trainer: TorchTrainer, model_file: Path) -> None:
+def _load_model(trainer: TorchCheckpointable, model_file: Path) -> None:
     """``model.safetensors`` of this role into the model; ``ValueError`` when the names differ."""
     if trainer.sharded:
         # Every rank reads the whole file and keeps its shard (the folder is shared, as for saving).

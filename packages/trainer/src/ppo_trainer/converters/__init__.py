@@ -12,41 +12,27 @@ a configured order, instead of one branch per transform in the trainer.
 The order: packed attention (which kernel transformers calls), LoRA (adapters on the decoder layers'
 linear layers), compile (torchtitan compiles before FSDP2 so it wraps the compiled blocks; after LoRA
 so the compiled layers contain the adapters), sharding (FSDP2).
+
+The seam itself (``ModelConverter``, ``NamedTensors``) lives in ``converters.protocol``, which the
+converters import; this module re-exports it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ppo_trainer.config import TrainerConfig
-
-NamedTensors = Iterator[tuple[str, torch.Tensor]]
+from ppo_trainer.converters.attention import PackedAttentionConverter
+from ppo_trainer.converters.compile import CompileConverter
+from ppo_trainer.converters.lora import LoRAConverter
+from ppo_trainer.converters.protocol import ModelConverter, NamedTensors
+from ppo_trainer.converters.sharding import ShardingConverter
 
 __all__ = ["ModelConverter", "NamedTensors", "apply", "export", "for_model"]
-
-
-class ModelConverter(Protocol):
-    """One model transform: ``convert`` once after loading, ``export`` on every read of the weights."""
-
-    @property
-    def name(self) -> str:
-        """What the converter is called (``train`` settings' word for it)."""
-        ...
-
-    def convert(self, model: nn.Module) -> nn.Module:
-        """The converted model (in place where the transform allows; the result is what is used)."""
-        ...
-
-    def export(self, weights: NamedTensors, dtype: torch.dtype | None) -> NamedTensors:
-        """``weights`` (the model's state dict as the converters after this one export it) as a
-        Hugging Face checkpoint of the unconverted model names them. ``dtype``: what the caller casts
-        to afterwards; a converter may cast earlier (before a gather, to move fewer bytes)."""
-        ...
 
 
 def apply(converters: Iterable[ModelConverter], model: nn.Module) -> nn.Module:
@@ -79,12 +65,6 @@ def for_model(
     (autocast's, FSDP2's parameter dtype; None: float32), which LoRA stores the frozen base in.
     The reference gets no adapters (it is the initial policy).
     """
-    # Imported here: each module imports this one for the protocol's types.
-    from ppo_trainer.converters.attention import PackedAttentionConverter
-    from ppo_trainer.converters.compile import CompileConverter
-    from ppo_trainer.converters.lora import LoRAConverter
-    from ppo_trainer.converters.sharding import ShardingConverter
-
     out: list[ModelConverter] = []
     if config.pack_sequences:
         out.append(PackedAttentionConverter(config.packed_attention))

@@ -10,7 +10,7 @@ from torch import nn
 
 from ppo_trainer import packing
 from ppo_trainer.config import PackedAttention
-from ppo_trainer.converters import NamedTensors
+from ppo_trainer.converters.protocol import NamedTensors
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ppo_trainer.compiled import compile_decoder_layers
-from ppo_trainer.converters import NamedTensors
+from ppo_trainer.converters.protocol import NamedTensors
 
 
 @dataclass(frozen=True)

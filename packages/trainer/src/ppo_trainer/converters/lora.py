@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_trainer.config import LoraSettings
-from ppo_trainer.converters import NamedTensors
+from ppo_trainer.converters.protocol import NamedTensors
 from ppo_trainer.sharding import decoder_blocks
 from ppo_weight_sync.lora import ADAPTER_LEAVES, adapter_module, merge_lora
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ppo_trainer import sharding
-from ppo_trainer.converters import NamedTensors
+from ppo_trainer.converters.protocol import NamedTensors
 
 
 @dataclass(frozen=True)

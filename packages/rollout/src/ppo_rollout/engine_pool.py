@@ -1,0 +1,141 @@
+"""The rollout's engines: each launched on its slot, all waited for together, their warm-up, stop.
+
+``rollout.engine`` picks the handle (``engine.handles``): the built-in engine as a Ray actor holding
+its GPU share, or an SGLang server launched by an actor that holds no GPU (the server takes its GPUs
+by id). Engine ``i`` takes bundles ``[i * gpus_per_engine, (i + 1) * gpus_per_engine)`` of ``slots``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+from ppo_lifecycle.startup import role_startup
+from ppo_weight_sync import EngineEndpoint
+from ppo_weight_sync.sglang_lora import ADAPTER_NAME
+
+from .config import RolloutConfig, SamplingConfig
+from .engine.handles import BuiltinEngineHandle, EngineHandle, SGLangEngineHandle
+from .slots import EngineSlots, actor_options
+
+__all__ = ["EnginePool", "check_bundles", "make_engine"]
+
+
+def check_bundles(config: RolloutConfig, slots: EngineSlots | None) -> None:
+    """The placement gave every engine its bundles (``None``: anywhere on the local Ray instance)."""
+    per_engine = max(1, config.gpus_per_engine)
+    if slots is not None and len(slots.bundle_indices) < config.num_engines * per_engine:
+        raise ValueError(
+            f"rollout needs {config.num_engines * per_engine} bundles ({config.num_engines} engines x "
+            f"{per_engine}), the placement gave {len(slots.bundle_indices)}"
+        )
+
+
+def make_engine(cfg: RolloutConfig, i: int, slots: EngineSlots | None) -> EngineHandle:
+    """Engine ``i``'s handle, its start requested (not waited for)."""
+    per_engine = max(1, cfg.gpus_per_engine)
+    share = float(slots.gpu_share) if slots is not None else (1.0 if cfg.device == "cuda" else 0.0)
+    name = f"rollout-{i}"
+    if cfg.engine == "builtin":
+        return BuiltinEngineHandle(
+            name,
+            cfg.model_path,
+            cfg.device,
+            cfg.dtype,
+            cfg.gpus_per_engine,
+            actor_options(slots, i * per_engine, share),
+            cfg.timeout_s,
+            lora=cfg.lora,
+        )
+    gpu_ids = tuple(slots.gpu_ids) if slots is not None else ()
+    base_gpu = gpu_ids[i * per_engine] if gpu_ids else i * per_engine
+    spec_args = {
+        "model_path": cfg.model_path,
+        "port": None,
+        "tp_size": cfg.gpus_per_engine,
+        "base_gpu_id": base_gpu,
+        "host": cfg.sglang.host,
+        # Sharing GPUs with training (a fractional share) means the server must release its memory.
+        "enable_memory_saver": slots is not None and 0.0 < share < 1.0,
+        # rollout.sglang.mem_fraction_static; unset and sharing GPUs with training, 0.6 leaves room
+        # for the trainers' CUDA contexts and what they keep resident while asleep (SGLang's own
+        # default assumes the GPU is the server's alone). extra_args' --mem-fraction-static wins.
+        "mem_fraction_static": cfg.sglang.mem_fraction_static
+        or (0.6 if slots is not None and 0.0 < share < 1.0 else None),
+        "random_seed": cfg.seed + i,
+        "attention_backend": cfg.sglang.attention_backend,
+        "extra_args": cfg.sglang.extra_args,
+        "lora": cfg.lora,  # adapter-only updates: the server runs with LoRA on
+        **({"command": cfg.sglang.command} if cfg.sglang.command else {}),
+    }
+    # The launching actor holds no GPU: the server takes its GPUs by id.
+    return SGLangEngineHandle(
+        name,
+        spec_args,
+        actor_options(slots, i * per_engine, 0.0),
+        startup_timeout_s=cfg.sglang.startup_timeout_s,
+        stop_grace_s=cfg.sglang.stop_grace_s,
+        request_timeout_s=cfg.sglang.request_timeout_s,
+        adapter=ADAPTER_NAME if cfg.lora is not None else None,
+        weights=(cfg.dtype, cfg.sglang.check_rows),  # what train.check_weights reads back
+    )
+
+
+class EnginePool:
+    """``config.num_engines`` engines on ``slots``, started and ready; on a failure to start, the ones
+    made are stopped and the failure raised. ``engines`` is emptied in place by :meth:`shutdown`."""
+
+    def __init__(self, config: RolloutConfig, slots: EngineSlots | None) -> None:
+        self.config = config
+        self.engines: list[EngineHandle] = []
+        requested_at = time.time()
+        try:
+            for i in range(config.num_engines):
+                self.engines.append(make_engine(config, i, slots))
+            # Created first, waited for together: engines load in parallel.
+            wait = config.sglang.startup_timeout_s + 60 if config.engine == "sglang" else config.timeout_s
+            for engine in self.engines:
+                engine.wait_ready(wait)
+            # The engines' start-up, part by part (the slowest engine's), for the driver's table.
+            self.startup = role_startup(requested_at, [e.startup(config.timeout_s) for e in self.engines])
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def endpoints(self) -> list[EngineEndpoint]:
+        """The engines as ppo_weight_sync endpoints, for ``WeightSender.connect``."""
+        return [e.endpoint() for e in self.engines]
+
+    def start_warm_up(self) -> Callable[[float], dict[str, float]]:
+        """Start each built-in engine's ``warm_up`` for the first wave of a training step (the rows
+        ``GenerateClient`` sends each engine: ``prompts_per_step`` split in near-equal contiguous
+        chunks, ``n_samples_per_prompt`` rows each) and return what waits for them: the slowest
+        engine's ``{"warm_up_s": ...}``. SGLang servers capture their graphs at launch: nothing to do."""
+        cfg = self.config
+        engines = len(self.engines)
+        bounds = [round(k * cfg.prompts_per_step / engines) for k in range(engines + 1)]
+        sampling = SamplingConfig.of(cfg.sampling, seed=0)
+        waits = [
+            engine.submit_warm_up(
+                (bounds[j + 1] - bounds[j]) * cfg.sampling.n_samples_per_prompt,
+                cfg.max_prompt_length,
+                sampling,
+            )
+            for j, engine in enumerate(self.engines)
+            if isinstance(engine, BuiltinEngineHandle) and bounds[j + 1] > bounds[j]
+        ]
+
+        def wait(timeout_s: float) -> dict[str, float]:
+            seconds = [w(timeout_s)["warm_up_s"] for w in waits]
+            return {"warm_up_s": max(seconds, default=0.0)}
+
+        return wait
+
+    def shutdown(self) -> None:
+        engines = list(self.engines)
+        self.engines.clear()
+        for engine in engines:
+            # Best effort: one engine failing to stop must not leave the others running.
+            with contextlib.suppress(Exception):
+                engine.shutdown()
