@@ -24,6 +24,7 @@ fi
 src=$(ls -d "$PWD"/packages/*/src | paste -sd: -)
 sg=""; [ -f /tmp/sgsite/.done ] && sg=/tmp/sgsite:
 export PYTHONPATH="${sg}/tmp/site:$src${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="/tmp/sgsite/bin:$PATH" TOKENIZERS_PARALLELISM=false
 if [ ! -f /tmp/models/smollm2/config.json ] && [ -f /tmp/site/.done ] \
    && [ "$(ls /tmp/xfer/smol_part_* 2>/dev/null | wc -l)" = "$SMOL_PARTS" ]; then
   cat /tmp/xfer/smol_part_* > /tmp/smollm2.gguf

@@ -30,6 +30,7 @@ def local_ray() -> Iterator[None]:
 
 
 PROMPTS = 8
+MAX_ROUNDS = 10  # the random tiny model scores many groups all wrong: room to refill them
 
 
 @pytest.mark.timeout(300)
@@ -50,7 +51,7 @@ def test_grpo_without_critic_disaggregated_trains_only_on_groups_whose_scores_va
             "rollout.eval_interval=1",
             "rollout.eval_prompts=4",
             "rollout.dynamic_sampling.enabled=true",
-            "rollout.dynamic_sampling.max_rounds=4",
+            f"rollout.dynamic_sampling.max_rounds={MAX_ROUNDS}",
             "rollout.dynamic_sampling.over_sample=1.0",
             "rollout.dynamic_sampling.on_exhausted=stop",
             "rollout.overlong.buffer_len=2",
@@ -70,7 +71,7 @@ def test_grpo_without_critic_disaggregated_trains_only_on_groups_whose_scores_va
         # Every trained group has varying scores: none padded in.
         assert record["rollout/dynamic/kept_groups"] == PROMPTS
         assert record["rollout/dynamic/padded_groups"] == 0
-        assert 1 <= record["rollout/dynamic/rounds"] <= 4
+        assert 1 <= record["rollout/dynamic/rounds"] <= MAX_ROUNDS
         # A second round refills what the first dropped.
         refilled = record["rollout/dynamic/samples_generated_per_trained"] > 1
         assert (record["rollout/dynamic/rounds"] > 1) == refilled

@@ -51,6 +51,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _vocab(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
 def _spec(args: argparse.Namespace, model: str, lora: bool) -> SGLangServerSpec:
     cuda = torch.cuda.is_available()
     extra: dict[str, Any] = {}
@@ -76,7 +80,7 @@ def _record(
     only = {s for s in args.only.split(",") if s}
     with RecordingProxy(url) as proxy:
         with proxy.step("connect", subset={"/server_info": ["version", "tp_size", "dp_size", "pp_size"]}):
-            client = SGLangClient(proxy.url, timeout_s=600, name="recorded")
+            client = SGLangClient(proxy.url, timeout_s=600, name="recorded", vocab_size=_vocab(models[0]))
         gpus = torch.cuda.device_count()
         device = torch.device("cuda", 0) if gpus else None  # the server's (base_gpu_id 0)
         # a weight group from a second GPU over NCCL; from the CPU over gloo when there is one GPU

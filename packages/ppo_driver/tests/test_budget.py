@@ -3,6 +3,7 @@ step, and the table, the summary and the plot show them (real clocks, real files
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -233,3 +234,56 @@ def test_the_table_shows_each_training_phase_tflops() -> None:
     cells = dict(zip(table.columns[0].cells, table.columns[-1].cells, strict=True))
     assert cells["critic_train"] == "50"
     assert cells["actor_train"] == ""
+
+
+def _full_history() -> list[dict[str, float]]:
+    """Every column filled, with the longest part names a run has (as a CPU run of the guess config)."""
+    parts = {
+        "generate": 0.6,
+        "critic_train": 0.5,
+        "actor_train": 0.6,
+        "generate_wait": 0.001,
+        "weight_update": 0.14,
+        "engines/sleep": 0.015,
+        "actor/sleep": 0.05,
+        "other": 0.02,
+    }
+    out = []
+    for step in (1, 2, 3):
+        record: dict[str, float] = {"step": step, "time/step_s": sum(parts.values())}
+        record |= {f"time/{k}_s": v for k, v in parts.items()}
+        record |= {"time/actor/sleep_hidden_s": 0.01, "bytes/actor/sleep": 1e6, "bytes/engines/sleep": 3e5}
+        record |= {"critic/tflops": 0.00296, "actor/tflops": 0.00237}
+        out.append(record)
+    return out
+
+
+def test_the_budget_table_fits_80_columns_with_every_name_whole() -> None:
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(budget_table(_full_history(), "cpu"))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    body = [line.split()[0] for line in text.splitlines() if line.strip()]
+    for name in ("generate_wait", "weight_update", "engines/sleep", "actor/sleep", "critic_train"):
+        assert name in body, text
+    assert "…" not in text.split("1st s:")[0]  # nothing in the table itself is cut
+    assert "per CPU rank (no GPU in this run)" in text
+    assert "per GPU" not in text
+    assert "per GPU" in str(budget_table(_full_history(), "cuda").caption)
+
+
+def test_a_cpu_run_start_up_table_has_no_cuda_graphs() -> None:
+    from ppo_driver.metrics import startup_table
+    from ppo_driver.startup import StartupClock
+
+    clock = StartupClock()
+    with clock.part("roles"):
+        clock.roles({"rollout": {"model": 1.0, "cuda graphs": 0.0}, "actor": {"model": 2.0}})
+    table = clock.end()
+    shown = {"cpu": startup_table(table, [], "cpu"), "cuda": startup_table(table, [], "cuda")}
+    names = {device: list(t.columns[0].cells) for device, t in shown.items()}
+    assert "  rollout: model" in names["cpu"]
+    assert "  rollout: cuda graphs" not in names["cpu"]
+    assert "  rollout: cuda graphs" in names["cuda"]

@@ -185,3 +185,38 @@ def test_a_checkpoint_dir_in_a_read_only_parent_is_locked_inside_it(tmp_path: Pa
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "locked ['.lock']"
     assert sorted(p.name for p in parent.iterdir()) == ["ckpt"]  # nothing written beside it
+
+
+@needs_mounts
+def test_starting_over_in_a_checkpoint_dir_whose_parent_is_read_only_is_refused(tmp_path: Path) -> None:
+    parent, run_dir = tmp_path / "shared", tmp_path / "run"
+    ckpt = parent / "ckpt"
+    (ckpt / "step_000002").mkdir(parents=True)  # an earlier run's checkpoint, to be moved aside
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from ppo_driver import preflight\n"
+        "from ppo_driver.config import ConfigError, load_config\n"
+        "for resume in ('false', 'true'):\n"
+        "    config = load_config(None, [f'checkpoint.dir={sys.argv[1]}', f'checkpoint.resume={resume}'])\n"
+        "    try:\n"
+        "        preflight.check(config, run_dir=Path(sys.argv[2]))\n"
+        "        print(resume, 'ok')\n"
+        "    except ConfigError as exc:\n"
+        "        print(resume, str(exc).splitlines()[1])\n"
+    )
+    script = (
+        'mount --bind "$1" "$1" && mount --bind "$2" "$2" && mount -o remount,bind,ro "$1" && '
+        'exec "$0" -c "$4" "$2" "$3"'
+    )
+    run = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, sys.executable, str(parent), str(ckpt), str(run_dir), code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    refused, resumed = run.stdout.splitlines()
+    assert refused.startswith("false   - checkpoint.dir: checkpoint.resume=false moves the earlier")
+    assert f"its parent {parent} is not writable" in refused
+    assert resumed == "true ok"

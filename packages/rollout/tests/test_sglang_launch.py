@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +37,8 @@ def _argv_flags(spec: SGLangServerSpec) -> list[str]:
             enable_memory_saver=True,
             mem_fraction_static=0.6,
             random_seed=7,
+            dtype="bfloat16",
+            weights_cpu_backup=True,
             lora=AdapterUpdates(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj")),
         ),
     ],
@@ -45,6 +49,63 @@ def test_every_flag_the_adapter_passes_is_one_sglang_0_5_17_defines(spec: SGLang
     assert len(known) > 400  # the whole parser was read, not a fragment
     unknown = [f for f in _argv_flags(spec) if f not in known]
     assert not unknown, f"flags SGLang 0.5.17's server_args.py does not define: {unknown}"
+
+
+def test_the_server_holds_the_weights_in_the_dtype_the_actor_sends() -> None:
+    """A real 0.5.17 server given ``--dtype auto`` served a float32 checkpoint in float16, and its weights
+    read back after a bfloat16 update differed from the actor's: the engine pool names the dtype."""
+    from ppo_rollout.config import RolloutConfig
+    from ppo_rollout.engine_pool import sglang_spec_args
+
+    argv = SGLangServerSpec(model_path="/m", port=1, dtype="bfloat16").argv()
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert "--dtype" not in SGLangServerSpec(model_path="/m", port=1).argv()
+    mine = SGLangServerSpec(model_path="/m", port=1, dtype="bfloat16", extra_args=("--dtype", "float16"))
+    assert mine.argv().count("--dtype") == 1
+    for dtype in ("bfloat16", "float32"):
+        config = RolloutConfig(
+            engine="sglang", model_path="/m", device="cuda", dtype=dtype, gpus_per_engine=1
+        )
+        assert sglang_spec_args(config, 0, None)["dtype"] == dtype
+
+
+@dataclass(frozen=True)
+class _SharedGpu:
+    """Slots on one GPU shared with training (what placement hands a colocated engine)."""
+
+    placement_group: Any = None
+    bundle_indices: tuple[int, ...] = (0,)
+    gpu_ids: tuple[int, ...] = (0,)
+    gpu_share: float = 0.5
+
+
+def test_a_released_server_keeps_its_weights_where_no_whole_update_follows_a_resume() -> None:
+    """A real 0.5.17 server resumed released weights as zeros (and generated from them): the host copy
+    is on where a resume is not followed by whole weights (adapter-only updates), off otherwise, and
+    the setting wins."""
+    from ppo_rollout.config import RolloutConfig, SGLangOptions
+    from ppo_rollout.engine_pool import sglang_spec_args
+
+    lora = AdapterUpdates(rank=4, alpha=8.0, target_modules=("q_proj",))
+    base = {
+        "engine": "sglang",
+        "model_path": "/m",
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "gpus_per_engine": 1,
+    }
+
+    def backup(shared: bool = True, **kw: Any) -> bool:
+        args = sglang_spec_args(RolloutConfig(**base, **kw), 0, _SharedGpu() if shared else None)
+        return bool(args["weights_cpu_backup"])
+
+    assert not backup()  # whole weights follow every resume
+    assert backup(lora=lora)  # adapter-only updates never send the base again
+    assert not backup(shared=False, lora=lora)  # a server alone on its GPUs never releases
+    assert backup(sglang=SGLangOptions(weights_cpu_backup=True))
+    assert not backup(lora=lora, sglang=SGLangOptions(weights_cpu_backup=False))
+    argv = SGLangServerSpec(model_path="/m", port=1, weights_cpu_backup=True).argv()
+    assert "--enable-weights-cpu-backup" in argv
 
 
 def test_the_defaults_pick_backends_a_slim_sglang_has() -> None:

@@ -49,7 +49,10 @@ class Layout:
 
     @property
     def rollout_offset(self) -> int:
-        """Where the rollout bundles start; ``num_bundles`` when no rollout is placed (slime's number)."""
+        """Where the rollout bundles start; ``num_bundles`` when no rollout is placed (train-only), the
+        first index past the trainers' bundles. slime's ``create_placement_groups``
+        (slime/ray/placement_group.py) sets ``rollout_offset = 0`` for ``--debug-train-only``, a value it
+        never reads there since no engine is placed; this one names no bundle that exists either."""
         rollout = self.roles.get("rollout")
         return self.num_bundles if rollout is None else rollout.offset
 

@@ -89,6 +89,7 @@ def actor_trainer_config(config: RunConfig, model_path: Path | str) -> TrainerCo
         weight_sync_colocated_tp=weight_sync_plan(config).tp_wire,
         # The engines hold the weights in the rollout dtype and reject any other.
         weight_sync_dtype=_rollout_dtype(config),
+        critic_health=config.logging.critic_health,
     )
 
 
@@ -109,8 +110,12 @@ def critic_trainer_config(actor: TrainerConfig, config: RunConfig) -> TrainerCon
 
 def rollout_config(config: RunConfig, model_path: Path | str) -> RolloutConfig:
     p = config.placement
+    settings = _settings(config.rollout, RolloutSettings)
+    if config.train.num_critic_only_steps and settings["sglang"].weights_cpu_backup is None:
+        # critic-only steps release the servers and send no weights after: keep a host copy
+        settings["sglang"] = dataclasses.replace(settings["sglang"], weights_cpu_backup=True)
     return RolloutConfig(
-        **_settings(config.rollout, RolloutSettings),
+        **settings,
         model_path=str(model_path),
         num_engines=p.num_engines,
         gpus_per_engine=p.gpus_per_engine if p.device == "cuda" else 0,

@@ -378,6 +378,9 @@ def _train(args: argparse.Namespace, console: Console, startup: StartupClock) ->
     # first step on a prompt it would fail on).
     dataset_check = preflight.DatasetCheck(config) if config.rollout.dataset is not None else None
 
+    from ppo_driver.latest_link import point_latest
+
+    point_latest(run_dir)  # runs/latest: the guides' next commands find this run
     console.print(
         f"ppo-driver {__version__}: {config.algorithm.estimator} on "
         f"{config.model.path or 'the built-in tiny model'} "
@@ -411,9 +414,9 @@ def _train(args: argparse.Namespace, console: Console, startup: StartupClock) ->
         return 0
     if result.history:
         print_whole(console, summary_table(result.history, run_dir))
-        print_whole(console, budget_table(result.history))
+        print_whole(console, budget_table(result.history, config.placement.device))
     if result.startup is not None:
-        print_whole(console, startup_table(result.startup, result.history))
+        print_whole(console, startup_table(result.startup, result.history, config.placement.device))
     status = "match" if result.weights_match else "DIFFER"
     console.print(
         f"engines hold the actor's final weights: {status} (actor {result.actor_checksum[:12]})",

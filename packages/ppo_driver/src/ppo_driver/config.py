@@ -241,6 +241,12 @@ class LoggingSection(_Section):
         default=True, description="print a line per step (rewards, accuracy, seconds) and the eval lines"
     )
     worker_logs: bool = Field(default=False, description="print the Ray workers' output in the console")
+    critic_health: bool = Field(
+        default=True,
+        description="the critic's health metrics every step: explained variance (whole batch, per "
+        "response tenth, per turn), calibration, first value vs score, advantage variance against "
+        "GRPO's and RLOO's (docs/guide/algorithms.md)",
+    )
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="WARNING", description="Python logging level of the driver and the libraries it uses"
     )
@@ -522,6 +528,16 @@ class RunConfig(_Section):
                 raise ValueError(
                     f"algorithm.num_mini_batches ({a.num_mini_batches}) must divide the samples per "
                     f"data-parallel rank ({samples} / {name} {dp} = {per_rank})"
+                )
+            critic_parts = a.mini_batches_for("critic")
+            if self.use_critic and (
+                per_rank % critic_parts
+                or (t.max_tokens_per_micro_batch is None and (per_rank // critic_parts) % t.micro_batch_size)
+            ):
+                raise ValueError(
+                    f"algorithm.critic_num_mini_batches ({critic_parts}) must divide the samples per "
+                    f"data-parallel rank ({samples} / {name} {dp} = {per_rank}) into mini-batches that "
+                    f"train.micro_batch_size ({t.micro_batch_size}) divides"
                 )
             per_mini = per_rank // a.num_mini_batches
             # A token budget sizes the micro-batches itself; micro_batch_size is then unused.

@@ -37,7 +37,18 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from ppo_driver import budget, build, checkpoint, cluster_check, nodes, preflight, processes, reaper, resume
+from ppo_driver import (
+    budget,
+    build,
+    checkpoint,
+    cluster_check,
+    critic_report,
+    nodes,
+    preflight,
+    processes,
+    reaper,
+    resume,
+)
 from ppo_driver.config import RunConfig, dump_config
 from ppo_driver.faults import RunFailed, StopSignals
 from ppo_driver.metrics import MetricsLog, StepProgress
@@ -172,7 +183,9 @@ def step(run: Run, n: int) -> dict[str, Any]:
     if run.evaluates.due(n):
         with rec.part("eval"):
             rec.add("eval", roles.rollout.evaluate(n))
-    return rec.finish(last=last)
+    metrics = rec.finish(last=last)
+    metrics.update(critic_report.cost_metrics(metrics))  # the critic's share of the step
+    return metrics
 
 
 def _generate(run: Run, rec: StepRecord) -> RolloutBatch:
@@ -218,8 +231,14 @@ def _update_weights(run: Run, rec: StepRecord) -> None:
     run.published = rec.step
     if run.config.train.check_weights:
         with rec.part("check_weights"):
-            r = run.config.rollout
-            check_weights_match(rec.step, run.roles, r.sglang.check_rows if r.engine == "sglang" else None)
+            check_weights_match(rec.step, run.roles, _check_rows(run.config))
+
+
+def _check_rows(config: RunConfig) -> int | None:
+    """The rows of each tensor an engine's weights checksum reads (SGLang reads its weights back as
+    JSON: ``rollout.sglang.check_rows``); None: every row."""
+    r = config.rollout
+    return r.sglang.check_rows if r.engine == "sglang" else None
 
 
 # --- setup -----------------------------------------------------------------------------------------
@@ -473,7 +492,8 @@ def finish(run: Run) -> RunResult:
         first_step=run.start + 1,
         last_step=max(run.start, config.train.steps),
         history=run.log.history,
-        actor_checksum=run.roles.actor.weights_checksum(),
+        # the engines' checksum covers the rows they read back (SGLang's check_rows): the actor's the same
+        actor_checksum=run.roles.actor.weights_checksum(_check_rows(config)),
         engine_checksums=list(run.roles.rollout.weights_checksums()),
         startup=run.startup,
     )
@@ -489,6 +509,8 @@ def finish(run: Run) -> RunResult:
         # The first step's seconds and their ratio to the mean step after it (what start-up left to it).
         "first_step_time": _first_step_time(run.log.history),
         "transitions": {"overlap": run.overlap.overlap, "reason": run.overlap.reason},
+        # What the critic cost and bought over the last steps (null without a critic).
+        "critic": critic_report.summary(run.log.history),
     }
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return result

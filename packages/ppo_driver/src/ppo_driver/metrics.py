@@ -16,14 +16,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ppo_driver import critic_report
 from ppo_driver.budget import budget_rows, overhead_means, phase_tflops
 from ppo_driver.startup import StartupTable, first_step_ratio
 
 METRICS_FILE = "metrics.jsonl"
+# Start-up parts that only a GPU run has (a CPU engine reports 0 s for them).
+_GPU_ONLY_PARTS = ("cuda graphs",)
 
 # What the progress line shows, in order, when the step has it.
 SHOWN = (
@@ -202,56 +206,83 @@ def summary_table(history: list[dict[str, Any]], run_dir: Path, window: int = 5)
         if steps
         else "no steps ran"
     )
+    critic = critic_report.summary_line(history, window)
+    if critic is not None:
+        table.caption += f"\n{critic}"
     return table
 
 
-def budget_table(history: list[dict[str, Any]]) -> Table:
+def budget_table(history: list[dict[str, Any]], device: str = "cuda") -> Table:
     """Where the step's seconds went (``budget.py``): each part's seconds and share of the step, the
     first step on its own (it creates the optimizer state and warms caches) and the mean after it.
-    ``other`` is the step time no named part covers, so the column adds up to ``step``."""
-    table = Table(title="step budget", show_header=True)
-    table.add_column("part")
-    table.add_column("first step s", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("mean s, steps 2+", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("MB", justify="right")
-    table.add_column("GB/s", justify="right")
-    table.add_column("hidden s", justify="right")
-    table.add_column("TFLOP/s", justify="right")
+    ``other`` is the step time no named part covers, so the column adds up to ``step``. Short headers
+    and no empty column, so the table fits 80 columns whole (a part's name is never cut); the caption
+    says what each column is. ``device``: where the roles train (TFLOP/s are per GPU or per CPU rank)."""
+    table = Table(title="step budget", show_header=True, box=box.SIMPLE_HEAD, pad_edge=False)
     tflops = phase_tflops(history)
-    for row in budget_rows(history):
+    cells: list[list[str]] = []
+    rows = budget_rows(history)
+    for row in rows:
         nbytes = row.mean_bytes if row.mean_s is not None else row.first_bytes
         hidden = row.mean_hidden_s if row.mean_s is not None else row.first_hidden_s
-        table.add_row(
-            row.part,
-            f"{row.first_s:.3f}",
-            f"{row.first_share:.1%}",
-            "-" if row.mean_s is None else f"{row.mean_s:.3f}",
-            "-" if row.mean_share is None else f"{row.mean_share:.1%}",
-            "" if nbytes is None else f"{nbytes / 1e6:.1f}",
-            "" if row.gb_per_s is None else f"{row.gb_per_s:.2f}",
-            "" if hidden is None else f"{hidden:.3f}",
-            f"{tflops[row.part]:.3g}" if row.part in tflops else "",
-            end_section=row.part == "other",
+        cells.append(
+            [
+                row.part,
+                f"{row.first_s:.3f}",
+                f"{row.first_share:.1%}",
+                "-" if row.mean_s is None else f"{row.mean_s:.3f}",
+                "-" if row.mean_share is None else f"{row.mean_share:.1%}",
+                "" if nbytes is None else f"{nbytes / 1e6:.1f}",
+                "" if row.gb_per_s is None else f"{row.gb_per_s:.2f}",
+                "" if hidden is None else f"{hidden:.3f}",
+                f"{tflops[row.part]:.3g}" if row.part in tflops else "",
+            ]
         )
-    first, mean = overhead_means(history)
-    table.caption = (
-        "overhead (sleeps + wakes + weight update + handoff): "
-        f"{'-' if first is None else f'{first:.1%}'} of the first step, "
-        f"{'-' if mean is None else f'{mean:.1%}'} of the steps after it (a transition's seconds: "
-        "the loop's wait for it; hidden s: its seconds under other work, not in the step's sum); MB "
-        "and GB/s (over part + hidden seconds): the steps after the first (actor and critic: rank 0's "
-        "bytes); TFLOP/s: a training phase's model FLOPs (6 x parameters x tokens a pass) over its own "
-        "compute seconds, per GPU"
-    )
+    headers = ("part", "1st s", "share", "2+ s", "share", "MB", "GB/s", "hid s", "TFLOP/s")
+    # A column with no value in any row is left out (no bytes moved, no TFLOP/s measured).
+    kept = [i for i in range(len(headers)) if i < 5 or any(c[i] for c in cells)]
+    longest = max((len(c[0]) for c in cells), default=4)
+    for i in kept:
+        if i == 0:
+            table.add_column(headers[i], no_wrap=True, min_width=longest)
+        else:
+            table.add_column(headers[i], justify="right", no_wrap=True)
+    for row, values in zip(rows, cells, strict=True):
+        table.add_row(*(values[i] for i in kept), end_section=row.part == "other")
+    table.caption = _budget_caption(history, device, shown={headers[i] for i in kept})
     return table
 
 
-def startup_table(startup: StartupTable, history: list[dict[str, Any]]) -> Table:
+def _budget_caption(history: list[dict[str, Any]], device: str, shown: set[str]) -> str:
+    first, mean = overhead_means(history)
+    parts = [
+        "1st s: the first step; 2+ s: the mean of the steps after it; share: of the step",
+        "overhead (sleeps + wakes + weight update + handoff): "
+        f"{'-' if first is None else f'{first:.1%}'} of the first step, "
+        f"{'-' if mean is None else f'{mean:.1%}'} of the steps after it (a transition's seconds: the "
+        "loop's wait for it)",
+    ]
+    if "hid s" in shown:
+        parts.append("hid s: a transition's seconds under other work, not in the step's sum")
+    if "MB" in shown:
+        parts.append(
+            "MB and GB/s (over part + hidden seconds): the steps after the first (actor and critic: "
+            "rank 0's bytes)"
+        )
+    if "TFLOP/s" in shown:
+        per = "per GPU" if device == "cuda" else "per CPU rank (no GPU in this run)"
+        parts.append(
+            "TFLOP/s: a training phase's model FLOPs (6 x parameters x tokens a pass) over its own "
+            f"compute seconds, {per}"
+        )
+    return "; ".join(parts)
+
+
+def startup_table(startup: StartupTable, history: list[dict[str, Any]], device: str = "cuda") -> Table:
     """Where the seconds from the command to the first step went (``startup.py``): each part, its share
     and when it began; ``other`` is what no part covers, so the column adds up to the total. Under
-    ``roles``, each role's own parts as its workers timed them (the roles start together: not added)."""
+    ``roles``, each role's own parts as its workers timed them (the roles start together: not added);
+    on CPU (``device``) without the GPU-only ones (CUDA graphs)."""
     table = Table(title="start-up", show_header=True)
     table.add_column("part")
     table.add_column("s", justify="right")
@@ -263,6 +294,8 @@ def startup_table(startup: StartupTable, history: list[dict[str, Any]]) -> Table
         at = "" if row.at_s is None else f"{row.at_s:.2f}"
         table.add_row(row.part, f"{row.seconds:.2f}", share, at, end_section=row.part == "other")
         for name, seconds in startup.details(row.part):
+            if device != "cuda" and name.endswith(_GPU_ONLY_PARTS):
+                continue
             table.add_row(f"  {name}", f"{seconds:.2f}", "", "", style="dim")
     table.add_row("to the first step", f"{total:.2f}", "100.0%" if total > 0 else "-", "")
     since = "the process's start (Python's own start included)" if startup.from_process_start else "the call"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -50,6 +51,10 @@ def ray_session(config: RunConfig, console: Console) -> Iterator[None]:
         yield
         ok = True
     finally:
+        # Garbage that still holds Ray objects is freed while Ray is up: freed after the shutdown (by
+        # whichever thread's allocation runs the collector) it would end the process at once, output
+        # unflushed ("The core worker has already been shutdown").
+        gc.collect()
         ray.shutdown()
         if watchdog is not None:
             watchdog.stop()  # whatever Ray's shutdown left running is ended now

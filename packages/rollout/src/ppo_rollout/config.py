@@ -109,6 +109,12 @@ class SGLangOptions:
         description="train.check_weights reads each tensor's first check_rows rows back from the server "
         "(JSON floats, ~17 bytes a value) and the actor hashes the same rows; null: every row",
     )
+    weights_cpu_backup: bool | None = Field(
+        default=None,
+        description="--enable-weights-cpu-backup: a server that releases its memory keeps a host copy of "
+        "its weights (SGLang 0.5.17 resumes released weights as zeros); null: on where a resume is not "
+        "always followed by a whole weight update (adapter-only LoRA updates, critic-only steps)",
+    )
     host: str = Field(default="127.0.0.1", description="the address the servers listen on")
     startup_timeout_s: float = Field(default=600.0, gt=0, description="limit on a server's start")
     request_timeout_s: float = Field(default=600.0, gt=0, description="limit on one request")
@@ -187,9 +193,11 @@ class MultiTurnSettings:
     turn_order: Literal["fixed", "arrival"] = Field(
         default="fixed",
         description="fixed: each turn's requests go to the engines together, in the trajectories' order, "
-        "so that a run with the same seed gives the same numbers; arrival: a request goes out as soon as "
-        "its environment answers (faster when environments take varying time, but the batches, and so "
-        "the samples, depend on timing: runs do not repeat)",
+        "so that a run with the same seed gives the same numbers (it costs the wait for a turn's slowest "
+        "environment: nothing measurable with configs/cpu-guess-multiturn.yaml's instant environment, "
+        "generate 35% of the step either way); arrival: a request goes out as soon as its environment "
+        "answers (faster when environments take varying time, but it trades repeatability: the batches, "
+        "and so the samples, depend on timing)",
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ppo_lifecycle.startup import role_startup
 from ppo_weight_sync import EngineEndpoint
@@ -48,27 +49,7 @@ def make_engine(cfg: RolloutConfig, i: int, slots: EngineSlots | None) -> Engine
             cfg.timeout_s,
             lora=cfg.lora,
         )
-    gpu_ids = tuple(slots.gpu_ids) if slots is not None else ()
-    base_gpu = gpu_ids[i * per_engine] if gpu_ids else i * per_engine
-    spec_args = {
-        "model_path": cfg.model_path,
-        "port": None,
-        "tp_size": cfg.gpus_per_engine,
-        "base_gpu_id": base_gpu,
-        "host": cfg.sglang.host,
-        # Sharing GPUs with training (a fractional share) means the server must release its memory.
-        "enable_memory_saver": slots is not None and 0.0 < share < 1.0,
-        # rollout.sglang.mem_fraction_static; unset and sharing GPUs with training, 0.6 leaves room
-        # for the trainers' CUDA contexts and what they keep resident while asleep (SGLang's own
-        # default assumes the GPU is the server's alone). extra_args' --mem-fraction-static wins.
-        "mem_fraction_static": cfg.sglang.mem_fraction_static
-        or (0.6 if slots is not None and 0.0 < share < 1.0 else None),
-        "random_seed": cfg.seed + i,
-        "attention_backend": cfg.sglang.attention_backend,
-        "extra_args": cfg.sglang.extra_args,
-        "lora": cfg.lora,  # adapter-only updates: the server runs with LoRA on
-        **({"command": cfg.sglang.command} if cfg.sglang.command else {}),
-    }
+    spec_args = sglang_spec_args(cfg, i, slots)
     # The launching actor holds no GPU: the server takes its GPUs by id.
     return SGLangEngineHandle(
         name,
@@ -80,6 +61,44 @@ def make_engine(cfg: RolloutConfig, i: int, slots: EngineSlots | None) -> Engine
         adapter=ADAPTER_NAME if cfg.lora is not None else None,
         weights=(cfg.dtype, cfg.sglang.check_rows),  # what train.check_weights reads back
     )
+
+
+def sglang_spec_args(cfg: RolloutConfig, i: int, slots: EngineSlots | None) -> dict[str, Any]:
+    """The ``SGLangServerSpec`` arguments of engine ``i`` (its port picked where it runs)."""
+    per_engine = max(1, cfg.gpus_per_engine)
+    share = float(slots.gpu_share) if slots is not None else (1.0 if cfg.device == "cuda" else 0.0)
+    sharing = slots is not None and 0.0 < share < 1.0  # the server releases its memory for training
+    gpu_ids = tuple(slots.gpu_ids) if slots is not None else ()
+    base_gpu = gpu_ids[i * per_engine] if gpu_ids else i * per_engine
+    spec_args = {
+        "model_path": cfg.model_path,
+        "port": None,
+        "tp_size": cfg.gpus_per_engine,
+        "base_gpu_id": base_gpu,
+        "host": cfg.sglang.host,
+        # Sharing GPUs with training (a fractional share) means the server must release its memory.
+        "enable_memory_saver": sharing,
+        # rollout.sglang.mem_fraction_static; unset and sharing GPUs with training, 0.6 leaves room
+        # for the trainers' CUDA contexts and what they keep resident while asleep (SGLang's own
+        # default assumes the GPU is the server's alone). extra_args' --mem-fraction-static wins.
+        "mem_fraction_static": cfg.sglang.mem_fraction_static or (0.6 if sharing else None),
+        "random_seed": cfg.seed + i,
+        "attention_backend": cfg.sglang.attention_backend,
+        "dtype": cfg.dtype,  # the weights' dtype as the actor sends them (not SGLang's auto: float16)
+        # a released server resumes its weights as zeros: keep a host copy where no whole update follows
+        "weights_cpu_backup": sharing and _backup_weights(cfg),
+        "extra_args": cfg.sglang.extra_args,
+        "lora": cfg.lora,  # adapter-only updates: the server runs with LoRA on
+        **({"command": cfg.sglang.command} if cfg.sglang.command else {}),
+    }
+    return spec_args
+
+
+def _backup_weights(cfg: RolloutConfig) -> bool:
+    """Whether a server keeps a host copy of its weights while released: the setting, else where an
+    adapter-only update (the base is never sent again) may follow a resume."""
+    chosen = cfg.sglang.weights_cpu_backup
+    return chosen if chosen is not None else cfg.lora is not None
 
 
 class EnginePool:

@@ -253,7 +253,10 @@ class GenerateClient:
             await asyncio.wait(list(self._in_flight), timeout=self._timeout_s)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # With no call in flight its threads end at once: waited for, so none outlives the step holding
+        # the last reference to a Ray object (freed after ray.shutdown(), it ends the process: "The core
+        # worker has already been shutdown"). A call still in flight (a failure) is not waited for.
+        self._pool.shutdown(wait=not any(not f.done() for f in self._in_flight), cancel_futures=True)
 
     def idle_share(self, wall_seconds: float) -> float:
         """The share of ``wall_seconds`` x engines in which no call of this client ran on an engine."""

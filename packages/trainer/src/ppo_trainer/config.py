@@ -202,6 +202,12 @@ class AlgorithmConfig:
     )
     ppo_epochs: int = Field(default=1, ge=1, description="passes over each step's batch")
     num_mini_batches: int = Field(default=4, ge=1, description="optimizer steps per pass")
+    critic_ppo_epochs: int | None = Field(
+        default=None, ge=1, description="the critic's passes over each step's batch; null: ppo_epochs"
+    )
+    critic_num_mini_batches: int | None = Field(
+        default=None, ge=1, description="the critic's optimizer steps per pass; null: num_mini_batches"
+    )
     tis_cap: float | None = Field(
         default=None,
         ge=1,
@@ -258,6 +264,11 @@ class AlgorithmConfig:
                 f"with a critic (ppo); with {self.estimator!r} use algorithm.use_kl_loss=true and "
                 "algorithm.kl_loss_coef instead"
             )
+        if not info.uses_critic and (self.critic_ppo_epochs or self.critic_num_mini_batches):
+            raise ValueError(
+                f"algorithm.critic_ppo_epochs / critic_num_mini_batches shape the critic's training, and "
+                f"algorithm.estimator={self.estimator!r} has no critic; remove them or use estimator='ppo'"
+            )
         if self.tis_cap is not None and self.rollout_correction.weight != "none":
             raise ValueError(
                 f"algorithm.tis_cap={self.tis_cap} and algorithm.rollout_correction.weight="
@@ -282,6 +293,18 @@ class AlgorithmConfig:
             reject_upper=self.rollout_correction.reject_upper,
             reject_lower=self.rollout_correction.reject_lower,
         )
+
+    def epochs_for(self, role: Role) -> int:
+        """The passes ``role`` makes over each step's batch (``critic_ppo_epochs`` for the critic)."""
+        if role == "critic" and self.critic_ppo_epochs is not None:
+            return self.critic_ppo_epochs
+        return self.ppo_epochs
+
+    def mini_batches_for(self, role: Role) -> int:
+        """``role``'s optimizer steps per pass (``critic_num_mini_batches`` for the critic)."""
+        if role == "critic" and self.critic_num_mini_batches is not None:
+            return self.critic_num_mini_batches
+        return self.num_mini_batches
 
     @property
     def whiten_advantages(self) -> bool:
@@ -570,6 +593,11 @@ class TrainerConfig(TrainSettings):
     weight_sync_group: str = Field(default="ppo_weights", min_length=1)
     weight_sync_dtype: WeightSyncDType = "float32"
     cpu_threads: int = Field(default=1, ge=1, description="torch intra-op threads per worker")
+    critic_health: bool = Field(
+        default=True,
+        description="the critic's health metrics every step (critic_health.py; the driver's "
+        "logging.critic_health)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

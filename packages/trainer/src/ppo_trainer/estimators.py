@@ -17,11 +17,11 @@ way (``config -> estimators -> ppo_math -> algorithm_types``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ppo_trainer.algorithm_types import AdvantageSettings
+from ppo_trainer.algorithm_types import AdvantageSettings, GaeUnit
 
 if TYPE_CHECKING:
     import torch
@@ -170,6 +170,32 @@ ESTIMATORS: Mapping[str, Estimator] = {
 }
 
 
+@dataclass(frozen=True)
+class _InRewardUnits:
+    """The settings a group baseline is compared with the critic's under (``baseline_advantages``)."""
+
+    estimator: str
+    gamma: float = 1.0
+    lam: float = 1.0
+    gae_unit: GaeUnit = "token"
+    gae_through_observations: bool = False
+    norm_adv_by_std_in_grpo: bool = False
+
+
+def baseline_advantages(samples: Samples, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """What the group-baseline estimators ``names`` would give these samples, ``[N, R_max]`` each, in
+    reward units like GAE's before whitening: GRPO's without the division by the group's std (Dr.
+    GRPO's form; that division rescales each group, it is not a baseline). For the critic's report
+    (``critic_health``): the advantages the actor trains on are the run's estimator's."""
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        estimator = get(name)
+        if not estimator.groups_samples:
+            raise ValueError(f"{name!r} is not a group-baseline estimator")
+        out[name] = estimator.advantages(AdvantageInputs(_InRewardUnits(name), samples))
+    return out
+
+
 def get(name: str) -> Estimator:
     """The estimator called ``name``; a ``ValueError`` naming the field and the choices otherwise."""
     estimator = ESTIMATORS.get(name)
@@ -178,4 +204,12 @@ def get(name: str) -> Estimator:
     return estimator
 
 
-__all__ = ["ESTIMATORS", "AdvantageInputs", "Estimator", "gae", "get", "sample_scores"]
+__all__ = [
+    "ESTIMATORS",
+    "AdvantageInputs",
+    "Estimator",
+    "baseline_advantages",
+    "gae",
+    "get",
+    "sample_scores",
+]

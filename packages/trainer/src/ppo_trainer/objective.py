@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ppo_trainer import estimators, micro_batches, packing
+from ppo_trainer import critic_health, estimators, micro_batches, packing
 from ppo_trainer import ppo_math as pm
 from ppo_trainer.backend_protocol import Batch, DataParallel, Forward, ModelBackend
 from ppo_trainer.batch import Samples, collate, split_even, to_device
@@ -138,12 +139,31 @@ def train_critic(
     alg = backend.config.algorithm
     rewards, reward_metrics = token_rewards(backend, samples)
     old_values = score(backend, samples)
-    _, returns = estimators.gae(alg, rewards, old_values, samples)
+    advantages, returns = estimators.gae(alg, rewards, old_values, samples)
+    # Before the update: how well the values predict these returns (critic_health.py).
+    health = _critic_health(backend, samples, old_values, returns, advantages)
     loss = functools.partial(_critic_micro_loss, backend, old_values, returns)
-    metrics = run_epochs(backend, samples, loss)
+    metrics = run_epochs(backend, samples, loss) | health
     metrics["values_mean"] = masked_global_mean(backend.dp, old_values, samples.loss_mask)
     metrics["returns_mean"] = masked_global_mean(backend.dp, returns, samples.loss_mask)
     return metrics | reward_metrics, old_values, rewards
+
+
+def _critic_health(
+    backend: ModelBackend,
+    samples: Samples,
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    advantages: torch.Tensor,
+) -> dict[str, float]:
+    """``critic_health``'s metrics of the step (``critic_health: false``: none), and their seconds."""
+    if not backend.config.critic_health:
+        return {}
+    t0 = time.perf_counter()
+    metrics = critic_health.critic_health(
+        backend.dp, critic_health.inputs_of(samples, values, returns, advantages)
+    )
+    return metrics | {"health_s": time.perf_counter() - t0}
 
 
 def _critic_micro_loss(
@@ -340,10 +360,11 @@ def _actor_micro_loss(backend: ModelBackend, targets: ActorTargets, micro: Micro
 
 # ---------------------------------------------------------------------------------- the steps
 def run_epochs(backend: ModelBackend, samples: Samples, micro_loss: MicroLoss) -> dict[str, float]:
-    """PPO epochs x mini-batches of optimizer steps; ``micro_loss`` returns ``{"loss": .., metrics}``.
+    """PPO epochs x mini-batches of optimizer steps (the role's: ``AlgorithmConfig.epochs_for``,
+    ``mini_batches_for``); ``micro_loss`` returns ``{"loss": .., metrics}``.
     The metrics come back averaged over the steps, with ``grad_norm`` and ``optimizer_steps``."""
-    alg, dp = backend.config.algorithm, backend.dp
-    parts = alg.num_mini_batches
+    alg, dp, role = backend.config.algorithm, backend.dp, backend.config.role
+    parts = alg.mini_batches_for(role)
     short = dp.all_reduce(torch.tensor([float(len(samples) < parts)]))
     if short.item() > 0:
         # Every rank must take the same number of optimizer steps (each one is a collective).
@@ -354,7 +375,7 @@ def run_epochs(backend: ModelBackend, samples: Samples, micro_loss: MicroLoss) -
     totals: dict[str, float] = {}
     steps = 0
     backend.train_mode()
-    for _ in range(alg.ppo_epochs):
+    for _ in range(alg.epochs_for(role)):
         for mini in split_even(len(samples), parts):
             reduced = _mini_batch_step(backend, samples, mini, micro_loss)
             for name, number in reduced.items():

@@ -54,7 +54,7 @@ class PhaseCost:
                 backbone = AutoModel.from_config(hf)
                 trained = matmul_parameters(backbone) + int(hf.hidden_size) + 1
         reference = policy if config.algorithm.reference_for(config.role) else 0
-        return cls(trained=trained, reference=reference, epochs=config.algorithm.ppo_epochs)
+        return cls(trained=trained, reference=reference, epochs=config.algorithm.epochs_for(config.role))
 
     def flops(self, tokens: int) -> float:
         """FLOPs of one ``train`` call over ``tokens`` tokens (prompts and responses)."""

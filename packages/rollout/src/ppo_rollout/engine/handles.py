@@ -253,6 +253,7 @@ class SGLangEngineHandle:
                 name=self.name,
                 num_gpus=self._gpus,
                 adapter=self._adapter,
+                vocab_size=_vocab_size(self._model_path),
             )
 
     def startup(self, timeout_s: float) -> dict[str, float]:
@@ -331,6 +332,16 @@ class SGLangEngineHandle:
             ray.get(self._host_actor.stop.remote(), timeout=120)
         finally:
             ray.kill(self._host_actor, no_restart=True)
+
+
+def _vocab_size(model_path: str) -> int | None:
+    """The model's ``vocab_size`` from its folder's config (None where the folder has none)."""
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(model_path).vocab_size)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def model_manifest(model_path: str, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:

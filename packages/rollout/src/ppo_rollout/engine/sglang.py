@@ -75,6 +75,14 @@ class SGLangServerSpec:
     - ``--enable-memory-saver`` (``enable_memory_saver``): on when the server shares its GPUs with
       training; ``release_memory_occupation`` / ``resume_memory_occupation`` need it (torch_memory_saver).
     - ``--mem-fraction-static``: the server's share of the GPU when it is not the GPU's only user.
+    - ``--dtype`` (``dtype``): the dtype the actor sends its weights in. With ``--dtype auto`` SGLang serves
+      a float32 checkpoint (what ``ppo-driver import-model`` writes) in float16
+      (``configs/model_config.py`` ``_get_and_verify_dtype``), so bfloat16 updates were rounded to float16
+      on load: seen on a real 0.5.17 server, whose weights read back then differed from the actor's.
+    - ``--enable-weights-cpu-backup`` (``weights_cpu_backup``): a real 0.5.17 server that released its
+      ``weights`` tag resumes them as zeros (torch_memory_saver keeps no contents without it; seen on an
+      H100, and generation then ran on the zeros). The loop sends whole weights after every resume, so
+      it is needed only where a resume is not followed by one: adapter-only updates, critic-only steps.
     """
 
     model_path: str
@@ -90,6 +98,10 @@ class SGLangServerSpec:
     # needs --sampling-backend pytorch (0.5.23 sets it itself, 0.5.15.post1 does not: we always pass it).
     deterministic: bool = True
     attention_backend: str | None = "triton"
+    # the weights' dtype on the server (--dtype): the dtype the actor sends; None: SGLang's "auto"
+    dtype: str | None = None
+    # a host copy of the weights across release/resume (--enable-weights-cpu-backup)
+    weights_cpu_backup: bool = False
     random_seed: int | None = None
     extra_args: tuple[str, ...] = ()
     # adapter-only weight updates: LoRA on, with train.lora's rank and modules (--enable-lora ...)
@@ -144,6 +156,10 @@ class SGLangServerSpec:
             args += ["--enable-deterministic-inference", "--sampling-backend", "pytorch"]
         if self.attention_backend is not None and "--attention-backend" not in self.extra_args:
             args += ["--attention-backend", self.attention_backend]
+        if self.dtype is not None and "--dtype" not in self.extra_args:
+            args += ["--dtype", self.dtype]
+        if self.weights_cpu_backup:
+            args.append("--enable-weights-cpu-backup")
         if self.random_seed is not None:
             args += ["--random-seed", str(self.random_seed)]
         if self.lora is not None:
@@ -267,9 +283,13 @@ class SGLangClient:
         num_gpus: int | None = None,
         abort_retries: int = 3,
         adapter: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         """``adapter``: the LoRA adapter (loaded by adapter-only weight updates,
-        :mod:`ppo_weight_sync.sglang_lora`) that every generate request names in ``lora_path``."""
+        :mod:`ppo_weight_sync.sglang_lora`) that every generate request names in ``lora_path``.
+        ``vocab_size``: prompts holding a token id outside ``0..vocab_size-1`` are refused here: a real
+        0.5.17 server given one fails a device-side assert in its embedding and dies (seen on an H100),
+        taking every request in flight with it."""
         # The server's version decides the protocol (pause mode, update session, version route), and its
         # tp_size the ranks it adds to a weight group: read once, here, from /server_info; an unsupported
         # version fails now, naming itself, and so does a tp_size other than num_gpus (the config's).
@@ -280,6 +300,7 @@ class SGLangClient:
         self.timeout_s = timeout_s
         self.abort_retries = abort_retries
         self.adapter = adapter
+        self.vocab_size = vocab_size
         self._released: set[str] = set()
         self._paused_to_release = False  # we paused it to release memory: resume continues it
         self._memory_lock = threading.Lock()
@@ -288,6 +309,18 @@ class SGLangClient:
 
     def _post(self, route: str, body: dict[str, Any] | None = None) -> Any:
         return self.endpoint.request("POST", route, {} if body is None else body)
+
+    def _check_vocab(self, prompts: Sequence[Sequence[int]]) -> None:
+        if self.vocab_size is None:
+            return
+        for i, prompt in enumerate(prompts):
+            bad = [int(t) for t in prompt if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {i} holds token id(s) {bad[:5]} outside the model's vocabulary "
+                    f"(0..{self.vocab_size - 1}); SGLang server {self.name} was not sent it (a real server "
+                    "dies on one)"
+                )
 
     def health(self) -> bool:
         try:
@@ -319,6 +352,7 @@ class SGLangClient:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         n = sampling.n_samples_per_prompt
         base_seed = sampling.seed if seed is None else seed
+        self._check_vocab(prompts)
         input_ids = [list(map(int, p)) for p in prompts for _ in range(n)]
         params = []
         for k in range(len(input_ids)):

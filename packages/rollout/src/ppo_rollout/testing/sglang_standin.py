@@ -131,9 +131,12 @@ def _meta_info(reason: Any, prompt: int, completion: int, version: Any, started:
 class _Generation:
     """The tokenizer manager's pause gate and the scheduler's view of the built-in engine (ServerHooks)."""
 
-    def __init__(self, engine: BuiltinEngine, lora: SGLangLora) -> None:
+    def __init__(self, engine: BuiltinEngine, lora: SGLangLora, weights_cpu_backup: bool = False) -> None:
         self.engine = engine
         self.lora = lora
+        # SGLang 0.5.17 without --enable-weights-cpu-backup resumes released weights as zeros
+        # (torch_memory_saver keeps no contents; seen on a real server): so does the stand-in.
+        self.weights_cpu_backup = weights_cpu_backup
         self.cond = threading.Condition()
         self.paused_mode: str | None = None
         self.running = 0  # in the scheduler's running batch
@@ -183,6 +186,11 @@ class _Generation:
         reply = self.engine.resume_memory_occupation(tags=[t for t in tags if t in MEMORY_TAGS])
         if not reply.success:
             raise RuntimeError(reply.message)
+        if "weights" in tags and not self.weights_cpu_backup:
+            import torch
+
+            zeros = [(n, torch.zeros_like(t)) for n, t in self.engine._core.named_tensors()]
+            self.engine._load_weights(zeros)  # through the loader: fused copies follow
 
     # -- one request -----------------------------------------------------------------------------------
     def run(self, prompt: list[int], cfg: SamplingConfig, seed: int, adapter: str | None) -> Any:
@@ -420,6 +428,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--base-gpu-id", type=int, default=0)
     parser.add_argument("--random-seed", type=int, default=None)
     parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--skip-server-warmup", action="store_true")
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int, default=None)
@@ -483,7 +492,7 @@ def _server_state(args: argparse.Namespace, engine: BuiltinEngine) -> tuple[_Gen
     remotes = start_remote_ranks(
         spec, version=args.standin_version, tp_size=args.tp_size, device=str(engine.device), timeout_s=1800.0
     )
-    generation = _Generation(engine, lora)
+    generation = _Generation(engine, lora, args.enable_weights_cpu_backup)
     return generation, SGLangServerState(args.standin_version, TPRanks(receiver, remotes), generation, _die)
 
 
