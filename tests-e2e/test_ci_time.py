@@ -43,7 +43,7 @@ class _SessionSkip(Exception):  # the name of what nox's session.skip() raises
 
 def test_each_session_gets_a_row_however_it_ends(tmp_path: Path) -> None:
     out = tmp_path / ".nox" / "durations.md"
-    times = TOOL.SessionTimes(out)
+    times = TOOL.SessionTimes(out, print_at_exit=False)  # not at the end of this pytest run
 
     @times.timed
     def tests(session: Session, package: str) -> None:

@@ -236,6 +236,10 @@ COMMANDS: dict[str, str] = {
     # README.md and getting started
     "pip install uv": "not-run: installs a tool from the network",
     "uv sync": "not-run: installs the workspace from the network",
+    'python3.12 -m venv /opt/sglang && /opt/sglang/bin/pip install "sglang==0.5.17"': (
+        "not-run: installs SGLang (torch 2.11, CUDA kernels) from the network for a GPU machine; "
+        "benchmarks/sglang/prepare.sh builds the same version for the GPU runs"
+    ),
     "uv run ppo-driver train": "test:tests-e2e/test_default_run.py::test_default_run_learns",
     "uv run ppo-driver train --run-dir runs/demo": (
         "test:tests-e2e/test_default_run.py::test_default_run_learns"

@@ -35,6 +35,7 @@ class SessionTimes:
     """The rows of one nox invocation, written to ``path`` after every session."""
 
     path: Path
+    print_at_exit: bool = True  # False: only the file (the tests of this module)
     rows: list[Row] = field(default_factory=list)
     _printing: bool = False
 
@@ -60,7 +61,7 @@ class SessionTimes:
 
         @functools.wraps(func)
         def run(session: _Session, *args: Any, **kwargs: Any) -> None:
-            if not self._printing:  # the first session of this invocation: the table is printed at exit
+            if self.print_at_exit and not self._printing:  # the first session: the table printed at exit
                 atexit.register(self.print_table)
                 self._printing = True
             start = time.monotonic()

@@ -94,7 +94,7 @@ def test_adapter_updates_over_http_generate_as_the_merged_model(
     assert client.adapter == "ppo_actor"
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=6)
     prompts = [[1, 5, 6, 14], [1, 7, 8, 9, 14]]
-    with pytest.raises(SGLangError, match="requested LoRA adapters are not loaded: ppo_actor"):
+    with pytest.raises(SGLangError, match="LoRA adapter that has never been loaded: ppo_actor"):
         client.generate(prompts, greedy)  # no update yet: no adapter to name
     base = GenerationCore(tiny_model).generate(prompts, greedy)
     sender = WeightSender(

@@ -7,8 +7,10 @@ as recorded (requests that overlapped in the recording overlap here, after the r
 needs a live peer (a weight group's sender, LoRA tensors) is run again through the adapter and its
 exchanges compared with the recorded ones, requests included. Every answer must have the recorded status,
 keys and value types, and the recorded values where they are deterministic
-(:func:`ppo_rollout.testing.sglang_record.differences`). The CUDA IPC step is skipped, by name, without a
-GPU; no file is passed over otherwise.
+(:func:`ppo_rollout.testing.sglang_record.differences`); ``/server_info``, every server argument of the
+real server, by its rule (:func:`~ppo_rollout.testing.sglang_record.server_info_rule`): the keys the
+adapter reads with their values, and those of ``server_info_keys.txt`` (the ones the stand-in holds). The
+CUDA IPC step is skipped, by name, without a GPU; no file is passed over otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ import torch
 
 from ppo_rollout.engine.sglang import SGLangClient, SGLangServer, SGLangServerSpec
 from ppo_rollout.testing.sglang_exercise import LORA, LORA_STEPS, STEPS, Context, make_models, run_steps
-from ppo_rollout.testing.sglang_record import Exchange, RecordingProxy, StepRecord, differences, read_fixtures
+from ppo_rollout.testing.sglang_record import (
+    SERVER_INFO_READ,
+    Exchange,
+    RecordingProxy,
+    StepRecord,
+    differences,
+    read_fixtures,
+    server_info_rule,
+)
 from ppo_weight_sync import free_port
 
 pytestmark = pytest.mark.timeout(900)
@@ -36,6 +46,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "sglang-0.5.17"
 FOLDERS = ("main", "lora")
 KNOWN = {s.name: s for s in STEPS} | {s.name: s for s in LORA_STEPS}
 STANDIN = (sys.executable, "-m", "ppo_rollout.testing.sglang_standin")
+RULES = server_info_rule(FIXTURES / "server_info_keys.txt")
 
 
 def _cases() -> list[tuple[str, Path, StepRecord]]:
@@ -63,19 +74,86 @@ def test_every_fixture_file_is_a_known_step() -> None:
         assert record.exchanges or record.note, f"{path.name}: no exchange recorded"
 
 
+def test_the_server_info_key_list_holds_real_keys() -> None:
+    """Every key of ``server_info_keys.txt`` is in every recorded ``/server_info`` answer; the adapter's
+    four are compared with their values."""
+    rule = RULES["/server_info"]
+    assert set(SERVER_INFO_READ) <= set(rule.exact) <= set(rule.keys)
+    answers = [e.response for _, _, r in CASES for e in r.exchanges if e.route == "/server_info"]
+    assert answers, "no /server_info recorded"
+    for answer in answers:
+        assert not set(rule.keys) - set(answer), sorted(set(rule.keys) - set(answer))
+        assert len(answer) > 4 * len(rule.keys)  # the rest: GPU configuration the stand-in lacks
+
+
+def test_the_server_info_rule_catches_what_the_adapter_reads_and_the_listed_keys() -> None:
+    step = StepRecord("lora_unknown_adapter")
+    recorded = next(e.response for _, _, r in CASES for e in r.exchanges if e.route == "/server_info")
+    held = {k: recorded[k] for k in RULES["/server_info"].keys}
+    assert differences(recorded, held, step, "/server_info", rules=RULES) == []
+    found = differences(recorded, {k: v for k, v in held.items() if k != "page_size"}, step, "/server_info")
+    assert any("missing" in d for d in found)  # without the rule, the whole body counts
+    checks = {
+        "tp_size": ({**held, "tp_size": 2}, "tp_size: 2, recorded 1"),
+        "a listed key": ({k: v for k, v in held.items() if k != "page_size"}, "keys ['page_size'] missing"),
+        "a listed value": ({**held, "random_seed": 7}, "random_seed: 7, recorded 0"),
+        "a listed type": ({**held, "port": "30000"}, "port: str"),
+        "an invented key": ({**held, "standin": 1}, "keys ['standin'] not in the recording"),
+    }
+    for what, (answer, expected) in checks.items():
+        found = differences(recorded, answer, step, "/server_info", rules=RULES)
+        assert any(expected in d for d in found), (what, found)
+
+
+def test_volatile_values_keep_their_type_and_loose_values_may_change_shape() -> None:
+    step = StepRecord("generate_stop", loose=["*.meta_info.finish_reason"])
+    recorded = [{"meta_info": {"max_model_len": "<None>", "finish_reason": {"type": "length", "length": 8}}}]
+    stopped = [{"meta_info": {"max_model_len": None, "finish_reason": {"type": "stop", "matched": 14}}}]
+    assert differences(recorded, stopped, step) == []
+    typed = [{"meta_info": {"max_model_len": 2048, "finish_reason": {"type": 1, "length": 8}}}]
+    found = differences(recorded, typed, step)
+    assert "0.meta_info.max_model_len: '<int>', recorded '<None>'" in found
+    assert any(d.startswith("0.meta_info.finish_reason.type: int") for d in found)
+
+
+def _spec_as_recorded(argv: list[str], model: str, folder: str, extra: tuple[str, ...]) -> SGLangServerSpec:
+    """The recorded server's launch, on the stand-in: its flags, with this model and a free port (what
+    ``/server_info`` answers follows them)."""
+
+    def value(flag: str) -> str | None:
+        return argv[argv.index(flag) + 1] if flag in argv else None
+
+    seed, fraction = value("--random-seed"), value("--mem-fraction-static")
+    spec = SGLangServerSpec(
+        model_path=model,
+        port=free_port(),
+        command=STANDIN,
+        enable_memory_saver="--enable-memory-saver" in argv,
+        weights_cpu_backup="--enable-weights-cpu-backup" in argv,
+        mem_fraction_static=None if fraction is None else float(fraction),
+        random_seed=None if seed is None else int(seed),
+        extra_args=extra,
+        lora=LORA if folder == "lora" else None,
+    )
+
+    def flags(args: list[str]) -> list[str]:
+        out = list(args)
+        for flag in ("--model-path", "--port"):
+            del out[out.index(flag) : out.index(flag) + 2]
+        return out
+
+    launched = spec.argv()[len(STANDIN) : len(spec.argv()) - len(extra)]
+    assert flags(launched) == flags(argv), f"{folder}: the replay's flags are not the recording's"
+    return spec
+
+
 class _Replay:
     """One stand-in per server folder, and the models the recording used."""
 
     def __init__(self, folder: str, models: tuple[Path, Path], logs: Path) -> None:
         meta, _ = read_fixtures(FIXTURES / folder)
         extra = ("--standin-version", meta["version"], "--standin-step-delay", "0.003")
-        spec = SGLangServerSpec(
-            model_path=str(models[0]),
-            port=free_port(),
-            command=STANDIN,
-            extra_args=extra,
-            lora=LORA if folder == "lora" else None,
-        )
+        spec = _spec_as_recorded(meta["argv"], str(models[0]), folder, extra)
         self.server = SGLangServer(spec, startup_timeout_s=240, log_path=logs / f"{folder}.log", name=folder)
         self.server.start()
         self.models = models
@@ -179,5 +257,5 @@ def test_the_standin_answers_as_recorded(
         if status != e.status:
             problems.append(f"{where}: status {status}, recorded {e.status}: {str(body)[:200]}")
             continue
-        problems += [f"{where}: {d}" for d in differences(e.response, body, record, e.route)]
+        problems += [f"{where}: {d}" for d in differences(e.response, body, record, e.route, rules=RULES)]
     assert not problems, "\n".join(problems)

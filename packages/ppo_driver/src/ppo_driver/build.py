@@ -62,10 +62,11 @@ def engine_lora(config: RunConfig) -> AdapterUpdates | None:
 
 def shares_base(config: RunConfig) -> bool:
     """Whether the critic maps the actor's frozen base (``train.lora.share_base``): both roles train
-    with LoRA on the same devices (``placement.critic='shared'``, rank r of each on bundle r)."""
+    with LoRA on the same devices (``placement.critic='shared'``, rank r of each on bundle r), and the
+    critic starts from the model (not ``train.critic_init_from``)."""
     lora = config.train.lora
-    if lora is None or lora.share_base is False:
-        return False
+    if lora is None or lora.share_base is False or config.train.critic_init_from is not None:
+        return False  # train.critic_init_from: the critic's backbone is its own (share_base=true refused)
     # share_base=true where this is false is refused by RunConfig's checks and LoraSettings'.
     return config.placement.critic == "shared" and {"actor", "critic"} <= set(lora.roles)
 

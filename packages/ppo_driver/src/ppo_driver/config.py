@@ -424,6 +424,11 @@ class RunConfig(_Section):
                     f"train.num_critic_only_steps ({t.num_critic_only_steps}) must be below train.steps "
                     f"({t.steps}), or the actor never trains; lower it or raise train.steps"
                 )
+        if t.critic_init_from is not None and not self.use_critic:
+            raise ValueError(
+                "train.critic_init_from initialises the critic, and placement.critic='none'; remove it or "
+                "set placement.critic"
+            )
 
     def _check_devices(self) -> None:
         """Devices and engines."""

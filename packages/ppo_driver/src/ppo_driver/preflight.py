@@ -14,6 +14,8 @@ field named, instead of minutes later inside a Ray worker.
   ``train.tensor_parallel`` dividing each role's GPUs and the model's heads (ppo-trainer's rules);
 - ``train.lora``: ``target_modules`` against the model's linear layers, and on CPU ``/dev/shm``'s room
   for a shared base (``model_preflight``, on a meta-device build of the model);
+- ``train.critic_init_from``: a value model whose tensors' names and shapes (its safetensors headers)
+  fit the critic of ``model.path`` (``ppo_trainer.critic_init``), the first mismatch named;
 - the run folder and the checkpoint folder can be created and written (and, to start over with
   ``checkpoint.resume=false``, the checkpoint folder's parent).
 
@@ -86,6 +88,7 @@ def check(config: RunConfig, *, run_dir: Path | None = None) -> list[str]:
         *_multi_turn(config),
         *model_problems,
         *([] if model_problems else lora_problems(config)),
+        *([] if model_problems else _critic_init(config)),
         *data_problems,
         *_backend(config),
     ]
@@ -100,6 +103,21 @@ def check(config: RunConfig, *, run_dir: Path | None = None) -> list[str]:
             f"invalid config ({n} error{'s' if n > 1 else ''}):\n" + "\n".join(f"  - {p}" for p in problems)
         )
     return warnings
+
+
+def _critic_init(config: RunConfig) -> list[str]:
+    """``train.critic_init_from``: a value model whose tensors (read from the safetensors headers, no
+    weights) fit the critic of ``model.path``, built on the meta device (``ppo_trainer.critic_init``)."""
+    if config.train.critic_init_from is None or not config.use_critic:
+        return []
+    from ppo_driver.model_preflight import _model_config
+    from ppo_trainer import critic_init
+
+    model_config = _model_config(config)
+    if model_config is None:  # a Hub id: the trainer checks the source against it
+        return []
+    found = critic_init.problem(config.train.critic_init_from, model_config)
+    return [] if found is None else [found]
 
 
 def _reward(config: RunConfig) -> list[str]:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ppo_trainer import converters, objective, packing, sharding
+from ppo_trainer import converters, critic_init, objective, packing, sharding
 from ppo_trainer.backend_protocol import (
     Batch,
     DataParallel,
@@ -186,7 +186,7 @@ class TorchTrainer:
             if config.role == "actor":
                 model = nn.Module.to(load_causal_lm(config.model_path, config.seed), load_to)
             else:
-                model = load_critic(config.model_path, config.seed).to(load_to)
+                model = self._load_critic().to(load_to)
             # Reward-level KL: the critic holds the reference (it shapes the rewards before anyone
             # trains); the KL loss term: the actor does.
             if config.algorithm.reference_for(config.role) and not self.shares_reference:
@@ -200,6 +200,16 @@ class TorchTrainer:
                     for t in [] if module is None else [*module.parameters(), *module.buffers()]:
                         t.data = t.data.clone()
         return model, reference
+
+    def _load_critic(self) -> CriticModel:
+        """The critic from ``model_path``, or from ``critic_init_from``'s value model (its backbone and
+        head over the architecture of ``model_path``; ``ppo_trainer.critic_init``)."""
+        config = self.config
+        if config.critic_init_from is None:
+            return load_critic(config.model_path, config.seed)
+        critic = load_critic(config.model_path, config.seed, weights=False)
+        critic_init.load_into(critic, config.critic_init_from)
+        return critic
 
     def _models(self) -> list[nn.Module]:
         """The trained model and, with a KL term, the frozen reference."""

@@ -421,6 +421,14 @@ class TrainSettings:
     # learnt on one host). The seed sweep (ppo-driver's benchmarks/seed_sweep.py) measures it.
     actor_lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate of the actor")
     critic_lr: float = Field(default=2e-3, gt=0, description="AdamW learning rate of the critic")
+    critic_init_from: str | None = Field(
+        default=None,
+        description="a value model the critic starts from (its backbone and value head) instead of "
+        "model.path with a fresh head: a run's critic checkpoint (a checkpoint folder step_N, or its critic "
+        "folder) or a Hugging Face folder whose head is score.* (num_labels=1), v_head.summary.* (TRL) or "
+        "value_head.*, of model.path's architecture; shapes checked before Ray; torch backend; a resumed "
+        "run loads its checkpoint instead (docs/guide/algorithms.md)",
+    )
     weight_decay: float = Field(default=0.0, ge=0)
     # cosine: the default run's late steps, where nearly every sample is right and the whitened
     # advantages are the critic's noise at full scale, otherwise move a sharp policy by a KL of 0.2-0.5
@@ -475,6 +483,8 @@ class TrainSettings:
                 "train.lora trains replicated (the adapters and their optimizer state are small and the "
                 "export merges whole tensors); set train.data_parallel='replicate' or 'auto'"
             )
+        if self.critic_init_from is not None:
+            self._check_critic_init()
         if self.compile_layers and self.backend == "megatron":
             raise ValueError(
                 "train.compile_layers=true is a torch-backend option (it compiles transformers' decoder "
@@ -484,6 +494,18 @@ class TrainSettings:
             raise ValueError(
                 f"train.packed_attention={self.packed_attention!r} is a transformers attention; the megatron "
                 "backend packs with varlen (its own core attention): set packed_attention=varlen"
+            )
+
+    def _check_critic_init(self) -> None:
+        if self.backend == "megatron":
+            raise ValueError(
+                "train.critic_init_from is a torch-backend option (the megatron backend builds its critic "
+                "from model.path); set train.backend='torch' or remove train.critic_init_from"
+            )
+        if self.lora is not None and self.lora.share_base is True:
+            raise ValueError(
+                "train.lora.share_base=true gives the critic the actor's frozen base, and "
+                "train.critic_init_from another backbone; set share_base='auto' or false"
             )
 
     def backend_problems(self, device: str, role_gpus: dict[str, int]) -> list[str]:

@@ -56,7 +56,8 @@ def count_parameters(model_path: str | Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _hidden_size(config: PretrainedConfig) -> int:
+def hidden_size(config: PretrainedConfig) -> int:
+    """The width of a transformers config's hidden states (``hidden_size``, ``n_embd`` or ``d_model``)."""
     for name in ("hidden_size", "n_embd", "d_model"):
         value = getattr(config, name, None)
         if isinstance(value, int):
@@ -74,7 +75,7 @@ class CriticModel(nn.Module):
     def __init__(self, backbone: PreTrainedModel, seed: int) -> None:
         super().__init__()
         self.backbone = backbone
-        hidden = _hidden_size(backbone.config)
+        hidden = hidden_size(backbone.config)
         self.value_head = nn.Linear(hidden, 1)
         self.reset_value_head(seed)
 
@@ -108,14 +109,15 @@ class CriticModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).clone()
 
 
-def load_critic(model_path: str | Path, seed: int) -> CriticModel:
+def load_critic(model_path: str | Path, seed: int, *, weights: bool = True) -> CriticModel:
     """The critic from a causal-LM (policy) checkpoint: its backbone weights and a fresh value head.
 
     ``AutoModel`` strips the causal LM's prefix and drops its LM head, so a policy checkpoint loads
-    without complaint about the head it lacks.
+    without complaint about the head it lacks. ``weights=False``: the architecture alone, initialised
+    from ``seed`` (weights that ``critic_init`` loads next).
     """
     folder = _check_folder(model_path)
-    if has_weights(folder):
+    if weights and has_weights(folder):
         # The policy's LM head is expected to be left out: keep transformers' load report quiet.
         previous = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()

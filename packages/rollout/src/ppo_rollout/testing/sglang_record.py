@@ -7,8 +7,17 @@ started and ended relative to the step (so a replay can send concurrent requests
 stored :func:`normalise`d: base64 tensor payloads, timings and ids become type placeholders
 (``"<float>"``), long lists keep their length and first items. :func:`write_fixtures` writes one JSON
 file per step (``NN-step.json``); :func:`differences` compares an answer with a recorded one: the status,
-every key, every value's type, and the values known to be deterministic (:data:`EXACT_KEYS`, plus the
-step's own ``exact`` paths).
+every key, every value's type (a volatile value's too: its placeholder names it), and the values known to
+be deterministic (:data:`EXACT_KEYS`, plus the step's own ``exact`` paths). A value under one of the
+step's ``loose`` paths may differ, shape included (``finish_reason`` ``{"type": "length", "length": n}``
+where the stand-in stopped: ``{"type": "stop", "matched": x}``); its common keys keep their types.
+
+``/server_info`` answers every ``ServerArgs`` field (about 460 in 0.5.17), GPU configuration the adapter
+never reads and a stand-in cannot have: it is compared by a :class:`RouteRule`
+(:func:`server_info_rule`): the keys the adapter reads (:data:`SERVER_INFO_READ`), with their values, and
+the keys of a list kept beside the fixtures (``server_info_keys.txt``), with their types and, where the
+list says so, values; every listed key must be in the recording, and no key outside the recording may be
+answered.
 
 Routes and reply shapes follow SGLang v0.5.17 (``sglang/srt/entrypoints/http_server.py``,
 ``sglang/srt/managers/io_struct.py``); nothing here imports sglang.
@@ -37,6 +46,7 @@ __all__ = [
     "differences",
     "normalise",
     "read_fixtures",
+    "server_info_rule",
     "write_fixtures",
 ]
 
@@ -91,8 +101,39 @@ EXACT_KEYS = frozenset(
         "prompt_tokens",
     }
 )
+# What the adapter reads of /server_info (ppo_weight_sync.endpoints, ppo_weight_sync.sglang.group_ranks_of)
+SERVER_INFO_READ = ("version", "tp_size", "dp_size", "pp_size")
 LIST_HEAD = 3  # items kept of a list longer than LIST_KEEP
 LIST_KEEP = 8
+
+
+@dataclass(frozen=True)
+class RouteRule:
+    """How a route's body is compared where it is too large to compare whole: only ``keys`` of its top
+    level must be answered (each with the recorded type), those of ``exact`` with the recorded value too;
+    each must be in the recording, and the answer may hold no key the recording lacks."""
+
+    keys: tuple[str, ...]
+    exact: tuple[str, ...] = ()
+
+
+def server_info_rule(key_list: Path | str) -> dict[str, RouteRule]:
+    """``/server_info``'s rule (both its routes): :data:`SERVER_INFO_READ`, exact, and the keys of
+    ``key_list`` (one a line, ``#`` comments; ``name value``: its value must match too)."""
+    keys: list[str] = list(SERVER_INFO_READ)
+    exact: list[str] = list(SERVER_INFO_READ)
+    for n, line in enumerate(Path(key_list).read_text().splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 2 or words[1:] not in ([], ["value"]):
+            raise ValueError(f"{key_list}:{n}: {line!r} is not 'key' or 'key value'")
+        if words[0] not in keys:
+            keys.append(words[0])
+        if words[1:] == ["value"] and words[0] not in exact:
+            exact.append(words[0])
+    rule = RouteRule(tuple(keys), tuple(exact))
+    return {"/server_info": rule, "/get_server_info": rule}
 
 
 def _placeholder(value: Any) -> str:
@@ -337,10 +378,13 @@ def differences(
     path: str = "",
     key: str | None = None,
     inherited: bool = False,
+    rules: Mapping[str, RouteRule] | None = None,
 ) -> list[str]:
-    """How ``answered`` (normalised here) differs from ``recorded``: a missing or extra key, another type,
-    another list length (unless the path is loose), another value where the value is exact (its key is in
-    :data:`EXACT_KEYS`, or its path or a parent's is in ``step.exact``; never under a loose path)."""
+    """How ``answered`` (normalised here) differs from ``recorded``: a missing or extra key (not under a
+    loose path), another type (a volatile value's placeholder included), another list length (unless the
+    path is loose), another value where the value is exact (its key is in :data:`EXACT_KEYS`, or its path
+    or a parent's is in ``step.exact``; never under a loose path). ``rules``: :class:`RouteRule` by route,
+    for the top level of those routes' bodies (before ``step.subset``)."""
     answered = normalise(answered, key)
     loose = _is_loose(path, step)
     exact = not loose and (inherited or key in EXACT_KEYS or _matches(path, step.exact))
@@ -350,35 +394,47 @@ def differences(
             f"{where}: {type(answered).__name__} {str(answered)[:80]!r}, recorded {type(recorded).__name__}"
         ]
     if isinstance(recorded, dict):
-        return _dict_differences(recorded, answered, step, route, path, exact)
+        rule = (rules or {}).get(route) if not path else None
+        return _dict_differences(recorded, answered, step, route, path, exact, rule)
     if isinstance(recorded, list):
         out = []
-        if not _is_loose(path, step) and len(recorded) != len(answered):
+        if not loose and len(recorded) != len(answered):
             out.append(f"{where}: {len(answered)} items, recorded {len(recorded)}")
         for i, (a, b) in enumerate(zip(recorded, answered, strict=False)):
             out += differences(a, b, step, route, f"{path}.{i}".lstrip("."), None, exact)
         return out
-    if (exact or (not path and isinstance(recorded, str))) and recorded != answered:
+    placeholder = key in VOLATILE_KEYS and isinstance(recorded, str) and recorded.startswith("<")
+    if (exact or placeholder or (not path and isinstance(recorded, str))) and recorded != answered:
         return [f"{where}: {answered!r}, recorded {recorded!r}"]
     return []
 
 
 def _dict_differences(
-    recorded: dict[str, Any], answered: dict[str, Any], step: StepRecord, route: str, path: str, exact: bool
+    recorded: dict[str, Any],
+    answered: dict[str, Any],
+    step: StepRecord,
+    route: str,
+    path: str,
+    exact: bool,
+    rule: RouteRule | None,
 ) -> list[str]:
     out: list[str] = []
+    where = path or "(body)"
     if "$len" in recorded:
         if not _is_loose(path, step) and recorded["$len"] != answered.get("$len"):
-            out.append(f"{path}: {answered.get('$len')} items, recorded {recorded['$len']}")
+            out.append(f"{where}: {answered.get('$len')} items, recorded {recorded['$len']}")
         return out + differences(recorded["$head"], answered.get("$head"), step, route, path, None, exact)
-    wanted = step.subset.get(route) if not path else None
+    wanted = rule.keys if rule is not None else step.subset.get(route) if not path else None
     keys = set(wanted) if wanted is not None else set(recorded)
-    missing = sorted(keys - set(answered))
-    extra = sorted(set(answered) - set(recorded)) if wanted is None else []
-    if missing:
-        out.append(f"{path or '(body)'}: keys {missing} missing")
-    if extra:
-        out.append(f"{path or '(body)'}: keys {extra} not in the recording")
+    if not _is_loose(path, step):  # a loose value may be another shape of it
+        missing = sorted(keys - set(answered))
+        extra = sorted(set(answered) - set(recorded)) if wanted is None or rule is not None else []
+        unknown = sorted(keys - set(recorded)) if rule is not None else []
+        out += [f"{where}: keys {missing} missing"] if missing else []
+        out += [f"{where}: keys {extra} not in the recording"] if extra else []
+        out += [f"{where}: listed keys {unknown} are not in the recording"] if unknown else []
+    pinned = set(rule.exact) if rule is not None else set()
     for k in sorted(keys & set(answered) & set(recorded)):
-        out += differences(recorded[k], answered[k], step, route, f"{path}.{k}".lstrip("."), k, exact)
+        sub = f"{path}.{k}".lstrip(".")
+        out += differences(recorded[k], answered[k], step, route, sub, k, exact or k in pinned)
     return out

@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # imported lazily: the failure knobs act before torch is load
 
     from ..config import SamplingConfig
     from ..engine.builtin import BuiltinEngine
+    from .sglang_server_args import StandinArgs
 
 DEFAULT_VERSION = "0.5.23"
 
@@ -109,20 +110,36 @@ def _sampling(sp: dict[str, Any]) -> tuple[SamplingConfig, int]:
     return cfg, int(sp.get("sampling_seed") or 0)
 
 
-def _meta_info(reason: Any, prompt: int, completion: int, version: Any, started: float) -> dict[str, Any]:
-    """A finished request's ``meta_info`` without log-probs, SGLang v0.5.17's keys
-    (``managers/tokenizer_manager.py`` ``_handle_batch_output``, metrics off)."""
+def _meta_info(
+    reason: Any, prompt: int, completion: int, version: Any, started: float, cached: int, logprobs: Any
+) -> dict[str, Any]:
+    """A finished request's ``meta_info``, SGLang v0.5.17's keys in its order
+    (``managers/tokenizer_manager.py`` ``_handle_batch_output``, metrics off; ``add_logprob_to_meta_info``
+    where ``logprobs`` is given, the prompt's own log-probs empty as ``logprob_start_len`` -1 leaves
+    them; ``cached_tokens_details`` from :mod:`.sglang_radix`; ``dp_rank`` None without data
+    parallelism)."""
     import uuid
 
-    return {
+    from .sglang_radix import cached_tokens_details
+
+    meta: dict[str, Any] = {
         "id": uuid.uuid4().hex,
         "finish_reason": reason,
         "prompt_tokens": prompt,
         "weight_version": version,
         "num_retractions": 0,
+    }
+    if logprobs is not None:
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = logprobs
+        meta["output_token_logprobs_length"] = len(logprobs)
+    return {
+        **meta,
         "reasoning_tokens": 0,
         "completion_tokens": completion,
-        "cached_tokens": 0,
+        "cached_tokens": cached,
+        "cached_tokens_details": cached_tokens_details(cached),
+        "dp_rank": None,
         "e2e_latency": time.time() - started,
         "response_sent_to_client_ts": time.time(),
     }
@@ -132,8 +149,11 @@ class _Generation:
     """The tokenizer manager's pause gate and the scheduler's view of the built-in engine (ServerHooks)."""
 
     def __init__(self, engine: BuiltinEngine, lora: SGLangLora, weights_cpu_backup: bool = False) -> None:
+        from .sglang_radix import PrefixCache
+
         self.engine = engine
         self.lora = lora
+        self.cache = PrefixCache()  # the radix cache's reuse, for meta_info's cached_tokens
         # SGLang 0.5.17 without --enable-weights-cpu-backup resumes released weights as zeros
         # (torch_memory_saver keeps no contents; seen on a real server): so does the stand-in.
         self.weights_cpu_backup = weights_cpu_backup
@@ -172,10 +192,13 @@ class _Generation:
 
     def flush(self) -> None:
         self.engine.flush_cache()
+        self.cache.clear()
 
     def release(self, tags: Sequence[str]) -> None:
         from ..engine.builtin import MEMORY_TAGS
 
+        if "kv_cache" in tags:  # weight_updater.release_memory_occupation: the KV cache goes, flushed
+            self.cache.clear()
         reply = self.engine.release_memory_occupation(tags=[t for t in tags if t in MEMORY_TAGS])
         if not reply.success:
             raise RuntimeError(reply.message)
@@ -191,6 +214,10 @@ class _Generation:
 
             zeros = [(n, torch.zeros_like(t)) for n, t in self.engine._core.named_tensors()]
             self.engine._load_weights(zeros)  # through the loader: fused copies follow
+
+    def cache_key(self, adapter: str | None) -> tuple[str | None, int]:
+        """The radix cache's key of a request with ``adapter``: its LoRA id (a reload is another)."""
+        return adapter, id(self.lora.adapters.get(adapter)) if adapter is not None else 0
 
     # -- one request -----------------------------------------------------------------------------------
     def run(self, prompt: list[int], cfg: SamplingConfig, seed: int, adapter: str | None) -> Any:
@@ -317,8 +344,13 @@ class _Handler(BaseHTTPRequestHandler):
             )
         answer = self.server.lora.handle(method, path, body)
         answer = answer if answer is not None else self.server.state.handle(method, path, body)
-        if path in ("/model_info", "/get_model_info") and answer is not None and answer.status == 200:
-            answer = type(answer)(200, {**self.server.model_info, **answer.body})
+        if answer is None or answer.status != 200:
+            return answer
+        if path in ("/model_info", "/get_model_info"):
+            return type(answer)(200, {**self.server.model_info, **answer.body})
+        if path in ("/server_info", "/get_server_info"):  # the state's keys: what changes while it runs
+            held = self.server.args.server_info(self.server.state.version)
+            return type(answer)(200, {**held, **answer.body})
         return answer
 
     def _generate(self, body: dict[str, Any], path: str) -> None:
@@ -335,28 +367,30 @@ class _Handler(BaseHTTPRequestHandler):
         adapters = paths if isinstance(paths, list) else [paths] * len(batch)
         if len(adapters) != len(batch):
             raise ValueError(f"lora_path list length ({len(adapters)}) must match batch size ({len(batch)})")
+        generation = self.server.generation
+        keys = [generation.cache_key(adapter) for adapter in adapters]
+        # one prefill batch: every request finds the cache as it was when the call came
+        cached = [generation.cache.match(key, prompt) for key, prompt in zip(keys, batch, strict=True)]
         results = []
-        for prompt, sp, adapter in zip(batch, per_req, adapters, strict=True):
+        for prompt, sp, adapter, key, hit in zip(batch, per_req, adapters, keys, cached, strict=True):
             started = time.time()
             cfg, seed = _sampling(sp)
             stops = _stop_strings(sp)
             if stops and self.server.decode([]) is None:
                 raise ValueError("sampling_params.stop needs the model's tokenizer, which its folder lacks")
-            out = self.server.generation.run(list(prompt), cfg, seed, adapter)
+            out = generation.run(list(prompt), cfg, seed, adapter)
             version = self.server.state.receiver.weight_version
+            logprobs: list[Any] | None = [] if body.get("return_logprob") else None
             if out is None:  # aborted: SGLang's abort result, no tokens to train on
                 abort = {"type": "abort", "message": "Abort before prefill"}
-                meta = _meta_info(abort, len(prompt), 0, version, started)
-                if body.get("return_logprob"):
-                    meta["output_token_logprobs"] = []
+                meta = _meta_info(abort, len(prompt), 0, version, started, hit, logprobs)
                 results.append({"text": "", "output_ids": [], "meta_info": meta})
                 continue
             out, reason, text = _finish(out, stops, self.server.decode, cfg.max_new_tokens)
-            meta = _meta_info(reason, len(prompt), len(out.token_ids), version, started)
-            if body.get("return_logprob"):
-                meta["output_token_logprobs"] = [
-                    [lp, t, None] for lp, t in zip(out.log_probs, out.token_ids, strict=True)
-                ]
+            generation.cache.insert(key, [*prompt, *out.token_ids])
+            if logprobs is not None:
+                logprobs = [[lp, t, None] for lp, t in zip(out.log_probs, out.token_ids, strict=True)]
+            meta = _meta_info(reason, len(prompt), len(out.token_ids), version, started, hit, logprobs)
             results.append({"text": text, "output_ids": list(out.token_ids), "meta_info": meta})
         self._send(200, results[0] if single else results, path)
 
@@ -371,25 +405,29 @@ class _Server(ThreadingHTTPServer):
         state: SGLangServerState,
         record_path: str | None,
         decode: Any,
-        model_path: str = "",
+        args: StandinArgs,
     ) -> None:
+        from .sglang_server_args import embedding_plan
+
         super().__init__(addr, _Handler)
         self.engine = generation.engine
         self.generation = generation
         self.lora = generation.lora
         self.state = state
         self.decode = decode  # token ids -> text, as SGLang's detokenizer (skip_special_tokens)
+        self.args = args  # /server_info's server arguments
         config = generation.engine._core.model.config
         # /model_info's other keys (0.5.17 http_server.py model_info; weight_version comes from the state)
         self.model_info: dict[str, Any] = {
-            "model_path": model_path,
-            "tokenizer_path": model_path,
+            "model_path": args.model_path,
+            "tokenizer_path": args.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": getattr(config, "model_type", None),
             "architectures": getattr(config, "architectures", None),
+            "embedding": embedding_plan(args),
         }
         self._record_path = record_path
         self._record_lock = threading.Lock()
@@ -433,6 +471,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int, default=None)
     parser.add_argument("--lora-target-modules", nargs="*", default=[])
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--standin-version", default=DEFAULT_VERSION)
     parser.add_argument("--standin-record", default=None)
     parser.add_argument("--standin-startup-delay", type=float, default=0.0)
@@ -464,6 +504,7 @@ def _server_state(args: argparse.Namespace, engine: BuiltinEngine) -> tuple[_Gen
     from ppo_weight_sync.testing.sglang_lora import SGLangLora
     from ppo_weight_sync.testing.sglang_tp import TPRanks, start_remote_ranks
 
+    config = engine._core.model.config
     lora = SGLangLora(
         lambda: dict(engine._core.named_tensors()),
         engine._load_weights,
@@ -472,6 +513,7 @@ def _server_state(args: argparse.Namespace, engine: BuiltinEngine) -> tuple[_Gen
         max_rank=args.max_lora_rank,
         target_modules=args.lora_target_modules,
         model_name=args.model_path,
+        context_len=args.context_length or getattr(config, "max_position_embeddings", None),
     )
 
     def load(named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -486,6 +528,7 @@ def _server_state(args: argparse.Namespace, engine: BuiltinEngine) -> tuple[_Gen
         lora.base_updated([name for name, _ in named])  # whole weights are the base adapters merge onto
 
     receiver = SGLangReceiver(load, engine.device, version=args.standin_version, tp_rank=0)
+    receiver.weight_version = args.weight_version
     # --tp-size: TP ranks 1.. in processes of their own, each joining the weight group at rank_offset +
     # tp_rank and keeping its shard of every tensor it receives (ppo_weight_sync.testing.sglang_tp)
     spec = {n: (dtype_name(d), list(shape)) for n, (d, shape) in engine._expected().items()}
@@ -523,13 +566,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.standin_startup_delay:
         time.sleep(args.standin_startup_delay)
     from ..engine.builtin import BuiltinEngine
+    from .sglang_server_args import StandinArgs
 
     engine = BuiltinEngine(args.model_path, name=f"standin:{args.port}", torch_threads=1)
     if args.standin_step_delay:
         _slow_steps(engine, args.standin_step_delay)
     generation, state = _server_state(args, engine)
     decode = _decoder(args.model_path)
-    server = _Server((args.host, args.port), generation, state, args.standin_record, decode, args.model_path)
+    held = StandinArgs.parsed(args, str(engine.device.type))
+    server = _Server((args.host, args.port), generation, state, args.standin_record, decode, held)
     print(
         f"stand-in SGLang {args.standin_version} on http://{args.host}:{args.port} argv={sys.argv[1:]}",
         flush=True,

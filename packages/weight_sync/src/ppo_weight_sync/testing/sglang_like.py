@@ -117,10 +117,10 @@ class SGLangServerState:
 
     def _handle(self, method: str, path: str, data: Mapping[str, Any]) -> RouteResult | None:
         if method == "GET" and path in ("/server_info", "/get_server_info"):
-            # server_args' fields (dataclasses.asdict / resolved_dict) and the version, every version
-            return RouteResult(
-                200, {"version": self.version, "tp_size": self.ranks.tp_size, "dp_size": 1, "pp_size": 1}
-            )
+            # server_args' fields (dataclasses.asdict, with the control-plane updates on top: the weight
+            # version in effect, 0.5.17 tokenizer_manager.resolved_config_dict) and the version
+            info = {"version": self.version, "tp_size": self.ranks.tp_size, "dp_size": 1, "pp_size": 1}
+            return RouteResult(200, {**info, "weight_version": self.ranks.weight_version})
         if method == "GET" and path in ("/model_info", "/get_model_info"):
             return RouteResult(200, {"weight_version": self.ranks.weight_version, "is_generation": True})
         if path in ("/get_weight_version", "/weight_version"):

@@ -15,10 +15,12 @@
   ``can_support``, ``lora/utils.py`` ``get_normalized_target_modules``): ``--enable-lora`` required,
   a loaded name refused, a rank above ``--max-lora-rank`` or modules outside ``--lora-target-modules``
   refused, ``peft_type`` ``lora``; replies ``{"success", "error_message", "loaded_adapters"}`` with 200
-  or 400; ``GET /v1/models`` lists the base model and each adapter (``parent`` set); a request naming an
-  adapter not loaded is refused (``LoRARegistry.acquire``). Generation uses ``W + lora_alpha / r * B A``
-  (``lora/lora.py`` ``scaling``) for every adapted weight: here merged into the engine's weights, from a
-  kept copy of the base, by :func:`ppo_weight_sync.lora.merge_lora`.
+  or 400; ``GET /v1/models`` lists the base model and each adapter (``parent`` set; 0.5.17's
+  ``ModelCard`` fields); a request naming an adapter never loaded is refused as the tokenizer manager
+  refuses it (``Got LoRA adapter that has never been loaded``, 0.5.17 ``managers/tokenizer_manager.py``),
+  one loaded once and unloaded since as ``LoRARegistry.acquire`` does. Generation uses
+  ``W + lora_alpha / r * B A`` (``lora/lora.py`` ``scaling``) for every adapted weight: here merged into the
+  engine's weights, from a kept copy of the base, by :func:`ppo_weight_sync.lora.merge_lora`.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ class SGLangLora:
         max_rank: int | None,
         target_modules: Sequence[str],
         model_name: str = "model",
+        context_len: int | None = None,
         timeout_s: float = 600.0,
     ) -> None:
         self._held, self._load = held, load
@@ -155,8 +158,10 @@ class SGLangLora:
         self.max_rank = max_rank
         self.target_modules = normalized_modules(list(target_modules)) if target_modules else set()
         self.model_name = model_name
+        self.context_len = context_len  # the base card's max_model_len (model_config.context_len)
         self.timeout_s = timeout_s
         self.adapters: dict[str, LoraAdapter] = {}
+        self.ever_loaded: list[str] = []  # the tokenizer manager's lora_ref_cache: never forgets a name
         self.bases: dict[str, torch.Tensor] = {}  # every weight an adapter reached: its base
         self.active: str | None = None  # the adapter merged into the engine's weights
         self._users = 0  # requests in flight with the active adapter (or the base)
@@ -166,17 +171,28 @@ class SGLangLora:
     def handle(self, method: str, path: str, body: Mapping[str, Any] | None) -> RouteResult | None:
         data = body or {}
         if path == "/v1/models" and method == "GET":
-            cards = [{"id": self.model_name, "object": "model", "root": self.model_name, "parent": None}]
-            cards += [
-                {"id": n, "object": "model", "root": "__tensor__", "parent": self.model_name}
-                for n in self.adapters
-            ]
+            # 0.5.17 http_server.py available_models: ModelCard (entrypoints/openai/protocol.py) per served
+            # model and per adapter; an adapter's root is its lora_path (tensors: "__tensor__")
+            cards = [self._card(self.model_name, self.model_name, None, self.context_len)]
+            cards += [self._card(n, "__tensor__", self.model_name, None) for n in self.adapters]
             return RouteResult(200, {"object": "list", "data": cards})
         if path == "/load_lora_adapter_from_tensors" and method == "POST":
             return self._reply(lambda: self._load_adapter(data))
         if path == "/unload_lora_adapter" and method == "POST":
             return self._reply(lambda: self._unload(str(data.get("lora_name"))))
         return None
+
+    @staticmethod
+    def _card(name: str, root: str, parent: str | None, max_model_len: int | None) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sglang",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len,
+        }
 
     def _reply(self, op: Callable[[], None]) -> RouteResult:
         try:
@@ -227,6 +243,8 @@ class SGLangLora:
         adapter = LoraAdapter(name, rank, alpha / rank, self._pairs(name, rank, tensors))
         with self._cond:
             self.adapters[name] = adapter
+            if name not in self.ever_loaded:
+                self.ever_loaded.append(name)
             if self._users == 0:
                 self._apply(name)  # the newest adapter is what the engine holds (its checksum's)
 
@@ -274,7 +292,16 @@ class SGLangLora:
                     "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter "
                     "endpoint."
                 )
+            if name is not None and name not in self.ever_loaded:
+                # 0.5.17 tokenizer_manager.py (the lora_path check before LoRARegistry.acquire): a name no
+                # load ever named; its dict_keys are those of every adapter ever loaded
+                raise ValueError(
+                    f"Got LoRA adapter that has never been loaded: {name}\n"
+                    f"All loaded adapters: dict_keys({self.ever_loaded!r})."
+                )
             if name is not None and name not in self.adapters:
+                # loaded once, unloaded since: SGLang reloads it from its lora_path, which an adapter
+                # loaded from tensors lacks; refused as LoRARegistry.acquire refuses a name it lacks
                 raise ValueError(
                     f"The following requested LoRA adapters are not loaded: {name}\n"
                     f"Loaded adapters: {list(self.adapters)}."

@@ -64,7 +64,9 @@ class SGLangReceiver:
         self.timeout_s = timeout_s
         self._groups: dict[str, WeightGroup] = {}
         self._lock = threading.Lock()
-        self.weight_version: str | None = None  # the tokenizer manager's copy in SGLang
+        # the tokenizer manager's copy in SGLang; ServerArgs.weight_version defaults to "default" (0.5.17
+        # server_args.py; /model_info and /generate's meta_info answer it before any update names one)
+        self.weight_version: str | None = "default"
 
     def init_weights_update_group(self, request: InitRequest) -> EngineReply:
         if not request.group_name:
