@@ -357,8 +357,15 @@ def test_client_errors(standin: tuple[SGLangClient, Path]) -> None:
     client, _ = standin
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         client.generate([[1], []], SamplingConfig())
-    with pytest.raises(SGLangError, match="refused /generate: prompt 0 has token ids outside"):
+    # refused before it is sent (a real 0.5.17 server dies on one), naming the prompt and the ids
+    assert client.vocab_size is not None
+    with pytest.raises(ValueError, match=r"prompt 0 holds token id\(s\) \[999\] outside the model's vocab"):
         client.generate([[1, 999]], SamplingConfig(max_new_tokens=2))
+    # a client told no vocabulary sends it, and the stand-in refuses it with a 400
+    raw = SGLangClient(client.base_url, timeout_s=30, name="raw")
+    with pytest.raises(SGLangError, match="refused /generate: prompt 0 has token ids outside"):
+        raw.generate([[1, 999]], SamplingConfig(max_new_tokens=2))
+    raw.close()
     # The client reads the server's version first: an unreachable server fails there, named.
     with pytest.raises(EngineUnavailableError, match="engine 'nobody': server_info failed: unreachable"):
         SGLangClient(f"http://127.0.0.1:{free_port()}", timeout_s=5, name="nobody")

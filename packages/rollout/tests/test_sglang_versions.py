@@ -36,7 +36,10 @@ def _start(model: Path, version: str, record: Path, step_delay: float = 0.0) -> 
         "--standin-step-delay",
         str(step_delay),
     )
-    spec = SGLangServerSpec(model_path=str(model), port=free_port(), command=STANDIN, extra_args=extra)
+    # the weights survive a release only with a host copy (released weights come back as zeros)
+    spec = SGLangServerSpec(
+        model_path=str(model), port=free_port(), command=STANDIN, extra_args=extra, weights_cpu_backup=True
+    )
     server = SGLangServer(spec, startup_timeout_s=240, name=f"standin-{version}")
     server.start()
     return server

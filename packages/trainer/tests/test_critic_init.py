@@ -166,6 +166,8 @@ def test_sources_that_are_not_value_models(tmp_path: Path, model: Path) -> None:
     bin_only.mkdir()
     (bin_only / "config.json").write_text(json.dumps(_config().to_dict()))
     assert "has no model.safetensors" in problem(bin_only)
+    (bin_only / "model.safetensors").write_bytes(b"\x05")
+    assert "model.safetensors has no readable safetensors header" in problem(bin_only)
 
 
 def test_settings_the_source_cannot_go_with() -> None:

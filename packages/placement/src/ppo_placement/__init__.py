@@ -23,7 +23,7 @@ from ppo_placement.layout import (
 from ppo_placement.order import bundle_sort_key, node_key, sort_bundles
 from ppo_placement.spec import CriticMode, PlacementSpec
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "NODE_RESOURCE_SHARE",

@@ -98,12 +98,15 @@ def tensor_shapes(source: ValueSource) -> dict[str, tuple[int, ...]]:
     """Every tensor's name and shape, from the files' safetensors headers (no weights read)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in source.files:
-        with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                shapes[name] = tuple(entry["shape"])
+        try:
+            with file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    shapes[name] = tuple(entry["shape"])
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _refuse(source.folder, f"{file.name} has no readable safetensors header ({exc!r})") from exc
     return shapes
 
 

@@ -11,6 +11,12 @@ for ``continue_generation``; ``abort`` (the default) ends requests in flight wit
 ``finish_reason.type == "abort"``; ``retract`` puts them back in the queue and runs them again from the
 start after ``continue_generation``; ``in_place`` holds them between two decode steps.
 
+Replies carry 0.5.17's keys (checked against a real server's recording, ``tests/test_sglang_replay.py``):
+``/server_info`` the server arguments the stand-in holds (:mod:`.sglang_server_args`), ``/model_info``
+the ``embedding`` plan, ``meta_info`` the log-prob lengths, ``dp_rank`` and the prompt tokens a radix
+cache would have reused (:mod:`.sglang_radix`); the weight version starts as ``--weight-version``
+(``"default"``).
+
 ``--standin-version`` picks the SGLang version to behave as (default 0.5.23). Every request is appended
 to ``--standin-record`` (JSON lines, with the answer's status) so tests can check routes and payloads.
 Test knobs: ``--standin-startup-delay S`` (no answer for S seconds), ``--standin-exit-code C`` (exit at
