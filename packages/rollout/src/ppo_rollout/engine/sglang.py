@@ -16,7 +16,9 @@ or ``abort``), the weight-update routes, ``/pause_generation``, ``/continue_gene
 Tested with real-server recordings replayed in CI: ``benchmarks/sglang/record.py`` drives a real SGLang
 0.5.17 server through this adapter and records every exchange
 (``packages/rollout/tests/fixtures/sglang-0.5.17/``); ``test_sglang_replay.py`` replays them against the
-stand-in (:mod:`ppo_rollout.testing.sglang_standin`), which the other tests drive.
+stand-in (:mod:`ppo_rollout.testing.sglang_standin`), which the other tests drive. SGLang 0.5.17 has run
+for real (one H100: the colocated loop, weights read back, learning; ``docs/benchmarks/sglang.md``); the
+other supported versions are followed from their source.
 """
 
 from __future__ import annotations
