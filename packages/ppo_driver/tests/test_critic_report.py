@@ -27,15 +27,15 @@ def step(n: int, **extra: float) -> dict:
 
 def test_the_critics_share_of_a_step_leaves_the_checks_out() -> None:
     got = critic_report.cost_metrics(step(1, **{"critic/peak_memory_gb": 3.0, "actor/peak_memory_gb": 9.0}))
-    assert got["critic/time_share"] == pytest.approx(2.4 / 8.0)
-    assert got["critic/peak_memory_share"] == pytest.approx(0.25)
+    assert got["time/critic_share"] == pytest.approx(2.4 / 8.0)
+    assert got["memory/critic_peak_share"] == pytest.approx(0.25)
     assert critic_report.cost_metrics({"time/step_s": 1.0, "actor/loss": 0.1}) == {}  # no critic
 
 
 def test_the_summary_line_says_cost_and_gain_over_the_last_steps(tmp_path: Path) -> None:
     history = [
         step(
-            n, **{"critic/time_share": 0.3, "critic/explained_variance": 0.6, "critic/adv_var_ratio_grpo": r}
+            n, **{"time/critic_share": 0.3, "critic/explained_variance": 0.6, "critic/adv_var_ratio_grpo": r}
         )
         for n, r in ((1, 9.0), (2, 2.0), (3, 2.8))
     ]

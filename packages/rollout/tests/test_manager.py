@@ -15,7 +15,7 @@ from ppo_rollout.batch import FIELDS
 from ppo_rollout.config import RolloutConfig
 from ppo_rollout.data import JsonlPrompts
 from ppo_rollout.manager import RolloutManager
-from ppo_rollout.rewards import RewardError, char_match, register_reward, response_text
+from ppo_rollout.rewards import RewardError, char_match, register_reward
 from ppo_rollout.tasks import get_task
 from ppo_value_transport import unpack_fields
 from ppo_weight_sync import WeightSender, checksum
@@ -55,8 +55,7 @@ def test_batch_masks_splits_and_rewards(manager: RolloutManager, tiny_model: Pat
             lp = fields["rollout_log_probs"][k]
             assert lp.shape == (rlen,)
             assert bool((lp <= 0).all())
-            # as the reward reads it: special tokens kept, except those that end the response
-            response = response_text(tok, tokens[len(prompt_ids) :].tolist())
+            response = tok.decode(tokens[len(prompt_ids) :].tolist(), skip_special_tokens=True)
             assert float(fields["reward"][k]) == pytest.approx(char_match([_inp(row, response)])[0])
     assert sorted(seen) == [0, 1, 2, 3]
     # The critic has the actor's size here: the same split, the same Boxes.

@@ -11,10 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ppo_rollout.rewards import response_text
-from ppo_rollout.rollout_fns import PromptGroup
-from ppo_rollout.scoring import Scorer
 from ppo_rollout.tasks import make_tiny_model
-from ppo_rollout.trajectory import Segment, Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -26,24 +23,6 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def test_a_response_padded_with_bos_scores_less_than_one_that_ends(tokenizer: Any) -> None:
-    label = "0123"
-    ended = [*_ids(tokenizer, label), tokenizer.eos_token_id]
-    padded = [*_ids(tokenizer, label), tokenizer.bos_token_id, tokenizer.bos_token_id]
-    scorer = Scorer("exact_match", tokenizer, timeout_s=30, score_unfinished=True)
-    group = PromptGroup(0, {"prompt": label, "label": label}, label + ">", tuple(_ids(tokenizer, label)), 2)
-
-    def trajectory(ids: list[int], finish: str) -> Trajectory:
-        segment = Segment(tuple(ids), True, 0, (0.0,) * len(ids))
-        return Trajectory(0, group.prompt_ids, (segment,), finish_reason=finish, weight_versions=(0,))
-
-    scored = scorer.rewarded([group], [trajectory(ended, "stop"), trajectory(padded, "length")])
-    assert [t.reward for t in scored] == [1.0, 0.0]
-    char = Scorer("char_match", tokenizer, timeout_s=30, score_unfinished=True)
-    partial = char.rewarded([group], [trajectory(padded, "length")])[0].reward
-    assert partial < 1.0  # the padding counts against the answer, as any extra text would
 
 
 def test_only_the_trailing_end_tokens_are_dropped(tokenizer: Any) -> None:

@@ -2,15 +2,17 @@
 
 Per step (:func:`cost_metrics`, from the step's budget and the trainers' metrics):
 
-* ``critic/time_share``: the critic's seconds over the step's (``check_weights`` left out, as in the
+* ``time/critic_share``: the critic's seconds over the step's (``check_weights`` left out, as in the
   budget's overhead): its training phase, its own sleep and wake, and the value handoff, the work a
   run without a critic would not do;
-* ``critic/peak_memory_share`` (CUDA): the critic's peak memory in its training phase over the sum of
+* ``memory/critic_peak_share`` (CUDA): the critic's peak memory in its training phase over the sum of
   the actor's and the critic's (``peak_memory_gb`` of each, rank 0).
 
 What the critic buys comes from the critic itself (``ppo_trainer.critic_health``: ``critic/
 explained_variance``, ``critic/adv_var_ratio_grpo``, ...). :func:`summary` and :func:`summary_line`
-put the run's last steps of both side by side for ``summary.json`` and the run summary table.
+put the run's last steps of both side by side for ``summary.json`` and the run summary table. The two
+cost figures are measurements (under ``time/`` and ``memory/``), so comparisons of two runs' computed
+metrics leave them out as they leave out every timing.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ from typing import Any
 
 # The parts of a step's budget that a run without a critic would not have (budget.py's names).
 CRITIC_PARTS: tuple[str, ...] = ("critic_train", "critic/sleep", "critic/wake", "handoff")
-SUMMARY_KEYS: tuple[str, ...] = (
-    "critic/time_share",
-    "critic/peak_memory_share",
-    "critic/explained_variance",
-    "critic/adv_var_ratio_grpo",
-    "critic/adv_var_ratio_rloo",
-    "critic/adv_corr_grpo",
-)
+# metric -> its name in summary.json's "critic"
+SUMMARY_KEYS: dict[str, str] = {
+    "time/critic_share": "time_share",
+    "memory/critic_peak_share": "peak_memory_share",
+    "critic/explained_variance": "explained_variance",
+    "critic/adv_var_ratio_grpo": "adv_var_ratio_grpo",
+    "critic/adv_var_ratio_rloo": "adv_var_ratio_rloo",
+    "critic/adv_corr_grpo": "adv_corr_grpo",
+}
 
 
 def cost_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -39,10 +42,10 @@ def cost_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     if step_s > 0:
         critic_s = sum(float(metrics.get(f"time/{part}_s", 0.0)) for part in CRITIC_PARTS)
-        out["critic/time_share"] = critic_s / step_s
+        out["time/critic_share"] = critic_s / step_s
     critic_gb, actor_gb = metrics.get("critic/peak_memory_gb"), metrics.get("actor/peak_memory_gb")
     if isinstance(critic_gb, int | float) and isinstance(actor_gb, int | float) and critic_gb + actor_gb > 0:
-        out["critic/peak_memory_share"] = float(critic_gb) / float(critic_gb + actor_gb)
+        out["memory/critic_peak_share"] = float(critic_gb) / float(critic_gb + actor_gb)
     return out
 
 
@@ -53,10 +56,10 @@ def summary(history: list[dict[str, Any]], window: int = 5) -> dict[str, Any] | 
     if not steps:
         return None
     out: dict[str, Any] = {"steps": [int(r["step"]) for r in steps]}
-    for key in SUMMARY_KEYS:
+    for key, name in SUMMARY_KEYS.items():
         values = [float(r[key]) for r in steps if isinstance(r.get(key), int | float)]
         if values:
-            out[key.removeprefix("critic/")] = statistics.fmean(values)
+            out[name] = statistics.fmean(values)
     return out
 
 
