@@ -1,7 +1,8 @@
 from __future__ import annotations
 
+import concurrent.futures
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,10 @@ import pytest
 import ray
 import torch
 
-from ppo_rollout.config import RolloutConfig, SGLangOptions
-from ppo_rollout.tasks import make_tiny_model
+from ppo_rollout.config import RolloutConfig, SamplingConfig, SGLangOptions
+from ppo_rollout.engine.core import GenerationCore
+from ppo_rollout.rollout_fns import PromptGroup
+from ppo_rollout.tasks import get_task, make_tiny_model
 from ppo_testsupport import skip_gpu_tests_without_cuda
 
 torch.set_num_threads(1)
@@ -95,3 +98,47 @@ def manager(slots: Slots, tiny_model: Path) -> Iterator[object]:
     mgr = RolloutManager(config, slots, dp_size=2)
     yield mgr
     mgr.shutdown()
+
+
+# The multi-turn tests' engines: a guess_digit tiny model's generation core behind submit_generate.
+class LocalEngine:
+    """A generation core behind ``submit_generate``, each call on its own thread, every call recorded."""
+
+    def __init__(self, core: GenerationCore) -> None:
+        self.core = core
+        self.calls: list[tuple[list[list[int]], SamplingConfig, int]] = []
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def submit_generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int) -> Any:
+        self.calls.append(([list(p) for p in prompts], sampling, seed))
+        future = self.pool.submit(self.core.generate, prompts, sampling, seed)
+        return lambda timeout_s: future.result(timeout_s)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("guess_digit", tmp_path_factory.mktemp("guess") / "model", seed=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny)
+
+
+@pytest.fixture
+def engines(tiny: Path) -> Iterator[list[LocalEngine]]:
+    out = [LocalEngine(GenerationCore(tiny)) for _ in range(2)]
+    yield out
+    for e in out:
+        e.pool.shutdown()
+
+
+def guess_groups(tokenizer: Any, count: int, samples: int) -> list[PromptGroup]:
+    task = get_task("guess_digit")
+    rows = [task.row(i, 7) for i in range(count)]
+    return [
+        PromptGroup(i, row, row["prompt"], tuple(tokenizer(row["prompt"])["input_ids"]), samples)
+        for i, row in enumerate(rows)
+    ]

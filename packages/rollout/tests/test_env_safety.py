@@ -8,7 +8,6 @@ a real subprocess for the exit test, real files for the error log.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import random
 import string
@@ -17,15 +16,16 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import LocalEngine
+from conftest import guess_groups as _groups
 
 from ppo_rollout import env_errors
-from ppo_rollout.config import MultiTurnSettings, SamplingConfig, SamplingSettings
-from ppo_rollout.engine.core import GenerationCore
+from ppo_rollout.config import MultiTurnSettings, SamplingSettings
 from ppo_rollout.environment import Action, DaemonThreadPool, EnvironmentFailure, EnvironmentStop, StepResult
 from ppo_rollout.environments.guess import GuessNumberEnvironment
 from ppo_rollout.generate_client import GenerateClient
@@ -40,51 +40,8 @@ from ppo_rollout.rollout_fns import (
     multi_turn,
 )
 from ppo_rollout.runner import ClientSeeds, run_rollout
-from ppo_rollout.tasks import get_task, make_tiny_model
 from ppo_rollout.tokenizer import build_char_tokenizer
 from ppo_rollout.trajectory import Trajectory
-
-
-class LocalEngine:
-    def __init__(self, core: GenerationCore) -> None:
-        self.core = core
-        self.calls: list[list[list[int]]] = []
-        self.pool = concurrent.futures.ThreadPoolExecutor(1)
-
-    def submit_generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int) -> Any:
-        self.calls.append([list(p) for p in prompts])
-        future = self.pool.submit(self.core.generate, prompts, sampling, seed)
-        return lambda timeout_s: future.result(timeout_s)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("guess_digit", tmp_path_factory.mktemp("safety") / "model", seed=3)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny)
-
-
-@pytest.fixture
-def engines(tiny: Path) -> Iterator[list[LocalEngine]]:
-    out = [LocalEngine(GenerationCore(tiny)) for _ in range(2)]
-    yield out
-    for e in out:
-        e.pool.shutdown()
-
-
-def _groups(tokenizer: Any, count: int, samples: int) -> list[PromptGroup]:
-    task = get_task("guess_digit")
-    rows = [task.row(i, 7) for i in range(count)]
-    return [
-        PromptGroup(i, row, row["prompt"], tuple(tokenizer(row["prompt"])["input_ids"]), samples)
-        for i, row in enumerate(rows)
-    ]
-
 
 ONE_TOKEN = SamplingSettings(max_new_tokens=2, n_samples_per_prompt=1, stop_token_ids=tuple(range(20)))
 SAMPLING = SamplingSettings(temperature=1.0, max_new_tokens=3, n_samples_per_prompt=2)

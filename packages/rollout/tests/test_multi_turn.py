@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import pytest
+from conftest import LocalEngine
+from conftest import guess_groups as _groups
 
 from ppo_rollout.config import MultiTurnSettings, SamplingConfig, SamplingSettings
-from ppo_rollout.engine.core import GenerationCore, GenerationOutput
+from ppo_rollout.engine.core import GenerationOutput
 from ppo_rollout.environment import Action, EnvironmentFailure, StepResult
 from ppo_rollout.environments.guess import GuessNumberEnvironment
 from ppo_rollout.generate_client import GenerateClient, call_seed
@@ -32,51 +33,7 @@ from ppo_rollout.rollout_fns import (
     single_turn,
 )
 from ppo_rollout.runner import ClientSeeds, run_rollout
-from ppo_rollout.tasks import get_task, make_tiny_model
 from ppo_rollout.trajectory import Trajectory
-
-
-class LocalEngine:
-    """A generation core behind ``submit_generate``, each call on its own thread, every call recorded."""
-
-    def __init__(self, core: GenerationCore) -> None:
-        self.core = core
-        self.calls: list[tuple[list[list[int]], SamplingConfig, int]] = []
-        self.pool = concurrent.futures.ThreadPoolExecutor(1)
-
-    def submit_generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int) -> Any:
-        self.calls.append(([list(p) for p in prompts], sampling, seed))
-        future = self.pool.submit(self.core.generate, prompts, sampling, seed)
-        return lambda timeout_s: future.result(timeout_s)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("guess_digit", tmp_path_factory.mktemp("mt") / "model", seed=3)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny)
-
-
-@pytest.fixture
-def engines(tiny: Path) -> Iterator[list[LocalEngine]]:
-    out = [LocalEngine(GenerationCore(tiny)) for _ in range(2)]
-    yield out
-    for e in out:
-        e.pool.shutdown()
-
-
-def _groups(tokenizer: Any, count: int, samples: int) -> list[PromptGroup]:
-    task = get_task("guess_digit")
-    rows = [task.row(i, 7) for i in range(count)]
-    return [
-        PromptGroup(i, row, row["prompt"], tuple(tokenizer(row["prompt"])["input_ids"]), samples)
-        for i, row in enumerate(rows)
-    ]
 
 
 def _run(
