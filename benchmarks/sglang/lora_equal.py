@@ -25,43 +25,36 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import shlex
 import shutil
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
+from launch import launch_server, log
 from transformers import AutoModelForCausalLM
 
 from ppo_rollout.config import AdapterUpdates, SamplingConfig
 from ppo_rollout.engine.sglang import (
-    DEFAULT_COMMAND,
     SGLangClient,
     SGLangError,
     SGLangServer,
-    SGLangServerSpec,
 )
 from ppo_rollout.tasks import make_tiny_model
 from ppo_trainer.config import LoraSettings
 from ppo_trainer.converters.lora import LoRAConverter, adapter_state, lora_modules
-from ppo_weight_sync import WeightSender, free_port
+from ppo_weight_sync import WeightSender
 from ppo_weight_sync.buckets import dtype_name
 from ppo_weight_sync.sglang_lora import ADAPTER_NAME, SGLangAdapters
 from ppo_weight_sync.sglang_weights import rows_checksum
 
-T0 = time.monotonic()
+CUDA_GRAPHS = ("--cuda-graph-max-bs", "16")  # capture fewer shapes: a shorter start
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA = AdapterUpdates(rank=8, alpha=16.0, target_modules=MODULES)
 Named = list[tuple[str, torch.Tensor]]
-
-
-def log(message: str) -> None:
-    print(f"[{datetime.datetime.now():%H:%M:%S} +{time.monotonic() - T0:7.1f} s] {message}", flush=True)
 
 
 def base_model(args: argparse.Namespace, folder: Path) -> Path:
@@ -94,31 +87,6 @@ def make_adapters(args: argparse.Namespace, path: Path) -> tuple[Any, Named, Nam
     merged = [(n, t.detach().to(dtype)) for n, t in converter.export(iter(state.items()), dtype)]
     log(f"adapters: {len(adapters)} tensors, rank {LORA.rank}, scale {LORA.scale:g}; merged: {len(merged)}")
     return model, adapters, merged
-
-
-def launch(args: argparse.Namespace, path: Path, lora: AdapterUpdates | None, name: str) -> SGLangServer:
-    extra = ["--attention-backend", "triton", "--dtype", args.dtype, "--cuda-graph-max-bs", "16"]
-    if not args.deterministic:  # SGLangServerSpec adds it with --enable-deterministic-inference
-        extra += ["--sampling-backend", "pytorch"]
-    spec = SGLangServerSpec(
-        model_path=str(path),
-        port=free_port("127.0.0.1"),
-        mem_fraction_static=args.mem_fraction_static if args.device == "cuda" else None,
-        deterministic=args.deterministic,
-        random_seed=0,
-        lora=lora,
-        extra_args=(*extra, *shlex.split(args.extra_args)),
-        command=tuple(shlex.split(args.command)) if args.command else DEFAULT_COMMAND,
-    )
-    server = SGLangServer(
-        spec, startup_timeout_s=args.startup_timeout, log_path=Path(args.logs) / f"{name}.log", name=name
-    )
-    log(f"launching {name}: {shlex.join(spec.argv())}")
-    log(f"waiting for {name} /health (at most {args.startup_timeout:.0f} s; log {server.log_path})")
-    t0 = time.perf_counter()
-    server.start()
-    log(f"{name} up after {time.perf_counter() - t0:.1f} s")
-    return server
 
 
 def generate(client: SGLangClient, prompts: list[list[int]], tokens: int, what: str) -> list[Any]:
@@ -217,7 +185,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     ]
     servers: list[SGLangServer] = []
     try:
-        servers.append(launch(args, path, LORA, "sglang-lora"))
+        servers.append(launch_server(args, path, "sglang-lora", args.dtype, CUDA_GRAPHS, LORA)[0])
         client = SGLangClient(servers[0].url, timeout_s=args.request_timeout, name="lora-server")
         log(f"SGLang {client.protocol.version}")
         load_adapters(client, adapters)
@@ -236,7 +204,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
             log(f"stopping {servers[0].name}; a second server on the merged weights")
             servers[0].stop()
             folder = save_merged(path, merged, tmp / "merged")
-            servers.append(launch(args, folder, None, "sglang-merged"))
+            servers.append(launch_server(args, folder, "sglang-merged", args.dtype, CUDA_GRAPHS)[0])
             other = SGLangClient(servers[1].url, timeout_s=args.request_timeout, name="merged-server")
             reference = generate(other, prompts, args.tokens, "with the merged model (second server)")
     finally:

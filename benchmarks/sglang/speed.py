@@ -28,7 +28,6 @@ import os
 import shlex
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,25 +35,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from launch import launch_server, log
 
 from ppo_rollout.config import SamplingConfig
 from ppo_rollout.engine.continuous import GenerationRequest
 from ppo_rollout.engine.core import GenerationCore
-from ppo_rollout.engine.sglang import DEFAULT_COMMAND, SGLangClient, SGLangServer, SGLangServerSpec
+from ppo_rollout.engine.sglang import SGLangClient, SGLangServer
 from ppo_rollout.testing import long_tail
 from ppo_rollout.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
-from ppo_weight_sync import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-T0 = time.monotonic()
 GREEDY = SamplingConfig(temperature=0.0, ignore_eos=True)
 LONG_TAIL = {"0.82B": (128, 300, 2048, 64), "smollm2-135m": (64, 300, 1024, 32), "tiny": (64, 300, 1024, 32)}
 FIXED = (256, 256)  # requests x new tokens
 PROMPT_LEN = (16, 64)
-
-
-def log(message: str) -> None:
-    print(f"[{datetime.datetime.now():%H:%M:%S} +{time.monotonic() - T0:7.1f} s] {message}", flush=True)
 
 
 def _load_long_tail_generate() -> Any:
@@ -106,32 +100,6 @@ def workloads(args: argparse.Namespace, size: str, vocab: int) -> list[Workload]
         ]
         out.append(Workload(name, requests, args.slots or slots))
     return out
-
-
-def launch(args: argparse.Namespace, path: Path, size: str, dtype: str) -> tuple[SGLangServer, float]:
-    extra = ["--attention-backend", "triton", "--skip-tokenizer-init", "--dtype", dtype]
-    if not args.deterministic:  # SGLangServerSpec adds it with --enable-deterministic-inference
-        extra += ["--sampling-backend", "pytorch"]
-    spec = SGLangServerSpec(
-        model_path=str(path),
-        port=free_port("127.0.0.1"),
-        mem_fraction_static=args.mem_fraction_static if args.device == "cuda" else None,
-        deterministic=args.deterministic,
-        random_seed=0,
-        extra_args=(*extra, *shlex.split(args.extra_args)),
-        command=tuple(shlex.split(args.command)) if args.command else DEFAULT_COMMAND,
-    )
-    log_path = Path(args.logs) / f"sglang-{size}.log"
-    server = SGLangServer(
-        spec, startup_timeout_s=args.startup_timeout, log_path=log_path, name=f"sglang-{size}"
-    )
-    log(f"launching SGLang for {size}: {shlex.join(spec.argv())}")
-    log(f"waiting for SGLang /health (at most {args.startup_timeout:.0f} s; log {log_path})")
-    t0 = time.perf_counter()
-    server.start()
-    seconds = time.perf_counter() - t0
-    log(f"SGLang up after {seconds:.1f} s (launch to /health 200)")
-    return server, seconds
 
 
 def warm_then_time(who: str, wl: Workload, device: str, call: Callable[[], list[list[int]]]) -> Timing:
@@ -194,7 +162,9 @@ def bench_size(args: argparse.Namespace, size: str, tmp: Path) -> tuple[list[str
     startup, version, rows = None, "skipped", []
     try:
         if args.sglang:
-            server, startup = launch(args, path, size, args.dtype)
+            server, startup = launch_server(
+                args, path, f"sglang-{size}", args.dtype, ("--skip-tokenizer-init",)
+            )
             client = SGLangClient(server.url, timeout_s=args.request_timeout, name=f"sglang-{size}")
             version = client.protocol.version
             info = client.endpoint.request("GET", "/server_info")
