@@ -7,26 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig, LlamaForTokenClassification
+from transformers import LlamaForTokenClassification
 
 from ppo_driver import build, preflight
 from ppo_driver.config import ConfigError, load_config
+from ppo_rollout.tasks import tiny_model_config
 
 
 def _value_model(folder: Path, hidden_size: int) -> Path:
     """A value model of the built-in tiny model's architecture (``model.tiny``'s defaults), but
     ``hidden_size`` wide."""
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=hidden_size,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        num_labels=1,
-    )
+    config = tiny_model_config(hidden_size=hidden_size)  # the tiny model's vocabulary (20 characters)
+    config.num_labels = 1
     LlamaForTokenClassification(config).save_pretrained(folder)
     return folder
 
@@ -39,8 +31,8 @@ def test_the_value_models_shapes_are_checked_before_ray(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as raised:
         preflight.check(load_config(None, [f"train.critic_init_from={narrow}"]))
     assert (
-        f"  - train.critic_init_from='{narrow}': tensor 'model.embed_tokens.weight' has shape (32, 32) "
-        "but the critic's 'backbone.embed_tokens.weight' has (32, 64); give a value model of model.path's "
+        f"  - train.critic_init_from='{narrow}': tensor 'model.embed_tokens.weight' has shape (20, 32) "
+        "but the critic's 'backbone.embed_tokens.weight' has (20, 64); give a value model of model.path's "
         "architecture with one output"
     ) in str(raised.value).splitlines()
 

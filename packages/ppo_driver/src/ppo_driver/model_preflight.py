@@ -49,19 +49,18 @@ def lora_problems(config: RunConfig) -> list[str]:
 
 
 def _model_config(config: RunConfig) -> Any:
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig
 
-    if config.model.path is None:  # the built-in tiny model (ppo_rollout.tasks.make_tiny_model)
+    if config.model.path is None:  # the built-in tiny model: make_tiny_model's own config
+        from ppo_rollout.tasks import tiny_model_config
+
         t = config.model.tiny
-        return LlamaConfig(
-            vocab_size=32,
+        return tiny_model_config(
             hidden_size=t.hidden_size,
+            num_layers=t.num_layers,
+            num_heads=t.num_heads,
             intermediate_size=t.intermediate_size,
-            num_hidden_layers=t.num_layers,
-            num_attention_heads=t.num_heads,
-            num_key_value_heads=t.num_heads,
-            max_position_embeddings=t.max_positions,
-            tie_word_embeddings=False,
+            max_positions=t.max_positions,
         )
     folder = Path(config.model.path).expanduser()
     if not (folder / "config.json").is_file():

@@ -186,6 +186,39 @@ def get_task(name: str) -> PromptTask:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}") from None
 
 
+def tiny_model_config(
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 128,
+    max_positions: int = 64,
+) -> Any:
+    """The ``LlamaConfig`` of :func:`make_tiny_model`'s model: the character tokenizer's vocabulary and
+    special ids, untied embeddings. Builds no weights (and imports no torch)."""
+    from transformers import LlamaConfig
+
+    from .tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")
+    tokenizer = build_char_tokenizer(DEFAULT_ALPHABET)
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        # Untied: every parameter has its own name, which keeps weight sync and checksums simple.
+        tie_word_embeddings=False,
+    )
+
+
 def make_tiny_model(
     task: str,
     folder: Path | str,
@@ -203,7 +236,7 @@ def make_tiny_model(
     Defaults give about 0.1M parameters. Returns the folder.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from .tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 
@@ -212,23 +245,14 @@ def make_tiny_model(
             f"task {task!r} needs a real model's tokenizer (its prompts are English); the tiny model's "
             "character tokenizer spells only the digit tasks: set model.path to an imported model"
         )
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")
     folder = Path(folder)
     tokenizer = build_char_tokenizer(DEFAULT_ALPHABET)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    config = tiny_model_config(
         hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
         intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        # Untied: every parameter has its own name, which keeps weight sync and checksums simple.
-        tie_word_embeddings=False,
+        max_positions=max_positions,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
