@@ -19,7 +19,11 @@ exit status, a missing evaluation, engines whose weights differ from the actor's
 Variants: ``tools-ppo`` (configs/smollm2-tools-ppo-1gpu.yaml), ``tools-grpo`` (the GRPO config),
 ``tools-ppo-gae-through`` (the PPO config with ``algorithm.gae_through_observations=true``: GAE decays
 through the calculator's tokens, as slime and OpenRLHF do), ``notool-ppo`` (the PPO config as one turn on
-the same arithmetic without the tool or its system prompt: task ``arithmetic_5``).
+the same arithmetic without the tool or its system prompt: task ``arithmetic_5``); ``tools-ppo-warmup`` (5
+critic-only steps first), ``tools-rloo``, ``tools-dapo`` (the GRPO config with RLOO's baseline, or with
+DAPO's dynamic sampling, clip-higher and token-mean loss); ``arith-ppo``, ``arith-ppo-warmup``,
+``arith-grpo``, ``arith-rloo``, ``arith-dapo``: the same comparison on one-turn two-digit arithmetic
+(configs/smollm2-ppo-1gpu.yaml and its GRPO and DAPO siblings). docs/guide/ppo-or-grpo.md reads these.
 """
 
 from __future__ import annotations
@@ -41,9 +45,29 @@ from real_model import REPO, _env, model_folder  # the sibling benchmark's impor
 
 PPO = "configs/smollm2-tools-ppo-1gpu.yaml"
 GRPO = "configs/smollm2-tools-grpo-1gpu.yaml"
+WARM_UP = ("train.num_critic_only_steps=5",)  # the critic alone for 5 steps: the actor and engines wait
+DAPO = (  # configs/smollm2-dapo-1gpu.yaml's parts but overlong shaping (a tool turn is not an answer)
+    "rollout.dynamic_sampling.enabled=true",
+    "rollout.dynamic_sampling.std_tolerance=1.0e-6",
+    "rollout.dynamic_sampling.max_rounds=8",
+    "rollout.dynamic_sampling.over_sample=1.5",
+    "rollout.dynamic_sampling.on_exhausted=pad",
+    "algorithm.eps_clip_high=0.28",
+    "algorithm.loss_aggregation=token_mean",
+)
+ARITH_PPO = "configs/smollm2-ppo-1gpu.yaml"
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tools-ppo": (PPO, ()),
+    "tools-ppo-warmup": (PPO, WARM_UP),
     "tools-grpo": (GRPO, ()),
+    "tools-rloo": (GRPO, ("algorithm.estimator=rloo",)),
+    "tools-dapo": (GRPO, DAPO),
+    # one-turn arithmetic (two-digit sums, no tool): the same comparison on the easier task
+    "arith-ppo": (ARITH_PPO, ()),
+    "arith-ppo-warmup": (ARITH_PPO, WARM_UP),
+    "arith-grpo": ("configs/smollm2-grpo-1gpu.yaml", ()),
+    "arith-rloo": ("configs/smollm2-grpo-1gpu.yaml", ("algorithm.estimator=rloo",)),
+    "arith-dapo": ("configs/smollm2-dapo-1gpu.yaml", ()),
     "tools-ppo-gae-through": (PPO, ("algorithm.gae_through_observations=true",)),
     "notool-ppo": (
         PPO,
