@@ -306,9 +306,43 @@ def test_a_ray_address_where_nothing_listens_is_refused_at_once() -> None:
     ):
         preflight.check_ray_address(config)
     assert time.monotonic() - start < 5
-    with socket.socket() as server:
+    with socket.socket() as server:  # listens, accepts, says nothing: not Ray's GCS
         server.bind(("127.0.0.1", 0))
         server.listen()
-        preflight.check_ray_address(
-            load_config(None, [f"ray.address=ray://127.0.0.1:{server.getsockname()[1]}"])
-        )
+        silent = server.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(
+            ConfigError,
+            match=rf"ray.address='ray://127.0.0.1:{silent}': something listens at 127.0.0.1:{silent} but "
+            r"does not answer as Ray's GCS \(a gRPC server\) within 1 s",
+        ):
+            preflight.check_ray_address(load_config(None, [f"ray.address=ray://127.0.0.1:{silent}"]), 1.0)
+        assert time.monotonic() - start < 3
+
+
+def test_a_ray_address_answering_http2_passes_and_http1_does_not() -> None:
+    """A server that answers the HTTP/2 preface with its SETTINGS frame, as every gRPC server (Ray's
+    GCS among them, checked against a real cluster by tests-e2e/test_multinode.py) does, passes."""
+    import contextlib
+    import socket
+    import threading
+
+    def serve(server: socket.socket, reply: bytes) -> None:
+        conn, _ = server.accept()
+        with conn, contextlib.suppress(OSError):  # the check closes its end once it has read
+            conn.recv(64)
+            conn.sendall(reply)
+            conn.recv(64)
+
+    settings = bytes([0, 0, 6, 4, 0, 0, 0, 0, 0]) + bytes([0, 3, 0, 0, 0, 100])  # MAX_CONCURRENT_STREAMS
+    for reply, passes in ((settings, True), (b"HTTP/1.1 400 Bad Request\r\n\r\n", False)):
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            threading.Thread(target=serve, args=(server, reply), daemon=True).start()
+            config = load_config(None, [f"ray.address=127.0.0.1:{server.getsockname()[1]}"])
+            if passes:
+                preflight.check_ray_address(config, 2.0)
+            else:
+                with pytest.raises(ConfigError, match="does not answer as Ray's GCS"):
+                    preflight.check_ray_address(config, 2.0)

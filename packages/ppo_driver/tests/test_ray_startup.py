@@ -134,8 +134,16 @@ _JOIN_NOT_RAY = textwrap.dedent(
 def test_joining_an_address_that_is_not_ray_is_bounded() -> None:
     """A port that answers but is not Ray's GCS: Ray retries it for minutes; the join gives up after
     JOIN_TIMEOUT_S (and the connection attempt in flight) with one line naming ray.address."""
+    # Each of Ray's connection attempts waits RAY_py_gcs_connect_timeout_s (30 s by default) before
+    # the interrupt lands between two of them: 2 s here keeps the test short, the bound the same.
+    env = {**os.environ, "RAY_py_gcs_connect_timeout_s": "2"}
     done = subprocess.run(
-        [sys.executable, "-c", _JOIN_NOT_RAY], capture_output=True, text=True, timeout=220, check=False
+        [sys.executable, "-c", _JOIN_NOT_RAY],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     line = done.stdout.strip().splitlines()[-1]

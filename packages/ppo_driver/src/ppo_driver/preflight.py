@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from ppo_driver.config import ConfigError, RunConfig
+from ppo_driver.grpc_probe import answers_http2
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -486,8 +487,10 @@ def check_devices(config: RunConfig) -> None:
 
 
 def check_ray_address(config: RunConfig, timeout_s: float = 5.0) -> None:
-    """``ray.address`` as ``HOST:PORT`` or ``ray://HOST:PORT``: something listens there. (Ray itself
-    retries a closed port for minutes.) ``auto`` is Ray's to resolve."""
+    """``ray.address`` as ``HOST:PORT`` or ``ray://HOST:PORT``: something listens there and answers as a
+    gRPC server does, as Ray's GCS and its client server do (Ray itself retries a closed port, or a port
+    of another service, for minutes). ``auto`` is Ray's to resolve; with ``RAY_USE_TLS`` set only the
+    port is checked."""
     import socket
 
     address = config.ray.address
@@ -498,12 +501,20 @@ def check_ray_address(config: RunConfig, timeout_s: float = 5.0) -> None:
     if not sep or not port.isdigit():
         return
     try:
-        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
-            return
+        with socket.create_connection(
+            (host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s
+        ) as sock:
+            if os.environ.get("RAY_USE_TLS", "0") not in ("0", "") or answers_http2(sock, timeout_s):
+                return
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"invalid config (1 error):\n  - ray.address={address!r}: nothing answers at {host}:{port} "
+            f"({reason}, within {timeout_s:g} s); start the cluster there (`ray start --head`), fix the "
+            "address, or drop --ray-address for a local run"
+        ) from None
     raise ConfigError(
-        f"invalid config (1 error):\n  - ray.address={address!r}: nothing answers at {host}:{port} "
-        f"({reason}, within {timeout_s:g} s); start the cluster there (`ray start --head`), fix the "
-        "address, or drop --ray-address for a local run"
+        f"invalid config (1 error):\n  - ray.address={address!r}: something listens at {host}:{port} but "
+        f"does not answer as Ray's GCS (a gRPC server) within {timeout_s:g} s; give the head node's GCS "
+        "address (`ray status` on it prints it), or drop --ray-address for a local run"
     )
