@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,16 +103,27 @@ def manager(slots: Slots, tiny_model: Path) -> Iterator[object]:
 
 # The multi-turn tests' engines: a guess_digit tiny model's generation core behind submit_generate.
 class LocalEngine:
-    """A generation core behind ``submit_generate``, each call on its own thread, every call recorded."""
+    """A generation core behind ``submit_generate``, each call on its own thread, every call recorded.
+
+    Real engines are processes of their own. Two cores computing at once in one process give log-probs
+    that differ in their last bit from run to run (seen with one torch thread, in the same waves), so
+    the cores of one process take turns (``COMPUTE``): a call's numbers depend on its inputs alone, as in
+    separate processes, while the client still sees every engine busy until its call returns."""
+
+    COMPUTE = threading.Lock()
 
     def __init__(self, core: GenerationCore) -> None:
         self.core = core
         self.calls: list[tuple[list[list[int]], SamplingConfig, int]] = []
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
 
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int) -> Any:
+        with LocalEngine.COMPUTE:
+            return self.core.generate(prompts, sampling, seed)
+
     def submit_generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int) -> Any:
         self.calls.append(([list(p) for p in prompts], sampling, seed))
-        future = self.pool.submit(self.core.generate, prompts, sampling, seed)
+        future = self.pool.submit(self._generate, prompts, sampling, seed)
         return lambda timeout_s: future.result(timeout_s)
 
 
