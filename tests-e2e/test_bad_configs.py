@@ -66,6 +66,19 @@ BAD: list[tuple[str, str | None, list[str], str]] = [
     ),
     ("colocate with other rollout size", None, ["placement.rollout_gpus=2"], "placement.rollout_gpus"),
     ("unknown task", None, ["rollout.task=sudoku"], "rollout.task"),
+    (
+        "unknown reasoning-gym generator",
+        None,
+        ["rollout.task=reasoning_gym:gsm_symbolc"],
+        "rollout.task='reasoning_gym:gsm_symbolc': reasoning-gym has no generator 'gsm_symbolc' (did you "
+        "mean gsm_symbolic?)",
+    ),
+    (
+        "reasoning-gym setting unknown",
+        None,
+        ["rollout.task=reasoning_gym:countdown", "rollout.task_args={min_number: 3}"],
+        "rollout.task_args.min_number: not a setting of reasoning-gym's countdown",
+    ),
     ("bad --set syntax", None, ["train.steps"], "--set 'train.steps'"),
     # Pre-flight: what only the run used to find out, after Ray had started.
     ("reward module does not import", None, ["rollout.reward=no_such_mod_x:score"], "does not import"),

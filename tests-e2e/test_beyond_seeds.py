@@ -5,12 +5,16 @@
   on each engine), with reward-level KL under the shared critic;
 - a dedicated critic of another data-parallel size than the actor's;
 - one-step-off-policy training: batches one weight version old, and a resumed run that ends with
-  the same weights as an uninterrupted one.
+  the same weights as an uninterrupted one;
+- partial rollouts (colocated, offloaded between phases): samples paused at the budget continue at the
+  next step, tokens a version old train with their importance weights, and a run resumed from a
+  checkpoint that holds paused samples is the uninterrupted run, bit for bit.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,3 +200,47 @@ def test_one_step_off_is_one_version_old_and_resumes_exactly(local_ray: None, tm
     assert resumed.first_step == 3
     assert resumed.actor_checksum == full.actor_checksum
     assert [r["rollout/staleness"] for r in resumed.history if r["step"] > 2] == [0, 1]
+
+
+PARTIAL = [
+    *QUIET,
+    "rollout.prompts_per_step=8",
+    "rollout.sampling.n_samples_per_prompt=4",
+    "rollout.sampling.max_new_tokens=24",  # the untrained model's eos comes late: a tail to cut
+    "rollout.partial.enabled=true",
+    "rollout.partial.finish_fraction=0.5",
+    "rollout.partial.max_staleness=1",
+    "algorithm.tis_cap=2.0",
+    "checkpoint.interval=2",
+]
+# Wall-clock figures (durations, rates, shares of time): the only metrics a resume may change.
+TIMING = re.compile(r"^(time|save)/|/step/|(_s|seconds|per_second|tflops|_share)$")
+
+
+@pytest.mark.timeout(900)
+def test_partial_rollouts_continue_paused_samples_and_resume_exactly(local_ray: None, tmp_path: Path) -> None:
+    config = load_config(None, [*PARTIAL, "train.steps=4"])
+    full = train(config, tmp_path / "full", console=Console(quiet=True))
+    history = full.history
+    assert all(r["rollout/partial/trained_groups"] >= 1 for r in history)
+    assert any(r["rollout/partial/paused_samples"] > 0 for r in history)  # the budget cut samples
+    assert any(r["rollout/partial/token_share_1"] > 0 for r in history)  # and they trained a version on
+    for record in history:
+        assert record["rollout/staleness"] <= 1
+        assert 0.0 < record["actor/tis_weight_mean"] <= 2.0
+        assert math.isfinite(record["actor/pg_loss"])
+        assert math.isfinite(record["critic/loss"])
+    assert full.weights_match
+
+    run = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full", run)
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    (run / "summary.json").unlink()
+    resumed = train(config, run, console=Console(quiet=True))
+    assert resumed.first_step == 3
+    assert resumed.actor_checksum == full.actor_checksum
+    for mine, theirs in zip(resumed.history[-2:], history[-2:], strict=True):
+        keys = {k for k in (*mine, *theirs) if not TIMING.search(k)}
+        assert "rollout/partial/paused_samples" in keys
+        assert "actor/loss" in keys
+        assert {k: mine.get(k) for k in keys} == {k: theirs.get(k) for k in keys}, mine["step"]

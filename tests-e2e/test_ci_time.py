@@ -115,3 +115,11 @@ def test_ci_runs_readmes_test_command_and_fails_with_it() -> None:
     assert "uv run nox" in commands
     readme = (REPO / "README.md").read_text()
     assert re.search(r"^uv run nox\s+#", readme, re.M), "README.md's test command is no longer `uv run nox`"
+
+
+def test_ci_installs_chromium_and_requires_the_browser_test() -> None:
+    # The report's browser test (test_default_run.py) skips without Chromium on a developer's machine;
+    # CI installs it (as root, through apt) and makes a missing browser fail the test instead.
+    script = (REPO / ".ci" / "run").read_text()
+    assert "apt-get install -y -qq --no-install-recommends chromium" in script
+    assert script.index("export PPO_REQUIRE_CHROMIUM=1") < script.index("\nuv run nox")

@@ -1,6 +1,8 @@
 """The default `ppo-driver train`, started as a new user would: it learns, the engines end with the
 actor's weights, the value handoff and the sleep/wake transitions happen every step, every second of a
-step and of the start-up is accounted for. One run (module fixture) serves every test.
+step and of the start-up is accounted for, and `ppo-driver report` makes a page of it that a real
+browser (headless Chromium, browser.py) renders without a console error. One run (module fixture)
+serves every test.
 
 Elsewhere: that the recipe learns on other seeds is the seed sweep's (packages/ppo_driver/benchmarks/
 seed_sweep.py, docs/benchmarks/end-to-end.md), a benchmark of 2.5 minutes a seed; that a run resumed
@@ -17,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from browser import open_page
 from conftest import check_step_budget, run_cli
+from PIL import Image
 
 from ppo_driver.config import load_config
 
@@ -153,3 +157,79 @@ def test_start_up_is_accounted_for(default_run: tuple[Path, str]) -> None:
         "to the first step",
     ):
         assert row in table, row
+
+
+# The report's charts, in page order; the two panels the default run has no data for (single-turn
+# samples: no explained variance per turn; CPU: no peak memory share) say so in one line each.
+REPORT_CHARTS = [
+    "reward",
+    "held-out accuracy",
+    "explained variance over steps",
+    "explained variance by response position",
+    "value calibration (deciles of the values)",
+    "advantage variance ratio (baseline / critic)",
+    "advantage correlation with the critic's",
+    "the critic's share of a step",
+    "seconds per step",
+]
+OKABE_ITO_BLUE = (0, 114, 178)  # the first line of every chart (ppo_driver/report/svg.py)
+
+
+def _report(run_dir: Path) -> Path:
+    done = run_cli("report", str(run_dir), cwd=run_dir.parent, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    page = run_dir / "report.html"
+    assert f"wrote {page} ({STEPS} steps)" in done.stdout
+    assert done.stderr == ""
+    return page
+
+
+@pytest.mark.timeout(480)
+def test_the_report_renders_in_a_real_browser(default_run: tuple[Path, str], tmp_path: Path) -> None:
+    run_dir, _ = default_run
+    page = _report(run_dir)
+    source = page.read_text()
+    for outside in ("http://", "https://", "src=", "href=", "url(", "<script", "<link"):
+        assert outside not in source, outside  # nothing to fetch: the page opens offline
+    opened = open_page(page, tmp_path)
+    assert opened.console == [], f"the page logged to the browser's console: {opened.console}"
+    # The browser parsed every chart and the header: its DOM holds them, with the run's figures.
+    charts = re.findall(r'<svg class="chart"[^>]*aria-label="([^"]*)"', opened.dom)
+    assert [c.replace("&#x27;", "'") for c in charts] == REPORT_CHARTS
+    assert opened.dom.count("<svg") == source.count("<svg")
+    words = " ".join(re.sub(r"<[^>]+>", " ", opened.dom).split()).replace("&#x27;", "'")
+    for text in (
+        f"{STEPS} logged (steps 1-{STEPS}) of {STEPS}",
+        "ppo (critic: shared)",
+        "the built-in tiny model (hidden size 64, num layers 2)",
+        "engines hold the actor's final weights: match",
+        "single-turn samples only",
+        "measured on CUDA runs only",
+    ):
+        assert text in words, text
+    with Image.open(opened.screenshot) as image:
+        assert image.size == opened.size
+        rgb = image.convert("RGB")
+        colours = rgb.getcolors(maxcolors=1 << 22)
+    assert colours is not None
+    drawn = sum(n for n, c in colours if c != (255, 255, 255))
+    assert drawn > 0.05 * opened.size[0] * opened.size[1], f"{drawn} pixels not white: a blank page"
+    blue = sum(n for n, c in colours if all(abs(a - b) <= 8 for a, b in zip(c, OKABE_ITO_BLUE, strict=True)))
+    assert blue > 200, "no chart line drawn in the first colour: the SVG did not render"
+
+
+@pytest.mark.timeout(480)
+def test_the_browser_check_sees_a_console_error(default_run: tuple[Path, str], tmp_path: Path) -> None:
+    # The same page with a deliberate error: the check above would see it, so its empty console counts.
+    run_dir, _ = default_run
+    page = run_dir / "report.html"
+    if not page.is_file():
+        page = _report(run_dir)
+    broken = tmp_path / "broken.html"
+    script = '<script>console.error("deliberate error"); no_such_function();</script></body>'
+    broken.write_text(page.read_text().replace("</body>", script))
+    opened = open_page(broken, tmp_path)
+    assert any('"deliberate error"' in m for m in opened.console), opened.console
+    assert any("Uncaught ReferenceError: no_such_function is not defined" in m for m in opened.console), (
+        opened.console
+    )

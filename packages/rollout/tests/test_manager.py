@@ -15,7 +15,7 @@ from ppo_rollout.batch import FIELDS
 from ppo_rollout.config import RolloutConfig
 from ppo_rollout.data import JsonlPrompts
 from ppo_rollout.manager import RolloutManager
-from ppo_rollout.rewards import RewardError, char_match, register_reward
+from ppo_rollout.rewards import RewardError, char_match, register_reward, response_text
 from ppo_rollout.tasks import get_task
 from ppo_value_transport import unpack_fields
 from ppo_weight_sync import WeightSender, checksum
@@ -55,8 +55,11 @@ def test_batch_masks_splits_and_rewards(manager: RolloutManager, tiny_model: Pat
             lp = fields["rollout_log_probs"][k]
             assert lp.shape == (rlen,)
             assert bool((lp <= 0).all())
-            response = tok.decode(tokens[len(prompt_ids) :].tolist(), skip_special_tokens=True)
-            assert float(fields["reward"][k]) == pytest.approx(char_match([_inp(row, response)])[0])
+            # as the reward reads it: special tokens kept but for the eos that ends it (else cut)
+            response_ids = tokens[len(prompt_ids) :].tolist()
+            response = response_text(tok, response_ids)
+            finish = "stop" if response_ids[-1] == tok.eos_token_id else "length"
+            assert float(fields["reward"][k]) == pytest.approx(char_match([_inp(row, response, finish)])[0])
     assert sorted(seen) == [0, 1, 2, 3]
     # The critic has the actor's size here: the same split, the same Boxes.
     assert batch.critic_boxes == batch.boxes
@@ -66,11 +69,11 @@ def test_batch_masks_splits_and_rewards(manager: RolloutManager, tiny_model: Pat
     assert 0.0 <= batch.metrics["rollout/reward_mean"] <= 1.0
 
 
-def _inp(row, response):  # type: ignore[no-untyped-def]
+def _inp(row, response, finish_reason="stop"):  # type: ignore[no-untyped-def]
     from ppo_rollout.rewards import RewardInput
 
     return RewardInput(
-        prompt=row["prompt"], response=response, response_token_ids=(), finish_reason="stop", row=row
+        prompt=row["prompt"], response=response, response_token_ids=(), finish_reason=finish_reason, row=row
     )
 
 

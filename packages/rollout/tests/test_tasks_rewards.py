@@ -23,12 +23,12 @@ from ppo_rollout.tasks import TASKS, get_task
 from ppo_rollout.tokenizer import build_char_tokenizer
 
 
-def _inp(response: str, label: str, i: int = 0) -> RewardInput:
+def _inp(response: str, label: str, i: int = 0, finish_reason: str = "stop") -> RewardInput:
     return RewardInput(
         prompt=label + ">",
         response=response,
         response_token_ids=(),
-        finish_reason="stop",
+        finish_reason=finish_reason,
         row={"label": label},
         prompt_index=i,
     )
@@ -79,11 +79,26 @@ def test_char_match_partial_credit() -> None:
     assert exact_match([_inp(" 12 ", "12"), _inp("13", "12")]) == [1.0, 0.0]
 
 
-@given(st.text("0123456789", max_size=6), st.text("0123456789", min_size=1, max_size=6))
-def test_char_match_is_bounded_and_one_only_when_equal(response: str, label: str) -> None:
-    (r,) = char_match([_inp(response, label)])
+def test_char_match_gives_a_response_the_length_limit_cut_less_than_an_ended_one() -> None:
+    # Cut by the limit, the response did not end: it counts one character longer than its text.
+    assert char_match([_inp("210", "210", finish_reason="length")]) == [0.75]
+    assert char_match([_inp("2101", "210", finish_reason="length")]) == [0.6]
+    assert char_match([_inp("12xy", "12", finish_reason="length")]) == [0.4]
+    # Ending pays: the ended answer beats every cut one, even one whose text is the answer.
+    (ended,) = char_match([_inp("210", "210")])
+    assert ended == 1.0
+    assert char_match([_inp("21", "210")]) == [pytest.approx(2 / 3)]  # ended too early: as before
+
+
+@given(
+    st.text("0123456789", max_size=6),
+    st.text("0123456789", min_size=1, max_size=6),
+    st.sampled_from(["stop", "length"]),
+)
+def test_char_match_is_bounded_and_one_only_when_equal(response: str, label: str, finish: str) -> None:
+    (r,) = char_match([_inp(response, label, finish_reason=finish)])
     assert 0.0 <= r <= 1.0
-    assert (r == 1.0) == (response == label)
+    assert (r == 1.0) == (response == label and finish == "stop")
 
 
 def test_registry_and_module_function() -> None:

@@ -214,7 +214,15 @@ def test_backend_settings() -> None:
     )
     assert heads == []
     heads = settings.megatron_heads_problems({"model_type": "gpt2", "num_attention_heads": 12})
-    assert heads[0].startswith("train.backend='megatron' converts Llama and Qwen2 models; model_type='gpt2'")
+    assert heads[0].startswith(
+        "train.backend='megatron': the megatron backend converts Llama and Qwen2 models; this config has "
+        "model_type='gpt2'"
+    )
+    heads = settings.megatron_heads_problems({"model_type": "gemma3_text", "num_attention_heads": 4})
+    assert heads == [
+        "train.backend='megatron': model_type 'gemma3_text' (Gemma 3) is not supported by the megatron "
+        "backend: use train.backend: torch"
+    ]
     assert TrainSettings().backend_problems("cpu", {"placement.actor_gpus": 3}) == []
 
 

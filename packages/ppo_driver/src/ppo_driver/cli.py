@@ -1,4 +1,4 @@
-"""``ppo-driver``: train, validate a config, plot a run."""
+"""``ppo-driver``: train, validate a config, plot a run, write a run's report."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ examples:
   ppo-driver train --config my.yaml --ray-address auto   # join a running Ray cluster
   ppo-driver validate configs/2gpu-disaggregate.yaml
   ppo-driver plot runs/demo                         # writes runs/demo/curves.png
+  ppo-driver report runs/demo                       # writes runs/demo/report.html (one page, offline)
   ppo-driver import-model model.gguf models/my-model   # a GGUF file or HF folder -> model.path
 
 --set takes dotted names and YAML values: --set algorithm.estimator=grpo --set placement.critic=none
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_validate(sub)
     _add_plot(sub)
+    _add_report(sub)
     _add_import_model(sub)
     return parser
 
@@ -117,6 +119,19 @@ def _add_plot(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plot.add_argument("-o", "--output", type=Path, help="PNG path (default: RUN_DIR/curves.png)")
 
 
+def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    report = sub.add_parser(
+        "report",
+        help="write a run's report: one HTML page of its curves, critic, budget and settings",
+        description="Read RUN_DIR (metrics.jsonl; config.yaml and summary.json when there) and write one "
+        "self-contained HTML page: reward and held-out accuracy, the critic's health and cost, its "
+        "advantages against GRPO's and RLOO's, the step budget. It opens from disk with no server or "
+        "network. Exit code 2 when RUN_DIR holds no steps.",
+    )
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder written by `train`")
+    report.add_argument("--out", type=Path, metavar="FILE", help="HTML path (default: RUN_DIR/report.html)")
+
+
 def _add_import_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     imp = sub.add_parser(
         "import-model",
@@ -169,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = plot_run(args.run_dir, args.output)
             console.print(f"wrote {path}", highlight=False)
             return 0
+        if args.command == "report":
+            return _report(args, console, err)
     except ConfigError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
@@ -290,6 +307,21 @@ def describe_layout(config: RunConfig) -> str:
     return "\n".join(lines)
 
 
+def _report(args: argparse.Namespace, console: Console, err: Console) -> int:
+    from ppo_driver.report import ReportError, load_run, write_report
+
+    try:
+        run = load_run(args.run_dir)
+        path = write_report(run, args.out)
+    except ReportError as exc:  # one line naming the path and the fix
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        return 2
+    for note in run.notes:
+        err.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
+    console.print(f"wrote {path} ({len(run.records)} steps); open it in a browser", highlight=False)
+    return 0
+
+
 def _import_model(args: argparse.Namespace, console: Console) -> int:
     from ppo_driver.import_model import import_model
 
@@ -301,6 +333,7 @@ def _import_model(args: argparse.Namespace, console: Console) -> int:
         f"chat template: {'yes' if report.chat_template else 'no'})",
         highlight=False,
     )
+    console.print(_family_line(report.family), highlight=False)
     if report.check is not None:
         check = report.check
         console.print(
@@ -311,6 +344,24 @@ def _import_model(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(f"use it with: --set model.path={report.out}", highlight=False)
     return 0
+
+
+def _family_line(name: str | None) -> str:
+    """What the paths that know model families (``ppo_weight_sync.families``) do with this one."""
+    from ppo_weight_sync.families import FAMILIES
+
+    family = next((f for f in FAMILIES if f.name == name), None)
+    if family is None:
+        return (
+            "model family: not in the family table (the torch backend and the engines' decode loop take "
+            "it; the built-in engine's static decoder and the megatron backend do not)"
+        )
+    fast = "yes" if family.decoder is not None else "no (the decode loop)"
+    megatron = "yes" if family.megatron is not None else "no (use train.backend: torch)"
+    return (
+        f"model family: {family.name} (built-in engine's static decoder: {fast}; "
+        f"megatron backend: {megatron})"
+    )
 
 
 def print_whole(console: Console, table: RenderableType) -> None:

@@ -41,6 +41,9 @@ from ppo_trainer.config import AlgorithmConfig, DType, MemoryBackendName, TrainS
 
 SECTION = ConfigDict(extra="forbid", validate_default=True)
 
+# head sizes vLLM's CPU attention takes (vLLM 0.32.0, CPUAttentionBackend.get_supported_head_sizes)
+_VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names each bad field and how to fix it."""
@@ -384,6 +387,23 @@ class RunConfig(_Section):
                     "algorithm.tis_cap (truncated importance sampling, e.g. 2.0) or "
                     "algorithm.rollout_correction.weight"
                 )
+        self._check_partial()
+
+    def _check_partial(self) -> None:
+        """Partial rollouts train on tokens of older weights: per-token importance weights, in the
+        synchronous loop."""
+        if not self.rollout.partial.enabled:
+            return
+        if self.train.async_ != "off":
+            raise ValueError(
+                "rollout.partial.enabled does not support train.async='one_step_off' yet; set "
+                "train.async=off or rollout.partial.enabled=false"
+            )
+        if self.algorithm.correction.weight == "none":
+            raise ValueError(
+                "rollout.partial.enabled trains on tokens of older weight versions: set algorithm.tis_cap "
+                "(e.g. 2.0) or algorithm.rollout_correction.weight (each token's importance weight)"
+            )
 
     def _check_roles(self) -> None:
         """The offload plan (ppo-lifecycle's rule) and what each role's settings need."""
@@ -488,6 +508,8 @@ class RunConfig(_Section):
                     "rollout.engine='sglang' needs model.path (a Hugging Face model folder); "
                     "the built-in tiny model runs on rollout.engine='builtin' only"
                 )
+        if r.engine == "vllm":
+            self._check_vllm()
         if o.backend in ("pinned", "torch_memory_saver") and p.device != "cuda":
             raise ValueError(
                 f"offload.backend={o.backend!r} needs placement.device='cuda'; use 'host' or 'auto' on cpu"
@@ -496,6 +518,28 @@ class RunConfig(_Section):
             raise ValueError(
                 "placement.critic='dedicated' with placement.mode='colocate': a colocated run shares "
                 "every device; use placement.critic=shared, or placement.mode=disaggregate"
+            )
+
+    def _check_vllm(self) -> None:
+        """What rollout.engine='vllm' needs: merged updates, one GPU per engine to read weights back,
+        and on CPU a head size vLLM's CPU attention takes (vllm/v1/attention/backends/cpu_attn.py)."""
+        p, t = self.placement, self.train
+        if t.lora is not None and t.lora.update == "adapters" and "actor" in t.lora.roles:
+            raise ValueError(
+                "rollout.engine='vllm' takes whole (merged) weight updates: set train.lora.update='merged'"
+            )
+        if t.check_weights and p.gpus_per_engine > 1:
+            raise ValueError(
+                "train.check_weights reads a vLLM server's weights back from one worker: set "
+                "placement.gpus_per_engine=1 or train.check_weights=false"
+            )
+        tiny = self.model.tiny
+        head = tiny.hidden_size // tiny.num_heads
+        if p.device == "cpu" and self.model.path is None and head not in _VLLM_CPU_HEAD_SIZES:
+            raise ValueError(
+                f"rollout.engine='vllm' on CPU takes head sizes {list(_VLLM_CPU_HEAD_SIZES)}; model.tiny "
+                f"gives {head} (hidden_size {tiny.hidden_size} / num_heads {tiny.num_heads}): set "
+                "model.tiny.num_heads so that the quotient is one of them (e.g. 2 for hidden_size 64)"
             )
 
     def _check_batches(self) -> None:

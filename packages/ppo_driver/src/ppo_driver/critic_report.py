@@ -17,6 +17,7 @@ metrics leave them out as they leave out every timing.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping
 from typing import Any
@@ -57,7 +58,10 @@ def summary(history: list[dict[str, Any]], window: int = 5) -> dict[str, Any] | 
         return None
     out: dict[str, Any] = {"steps": [int(r["step"]) for r in steps]}
     for key, name in SUMMARY_KEYS.items():
-        values = [float(r[key]) for r in steps if isinstance(r.get(key), int | float)]
+        # a step whose figure is undefined (NaN: e.g. returns of zero variance) adds nothing
+        values = [
+            float(r[key]) for r in steps if isinstance(r.get(key), int | float) and math.isfinite(r[key])
+        ]
         if values:
             out[name] = statistics.fmean(values)
     return out

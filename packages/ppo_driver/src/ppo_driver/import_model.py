@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ppo_weight_sync.families import ModelFamily, family_of_config
+
 __all__ = [
     "CheckResult",
     "ImportReport",
@@ -62,6 +64,7 @@ class ImportReport:
     dtype: DType
     chat_template: bool
     check: CheckResult | None
+    family: str | None = None  # the model family's name (ppo_weight_sync.families), None: not in the table
 
 
 def resolve_source(src: str | Path) -> Source:
@@ -168,6 +171,8 @@ def import_model(
     if out.exists() and not force:
         raise ValueError(f"{out} already exists; remove it or pass --force to replace it")
     model, tokenizer = _load(source)
+    family = family_of_config(model.config)
+    _end_turns(model.generation_config, tokenizer, family)
     model = model.to(getattr(torch, dtype))
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -184,7 +189,26 @@ def import_model(
         shutil.rmtree(out)
     partial.rename(out)
     parameters = sum(p.numel() for p in model.parameters())  # a tied embedding counts once
-    return ImportReport(out, source, parameters, dtype, bool(tokenizer.chat_template), result)
+    chat = bool(tokenizer.chat_template)
+    return ImportReport(out, source, parameters, dtype, chat, result, family.name if family else None)
+
+
+def _end_turns(generation_config: Any, tokenizer: Any, family: ModelFamily | None) -> None:
+    """Adds to the eos tokens the family's turn-end tokens (``ChatNotes.turn_end``) that the tokenizer's
+    chat template writes: a response that ends its turn then ends (Gemma's ``<end_of_turn>``, which a
+    GGUF file's ``eos_token_id`` leaves out)."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if family is None or not template:
+        return
+    eos = generation_config.eos_token_id
+    before = [] if eos is None else [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+    ids = list(before)
+    for token in family.chat.turn_end:
+        token_id = tokenizer.convert_tokens_to_ids(token) if token in template else None
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token_id not in ids:
+            ids.append(token_id)
+    if ids != before:
+        generation_config.eos_token_id = ids
 
 
 def check_folder(folder: Path, dtype: DType) -> CheckResult:

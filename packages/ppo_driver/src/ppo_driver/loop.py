@@ -472,9 +472,16 @@ def _schedule(config: RunConfig, roles: Roles, saver: CheckpointSaver, stack: Ex
         last_step=config.train.steps,
         saves_at=saver.cadence.due,
         timeout_s=config.ray.timeout_s,
+        max_staleness=_max_staleness(config),
     )
     stack.callback(schedule.close)
     return schedule
+
+
+def _max_staleness(config: RunConfig) -> int:
+    """How many versions behind the published weights a batch's oldest token may be."""
+    partial = config.rollout.partial
+    return partial.max_staleness if partial.enabled else 1
 
 
 # --- the end ---------------------------------------------------------------------------------------

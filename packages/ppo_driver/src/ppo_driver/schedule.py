@@ -11,8 +11,8 @@ Resume stays exact because no generation is in flight across a checkpoint: after
 (and after the last step) nothing is prefetched, so the next step generates on its own from the
 checkpointed weights and data position, in an uninterrupted run and in a resumed one alike.
 
-Each batch handed out is checked: at most one weight version behind the published weights
-(:func:`check_staleness`).
+Each batch handed out is checked: at most one weight version behind the published weights, or
+``rollout.partial.max_staleness`` with partial rollouts (:func:`check_staleness`).
 
 :class:`Cadence`: the steps a periodic job (a checkpoint, an evaluation) runs after.
 """
@@ -58,8 +58,10 @@ class BatchSchedule:
         last_step: int,
         saves_at: Callable[[int], bool],
         timeout_s: float,
+        max_staleness: int = 1,
     ) -> None:
         self.rollout = rollout
+        self.max_staleness = max_staleness
         self.mode = mode
         self.last_step = last_step
         self.saves_at = saves_at
@@ -99,7 +101,7 @@ class BatchSchedule:
         version (:func:`check_staleness`), then the next batch started when due (:meth:`start_next`);
         both as the step's metrics."""
         return {
-            "rollout/staleness": check_staleness(step, batch.metrics, published),
+            "rollout/staleness": check_staleness(step, batch.metrics, published, self.max_staleness),
             "rollout/prefetched_next": int(self.start_next(step)),
         }
 
@@ -129,16 +131,17 @@ class BatchSchedule:
         self._pending = None
 
 
-def check_staleness(step: int, batch_metrics: Mapping[str, Any], published: int) -> int:
+def check_staleness(step: int, batch_metrics: Mapping[str, Any], published: int, allowed: int = 1) -> int:
     """Weight versions between the batch's oldest sample and the latest published weights: 0 in the
-    synchronous loop, at most 1 one step off (anything more is a scheduling bug, stopped here)."""
+    synchronous loop, at most 1 one step off, at most ``allowed`` (``rollout.partial.max_staleness``)
+    with partial rollouts (anything more is a scheduling bug, stopped here)."""
     oldest = batch_metrics.get("rollout/weight_version_min", -1.0)
     if oldest < 0:  # the engines report no numeric version: nothing to check
         return 0
     behind = int(published - oldest)
-    if behind > 1:
+    if behind > allowed:
         raise RuntimeError(
             f"step {step}: the batch was generated with weight version {int(oldest)}, {behind} versions "
-            f"behind the published {published}; at most one is allowed"
+            f"behind the published {published}; at most {allowed} allowed"
         )
     return behind

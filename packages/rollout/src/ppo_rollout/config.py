@@ -23,11 +23,13 @@ __all__ = [
     "DynamicSamplingSettings",
     "MultiTurnSettings",
     "OverlongSettings",
+    "PartialSettings",
     "RolloutConfig",
     "RolloutSettings",
     "SGLangOptions",
     "SamplingConfig",
     "SamplingSettings",
+    "VLLMOptions",
 ]
 
 # Unknown keys are errors, and defaults are validated like any input.
@@ -124,6 +126,43 @@ class SGLangOptions:
     @classmethod
     def _words(cls, value: object) -> object:
         # YAML reads `[--max-running-requests, 64]` with a number in it: a command line holds words.
+        if isinstance(value, list | tuple):
+            return tuple(
+                str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for v in value
+            )
+        return value
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
+class VLLMOptions:
+    """How the vLLM adapter launches servers (``python -m vllm.entrypoints.openai.api_server``)."""
+
+    python: str | None = Field(
+        default=None,
+        description="the Python of the environment vLLM is installed in (e.g. a venv's bin/python: vLLM "
+        "pins a torch of its own); null: this process's Python",
+    )
+    extra_args: tuple[str, ...] = Field(
+        default=(), description="appended to the server's command line verbatim, e.g. [--max-num-seqs, 64]"
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        ge=1 << 20,
+        description="the KV cache's size (--kv-cache-memory-bytes); null: 1 GiB on CPU (vLLM's own "
+        "default reserves 92% of the host's memory), vLLM's --gpu-memory-utilization share on GPUs",
+    )
+    eager: bool = Field(
+        default=True, description="--enforce-eager: no torch.compile of the model at start (minutes on CPU)"
+    )
+    host: str = Field(default="127.0.0.1", description="the address the servers listen on")
+    startup_timeout_s: float = Field(default=600.0, gt=0, description="limit on a server's start")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="limit on one request")
+    stop_grace_s: float = Field(default=15.0, ge=0, description="SIGTERM to SIGKILL at shutdown")
+
+    @field_validator("extra_args", mode="before")
+    @classmethod
+    def _words(cls, value: object) -> object:
+        # YAML reads `[--max-num-seqs, 64]` with a number in it: a command line holds words.
         if isinstance(value, list | tuple):
             return tuple(
                 str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for v in value
@@ -254,12 +293,66 @@ class DynamicSamplingSettings:
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
+class PartialSettings:
+    """Partial rollouts: the ``rollout.partial`` section (``ppo_rollout.partial``).
+
+    A step's generation ends once its budget is reached; the samples still running pause with their
+    tokens, log-probs and weight versions, and continue at the next step under the new weights, first
+    in line. A prompt's group trains once every one of its samples has finished."""
+
+    enabled: bool = Field(default=False, description="end generation at the budget, continue the rest later")
+    finish_fraction: float | None = Field(
+        default=0.75,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="generation ends once this share of the step's samples has finished; null: off",
+    )
+    token_budget: int | None = Field(
+        default=None,
+        ge=1,
+        description="or once the step has generated this many tokens, whichever comes first; null: off",
+    )
+    max_staleness: int = Field(
+        default=2,
+        ge=1,
+        description="the most weight versions a trained token may be behind the weights it trains with; "
+        "a sample that would be older is dropped or restarted (on_stale)",
+    )
+    on_stale: Literal["drop", "restart"] = Field(
+        default="restart",
+        description="a sample past max_staleness: drop its prompt's group, or restart the sample from its "
+        "prompt under the current weights",
+    )
+
+    def __post_init__(self) -> None:
+        if self.finish_fraction is None and self.token_budget is None:
+            raise ValueError(
+                "rollout.partial needs a budget: set rollout.partial.finish_fraction (a share of the "
+                "step's samples) or rollout.partial.token_budget (tokens)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
 class RolloutSettings:
     """What to generate and how to score it: the ``rollout`` section. Exactly one of ``task`` and
     ``dataset`` is set."""
 
-    engine: Literal["builtin", "sglang"] = "builtin"
-    task: str | None = Field(default="copy_small", description="built-in task name; null when dataset is set")
+    engine: Literal["builtin", "sglang", "vllm"] = Field(
+        default="builtin", description="builtin, sglang (GPUs) or vllm (its own install, CPU or GPUs)"
+    )
+    task: str | None = Field(
+        default="copy_small",
+        description="built-in task name, or reasoning_gym:NAME (one of reasoning-gym's generators, "
+        'e.g. reasoning_gym:gsm_symbolic; pip install "ppo-rollout[reasoning-gym]"); null when dataset '
+        "is set",
+    )
+    task_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="reasoning_gym tasks only: settings of the generator (the fields of its config "
+        "class, e.g. {min_numbers: 3, max_numbers: 4} for reasoning_gym:countdown); seed and size are "
+        "set by the run",
+    )
     dataset: str | None = Field(default=None, description="JSONL file of prompts (instead of task)")
     prompt_field: str = "prompt"
     reward: str | None = Field(
@@ -294,7 +387,8 @@ class RolloutSettings:
     )
     environment: str | None = Field(
         default=None,
-        description="multi-turn environment: a built-in name ('calculator', 'guess_number') or "
+        description="multi-turn environment: a built-in name ('calculator', 'guess_number', "
+        "'bfcl_multi_turn') or "
         "'package.module:factory'; null: the task's own, if any",
     )
     environment_args: dict[str, Any] = Field(
@@ -307,6 +401,9 @@ class RolloutSettings:
     sglang: SGLangOptions = Field(
         default=SGLangOptions(), description="how the servers of engine 'sglang' are launched"
     )
+    vllm: VLLMOptions = Field(
+        default=VLLMOptions(), description="how the servers of engine 'vllm' are launched"
+    )
     reward_timeout_s: float = Field(
         default=600.0,
         gt=0,
@@ -318,6 +415,10 @@ class RolloutSettings:
     dynamic_sampling: DynamicSamplingSettings = Field(
         default=DynamicSamplingSettings(),
         description="DAPO's dynamic sampling: train only on groups whose raw scores vary",
+    )
+    partial: PartialSettings = Field(
+        default=PartialSettings(),
+        description="partial rollouts: a step trains on what finished by its budget; the rest continues",
     )
 
     @field_validator("dataset", "eval_dataset", mode="before")
@@ -332,13 +433,7 @@ class RolloutSettings:
                 "set exactly one of rollout.task (a built-in task name) and rollout.dataset (a JSONL "
                 f"path); got task={self.task!r}, dataset={self.dataset!r}"
             )
-        if self.task is not None:
-            from .tasks import TASKS  # the task table lives with the tasks
-
-            if self.task not in TASKS:
-                raise ValueError(
-                    f"rollout.task={self.task!r} is not a built-in task; use one of {sorted(TASKS)}"
-                )
+        self._check_task()
         if self.system_prompt is not None and not self.chat_template:
             raise ValueError(
                 "rollout.system_prompt needs rollout.chat_template=true (the system message is part of "
@@ -346,6 +441,41 @@ class RolloutSettings:
             )
         self._check_multi_turn()
         self._check_shaping()
+        self._check_partial()
+
+    def _check_partial(self) -> None:
+        if not self.partial.enabled:
+            return
+        refused = {
+            "rollout.rollout_function='multi_turn'": self.resolved_rollout_function == "multi_turn",
+            "rollout.engine='sglang'": self.engine == "sglang",
+            "rollout.engine='vllm'": self.engine == "vllm",
+            "rollout.dynamic_sampling.enabled": self.dynamic_sampling.enabled,
+        }
+        for what, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"rollout.partial.enabled does not support {what} yet; turn one of them off "
+                    "(partial rollouts take single-turn rollouts on the built-in engine)"
+                )
+
+    def _check_task(self) -> None:
+        from .reasoning_gym_task import check_task, is_reasoning_gym
+        from .tasks import TASKS  # the task table lives with the tasks
+
+        if is_reasoning_gym(self.task):
+            check_task(str(self.task), self.task_args)  # imports reasoning-gym
+            return
+        if self.task is not None and self.task not in TASKS:
+            raise ValueError(
+                f"rollout.task={self.task!r} is not a built-in task; use one of {sorted(TASKS)}, or "
+                "reasoning_gym:<name>"
+            )
+        if self.task_args:
+            raise ValueError(
+                f"rollout.task_args is for reasoning_gym:<name> tasks, not rollout.task={self.task!r}; "
+                "remove it"
+            )
 
     def _check_shaping(self) -> None:
         if self.overlong is not None and self.overlong.buffer_len > self.train_response_limit:
@@ -382,9 +512,9 @@ class RolloutSettings:
         """``environment``, else the task's own environment (``None`` for a single-turn task)."""
         if self.environment is not None or self.task is None:
             return self.environment
-        from .tasks import TASKS
+        from .tasks import get_task
 
-        return TASKS[self.task].environment
+        return get_task(self.task).environment
 
     @property
     def resolved_rollout_function(self) -> str:
@@ -458,6 +588,10 @@ class RolloutConfig(RolloutSettings):
             raise ValueError("rollout.gpus_per_engine must be >= 1 with device 'cuda'")
         if self.engine == "builtin" and self.gpus_per_engine > 1:
             raise ValueError("the built-in engine runs on one device: set rollout.gpus_per_engine to 0 or 1")
+        if self.engine == "vllm" and self.lora is not None:
+            raise ValueError(
+                "rollout.engine='vllm' takes merged weight updates only: set train.lora.update='merged'"
+            )
         if self.dataset is not None and not Path(self.dataset).is_file():
             raise ValueError(f"rollout.dataset: no file at {self.dataset!r}; give a JSONL file path")
         if self.eval_dataset is not None and not Path(self.eval_dataset).is_file():

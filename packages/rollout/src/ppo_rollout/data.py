@@ -42,12 +42,15 @@ class PromptSource(Protocol):
 
 
 class TaskPrompts:
-    """Row ``i`` of a built-in task for ``seed``; evaluation rows come from a disjoint stream."""
+    """Row ``i`` of a built-in task for ``seed``; evaluation rows come from a disjoint stream.
+    ``args``: a ``reasoning_gym:<name>`` task's settings (``rollout.task_args``), part of the saved
+    position (other settings draw other rows)."""
 
     prompt_field = "prompt"
 
-    def __init__(self, task: str, seed: int) -> None:
-        self.task = get_task(task)
+    def __init__(self, task: str, seed: int, args: Mapping[str, Any] | None = None) -> None:
+        self.task = get_task(task, args)
+        self.args = dict(args or {})
         self.seed = seed
         self.position = 0
 
@@ -61,11 +64,18 @@ class TaskPrompts:
         return [self.task.eval_row(i, self.seed) for i in range(count)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "task", "task": self.task.name, "seed": self.seed, "position": self.position}
+        state = {"kind": "task", "task": self.task.name, "seed": self.seed, "position": self.position}
+        return state | ({"task_args": dict(self.args)} if self.args else {})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("kind") != "task" or state.get("task") != self.task.name:
             raise ValueError(f"data state {dict(state)!r} is not from task {self.task.name!r}")
+        saved = dict(state.get("task_args") or {})
+        if saved != self.args:
+            raise ValueError(
+                f"data state of task {self.task.name!r} was saved with rollout.task_args={saved}, which "
+                f"drew other rows than rollout.task_args={self.args}; set them back, or start a new run"
+            )
         self.position = int(state["position"])
 
 
@@ -245,7 +255,7 @@ def open_prompts(settings: RolloutSettings, seed: int) -> PromptSource:
     chat = settings.chat_template
     source: PromptSource
     if settings.task is not None:
-        source = TaskPrompts(settings.task, seed)
+        source = TaskPrompts(settings.task, seed, settings.task_args)
     else:
         if settings.dataset is None:  # RolloutSettings holds one of the two
             raise ValueError("set rollout.task or rollout.dataset")

@@ -18,6 +18,7 @@ from ppo_weight_sync.sglang_lora import ADAPTER_NAME
 
 from .config import RolloutConfig, SamplingConfig
 from .engine.handles import BuiltinEngineHandle, EngineHandle, SGLangEngineHandle
+from .engine.vllm_handle import VLLMEngineHandle
 from .slots import EngineSlots, actor_options
 
 __all__ = ["EnginePool", "check_bundles", "make_engine"]
@@ -48,6 +49,16 @@ def make_engine(cfg: RolloutConfig, i: int, slots: EngineSlots | None) -> Engine
             actor_options(slots, i * per_engine, share),
             cfg.timeout_s,
             lora=cfg.lora,
+        )
+    if cfg.engine == "vllm":
+        return VLLMEngineHandle(
+            name,
+            vllm_spec_args(cfg, i),
+            actor_options(slots, i * per_engine, share),  # vLLM takes the GPUs Ray gives its actor
+            startup_timeout_s=cfg.vllm.startup_timeout_s,
+            stop_grace_s=cfg.vllm.stop_grace_s,
+            request_timeout_s=cfg.vllm.request_timeout_s,
+            weights=(cfg.dtype, None),
         )
     spec_args = sglang_spec_args(cfg, i, slots)
     # The launching actor holds no GPU: the server takes its GPUs by id.
@@ -94,6 +105,29 @@ def sglang_spec_args(cfg: RolloutConfig, i: int, slots: EngineSlots | None) -> d
     return spec_args
 
 
+def vllm_spec_args(cfg: RolloutConfig, i: int) -> dict[str, Any]:
+    """The ``VLLMServerSpec`` arguments of engine ``i`` (its port picked where it runs)."""
+    import sys
+
+    extra = list(cfg.vllm.extra_args)
+    kv_bytes = cfg.vllm.kv_cache_memory_bytes
+    if kv_bytes is None and cfg.device == "cpu":
+        kv_bytes = 1 << 30  # vLLM's CPU default reserves 92% of the host's memory and refuses to start
+    if kv_bytes is not None and "--kv-cache-memory-bytes" not in extra:
+        extra += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    return {
+        "model_path": cfg.model_path,
+        "port": None,
+        "python": cfg.vllm.python or sys.executable,
+        "dtype": cfg.dtype,  # the weights' dtype as the actor sends them
+        "host": cfg.vllm.host,
+        "seed": cfg.seed + i,
+        "tp_size": max(1, cfg.gpus_per_engine),
+        "eager": cfg.vllm.eager,
+        "extra_args": tuple(extra),
+    }
+
+
 def _backup_weights(cfg: RolloutConfig) -> bool:
     """Whether a server keeps a host copy of its weights while released: the setting, else where an
     adapter-only update (the base is never sent again) may follow a resume."""
@@ -113,7 +147,8 @@ class EnginePool:
             for i in range(config.num_engines):
                 self.engines.append(make_engine(config, i, slots))
             # Created first, waited for together: engines load in parallel.
-            wait = config.sglang.startup_timeout_s + 60 if config.engine == "sglang" else config.timeout_s
+            servers = {"sglang": config.sglang.startup_timeout_s, "vllm": config.vllm.startup_timeout_s}
+            wait = servers[config.engine] + 60 if config.engine in servers else config.timeout_s
             for engine in self.engines:
                 engine.wait_ready(wait)
             # The engines' start-up, part by part (the slowest engine's), for the driver's table.

@@ -38,6 +38,7 @@ from typing import Any, Literal, Protocol
 
 from .config import SamplingConfig
 from .engine.core import GenerationOutput
+from .engine.early_stop import EarlyStop, StopRule
 from .engine.handles import Waiter
 from .participant import PARTICIPANT, Key
 from .stops import RequestStop
@@ -56,6 +57,7 @@ class BatchGenerator(Protocol):
         *,
         max_new_tokens: Sequence[int] | None = None,
         stop: Sequence[RequestStop] | None = None,
+        until: EarlyStop | None = None,
     ) -> Waiter: ...
 
 
@@ -117,6 +119,8 @@ class GenerateClient:
         self.calls = [0] * len(engines)
         self.busy_seconds = [0.0] * len(engines)
         self.order = order  # may be set before the first request
+        # rollout.partial: each engine call may end once its share of the phase's budget is reached
+        self.stop_rule: StopRule | None = None
         self._participants: set[Key] = set()
         self._arrivals = itertools.count()
 
@@ -176,7 +180,7 @@ class GenerateClient:
         for k, j in enumerate(idle):
             chunk = batch[bounds[k] : bounds[k + 1]]
             if chunk:
-                self._dispatch(j, chunk)
+                self._dispatch(j, chunk, len(batch))
         if self._queue and any(not b for b in self._busy):
             self._schedule_flush()
 
@@ -197,7 +201,7 @@ class GenerateClient:
         self._queue = [p for p in self._queue if p.sampling != key]
         return batch
 
-    def _dispatch(self, engine: int, chunk: list[_Pending]) -> None:
+    def _dispatch(self, engine: int, chunk: list[_Pending], wave: int) -> None:
         limits = [p.max_new_tokens for p in chunk]
         sampling = replace(chunk[0].sampling, max_new_tokens=max(limits))
         seed = call_seed(self._seed, self._step, engine, self._stream, self.calls[engine])
@@ -210,6 +214,9 @@ class GenerateClient:
             options["max_new_tokens"] = limits
         if any(p.stop for p in chunk):
             options["stop"] = [p.stop for p in chunk]
+        if self.stop_rule is not None:
+            n = sampling.n_samples_per_prompt
+            options["until"] = self.stop_rule.for_call(len(chunk) * n, wave * n)
         waiter = self._engines[engine].submit_generate(prompts, sampling, seed, **options)
         started = time.perf_counter()
         future = self._loop.run_in_executor(self._pool, waiter, self._timeout_s)

@@ -3,7 +3,8 @@ function run against the engines (their weights held still), the rewards, one pa
 
 Outcome rewards get the overlong penalty (``rollout.overlong``); with ``rollout.dynamic_sampling``
 the groups whose raw scores do not vary are dropped and more prompts rolled out until
-``prompts_per_step`` groups are kept (``dynamic_sampling``).
+``prompts_per_step`` groups are kept (``dynamic_sampling``). With ``rollout.partial`` a step trains
+the groups that finished by its budget and the rest continue at the next step (``partial_step``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .dynamic_sampling import select_groups
 from .engine_pool import EnginePool
 from .generate_client import GenerateClient
 from .overlong import shape_overlong
+from .partial_step import PartialRollout
 from .prompts import encode_texts
 from .rollout_fns import ContextCall, PromptGroup, RolloutContext
 from .rollout_metrics import multi_turn_metrics, sample_metrics
@@ -94,6 +96,7 @@ class Generation:
     pool: EnginePool
     dp_size: int
     critic_dp_size: int
+    partial: PartialRollout | None = None  # rollout.partial: the open groups between steps
 
     def groups(self, rows: Sequence[Mapping[str, Any]], samples: int) -> list[PromptGroup]:
         """The step's prompts: rendered (chat template when on) and encoded once, here, for every
@@ -146,12 +149,15 @@ class Generation:
             return list(by_prompt.values())
 
         dynamic: dict[str, float] = {}
-        if cfg.dynamic_sampling.enabled:
+        if self.partial is not None:
+            trajectories, run, dynamic = self._partial_step(step)
+            runs.append(run)
+        elif cfg.dynamic_sampling.enabled:
             selection = select_groups(roll, cfg.prompts_per_step, cfg.dynamic_sampling)
             trajectories, dynamic = selection.trajectories, selection.metrics
         else:
             trajectories = [t for g in roll(0, cfg.prompts_per_step) for t in g]
-        run = _combined(runs, trajectories)
+        run = runs[0] if self.partial is not None else _combined(runs, trajectories)
         ids, boxes = _packed(trajectories, self.dp_size)
         critic_ids, critic_boxes = ids, boxes
         if self.critic_dp_size != self.dp_size:
@@ -163,6 +169,19 @@ class Generation:
             critic_boxes=critic_boxes,
             critic_sample_ids=critic_ids,
         )
+
+    def _partial_step(self, step: int) -> tuple[list[Trajectory], RolloutRun, dict[str, float]]:
+        """``prompts_per_step`` new prompts join the open groups; the groups complete by the budget,
+        checked and rewarded (``partial_step``)."""
+        assert self.partial is not None
+        cfg = self.config
+        new = self.groups(self.source.next_rows(cfg.prompts_per_step), cfg.sampling.n_samples_per_prompt)
+        done = self.partial.generate(step, new, self.pool.engines)
+        check_samples(done.trajectories, model_limits(cfg.model_path), self.parts.fn_name)
+        rewarded = shape_overlong(
+            self.scorer.rewarded(done.groups, done.trajectories), cfg.overlong, cfg.train_response_limit
+        )
+        return rewarded, done.run, done.metrics
 
     def _step_metrics(
         self, trajectories: Sequence[Trajectory], run: RolloutRun, seconds: float

@@ -25,6 +25,7 @@ from .engine_pool import EnginePool, check_bundles
 from .evaluation import CORRECT_REWARD as CORRECT_REWARD
 from .evaluation import evaluate
 from .generation import Generation, RolloutBatch, check_dp_sizes
+from .partial_step import PartialRollout, dp_multiple, sample_limits
 from .rollout_parts import rollout_parts
 from .scoring import Scorer, reward_spec
 from .slots import EngineSlots
@@ -66,9 +67,11 @@ class RolloutManager:
             timeout_s=config.reward_timeout_s,
             score_unfinished=config.resolved_rollout_function == "single_turn"
             or config.multi_turn.score_unfinished,
+            stop_token_ids=config.sampling.stop_token_ids,
         )
         self.parts = rollout_parts(config, self.tokenizer)
         try:
+            partial = self._partial(config)  # a rollout function that cannot pause: before any engine
             self.pool = EnginePool(config, slots)
         except BaseException:
             self.parts.close()
@@ -85,7 +88,15 @@ class RolloutManager:
             self.pool,
             self.dp_size,
             self.critic_dp_size,
+            partial,
         )
+
+    def _partial(self, config: RolloutConfig) -> PartialRollout | None:
+        """``rollout.partial``: the open groups, kept here between steps (None: off)."""
+        if not config.partial.enabled:
+            return None
+        limits = sample_limits(self.parts.fn, self.parts.fn_name, config)
+        return PartialRollout(config, limits, dp_multiple(self.dp_size, self.critic_dp_size))
 
     # -- engines -----------------------------------------------------------------------------------
     def start_warm_up(self) -> Callable[[float], dict[str, float]]:
@@ -137,13 +148,20 @@ class RolloutManager:
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The data position. Sampling seeds are a function of (seed, step, engine): no RNG state to keep."""
-        return {"version": 1, "data": self.source.state_dict()}
+        """The data position, and with ``rollout.partial`` the open groups (every paused sample's
+        tokens, log-probs and weight versions). Sampling seeds are a function of (seed, step, engine):
+        no RNG state to keep."""
+        state: dict[str, Any] = {"version": 1, "data": self.source.state_dict()}
+        if self.generation.partial is not None:
+            state["partial"] = self.generation.partial.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != 1 or "data" not in state:
             raise ValueError(f"not a rollout state (expected version 1 with 'data'): keys {sorted(state)}")
         self.source.load_state_dict(state["data"])
+        if self.generation.partial is not None:
+            self.generation.partial.load_state_dict(state.get("partial", []))
 
     def shutdown(self) -> None:
         self.parts.close()

@@ -35,6 +35,7 @@ __all__ = [
     "exact_match",
     "math_answer",
     "math_answer_strict",
+    "reasoning_gym_answer",
     "register_reward",
     "registered_rewards",
     "resolve_reward",
@@ -61,35 +62,41 @@ class RewardInput:
 RewardFn = Callable[[Sequence[RewardInput]], Sequence[float]]
 
 
-def _end_ids(tokenizer: Any) -> frozenset[int]:
-    """The tokenizer's eos and pad ids and its model folder's generation-config eos ids (the ids the
-    engines stop on; read from a local folder only, never over the network)."""
-    own = tuple(i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if isinstance(i, int))
-    return _generation_eos(str(getattr(tokenizer, "name_or_path", "")), own)
+def _end_ids(tokenizer: Any, stop_token_ids: Sequence[int] = ()) -> frozenset[int]:
+    """The ids that end a response: the tokenizer's eos, its model folder's eos (the generation
+    config's, else the model config's: the ids the engines stop on; read from a local folder only,
+    never over the network) and ``stop_token_ids`` (``rollout.sampling.stop_token_ids``)."""
+    own = tuple(i for i in (tokenizer.eos_token_id,) if isinstance(i, int))
+    return _model_eos(str(getattr(tokenizer, "name_or_path", "")), own) | frozenset(map(int, stop_token_ids))
 
 
 @functools.lru_cache(maxsize=16)
-def _generation_eos(model_path: str, own: tuple[int, ...]) -> frozenset[int]:
+def _model_eos(model_path: str, own: tuple[int, ...]) -> frozenset[int]:
     ids = set(own)
-    try:
-        from transformers import GenerationConfig
+    if not (model_path and os.path.isdir(model_path)):
+        return frozenset(ids)
+    from transformers import AutoConfig, GenerationConfig
 
-        local = model_path and os.path.isdir(model_path)
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id if local else None
-        ids |= {eos} if isinstance(eos, int) else set(eos or ())
-    except (OSError, ValueError, TypeError):  # no generation config: the tokenizer's ids
-        pass
+    for load in (GenerationConfig.from_pretrained, AutoConfig.from_pretrained):
+        try:
+            eos = load(model_path).eos_token_id
+        except (OSError, ValueError, TypeError, KeyError):  # no such file: the next, or the tokenizer's
+            continue
+        found = {eos} if isinstance(eos, int) else set(eos or ())
+        if found:
+            ids |= found
+            break
     return frozenset(ids)
 
 
-def response_text(tokenizer: Any, token_ids: Sequence[int]) -> str:
-    """A response as its reward reads it: decoded with its special tokens kept as text, except the
-    end-of-sequence (or padding) tokens that end it. Dropping every special token would reward a
-    model that pads an answer with ``<bos>`` (or any special token) instead of ending it: ``12<bos><bos>``
-    would read as ``12``."""
-    ends = _end_ids(tokenizer)
+def response_text(tokenizer: Any, token_ids: Sequence[int], stop_token_ids: Sequence[int] = ()) -> str:
+    """A response as its reward reads it: decoded with its special tokens kept as text, except the one
+    end-of-sequence (or stop) token that ends it (:func:`_end_ids`). A special token the model wrote
+    is part of its answer: dropping every special token would reward a model that pads an answer with
+    ``<bos>`` (or any special token that does not stop the engine) instead of ending it, ``12<bos><bos>``
+    reading as ``12``."""
     ids = list(token_ids)
-    while ids and ids[-1] in ends:
+    if ids and ids[-1] in _end_ids(tokenizer, stop_token_ids):
         ids.pop()
     return str(tokenizer.decode(ids, skip_special_tokens=False))
 
@@ -259,11 +266,17 @@ def _label(sample: RewardInput) -> str:
 
 @register_reward("char_match")
 def char_match(samples: Sequence[RewardInput]) -> list[float]:
-    """Partial credit: matching characters at the same position / max(len(label), len(response))."""
+    """Partial credit: matching characters at the same position / max(len(label), len(response)).
+
+    A response cut by the length limit (``finish_reason == "length"``) did not end: its answer goes on
+    past its text, so it counts one character longer than its text and never scores 1. Scored as its
+    text, a model that never ends (writing past its answer up to the limit) earns nearly what an ended
+    answer does, and does not learn to end."""
     out = []
     for s in samples:
         label = _label(s)
-        denom = max(len(label), len(s.response), 1)
+        unfinished = 1 if s.finish_reason == "length" else 0
+        denom = max(len(label), len(s.response) + unfinished, 1)
         out.append(sum(a == b for a, b in zip(label, s.response, strict=False)) / denom)
     return out
 
@@ -326,6 +339,17 @@ def math_answer_strict(samples: Sequence[RewardInput]) -> list[float]:
         else:
             out.append(1.0 if found.value == _label_value(s) else FORMAT_SCORE)
     return out
+
+
+@register_reward("reasoning_gym")
+def reasoning_gym_answer(samples: Sequence[RewardInput]) -> list[float]:
+    """The generator's own scorer for rows of ``rollout.task: reasoning_gym:<name>``:
+    ``dataset.score_answer(answer, entry)`` with the answer of the last ``<answer>...</answer>`` (else
+    after the last ``####``); its values as it gives them (1.0 for a right answer; some generators give
+    0.01 or 0.05 for a wrong or missing one)."""
+    from .reasoning_gym_task import score_row
+
+    return [score_row(s.response, s.row) for s in samples]
 
 
 @register_reward("none")

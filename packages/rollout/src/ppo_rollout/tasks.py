@@ -5,6 +5,7 @@ exactly), and held-out evaluation rows from a stream of their own. The digit tas
 (``{"prompt": "1234>", "label": "4321"}``, partial credit per character) are made for the built-in
 tokenizer and the tiny model; the arithmetic tasks (``{"prompt": "What is 23 + 45 - 12? ...",
 "label": "56"}``, reward ``math_answer``) for a real instruct model with its chat template.
+``reasoning_gym:<name>`` names one of reasoning-gym's generators instead (``reasoning_gym_task``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from .reasoning_gym_task import ReasoningGymTask, is_reasoning_gym
 
 __all__ = ["TASKS", "ArithmeticTask", "GuessTask", "PromptTask", "Task", "get_task", "make_tiny_model"]
 
@@ -179,11 +182,17 @@ TASKS: Mapping[str, PromptTask] = {
 }
 
 
-def get_task(name: str) -> PromptTask:
+def get_task(name: str, args: Mapping[str, Any] | None = None) -> PromptTask:
+    """A built-in task by name, or ``reasoning_gym:<name>`` built with ``args`` (``rollout.task_args``;
+    ``reasoning_gym_task``, which imports reasoning-gym only when rows are asked for)."""
+    if is_reasoning_gym(name):
+        return ReasoningGymTask(name, args)
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}") from None
+        raise ValueError(
+            f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}, or reasoning_gym:<name>"
+        ) from None
 
 
 def tiny_model_config(

@@ -454,7 +454,7 @@ class TrainSettings:
         default="torch",
         description="torch: transformers models (replicated or FSDP2); megatron: megatron-core GPTModel with "
         "tensor and data parallelism (CUDA, Python >= 3.12, the ppo-trainer[megatron] extra; Llama and "
-        "Qwen2 models)",
+        "Qwen2 models, not Gemma 3)",
     )
     lora: LoraSettings | None = Field(
         default=None,
@@ -540,13 +540,15 @@ class TrainSettings:
         """``tensor_parallel`` against a Hugging Face ``config.json`` (heads, key-value heads, MLP width)."""
         if self.backend != "megatron":
             return []
+        # The family table; imported here, as ppo_weight_sync's package imports torch, which settings
+        # of the torch backend never need (ppo-driver validate stays torch-free).
+        from ppo_weight_sync.families import megatron_family
+
         problems = []
-        model_type = model_config.get("model_type")
-        if model_type not in ("llama", "qwen2"):
-            problems.append(
-                f"train.backend='megatron' converts Llama and Qwen2 models; model_type={model_type!r}: "
-                "use train.backend='torch'"
-            )
+        try:
+            megatron_family(model_config)
+        except ValueError as exc:
+            problems.append(f"train.backend='megatron': {exc}")
         heads = model_config.get("num_attention_heads")
         fields = {
             "num_attention_heads": heads,

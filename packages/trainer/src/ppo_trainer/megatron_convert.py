@@ -1,5 +1,8 @@
 """Hugging Face Llama/Qwen2 <-> megatron-core GPTModel (local layer spec): names, layouts, TP shards.
 
+Which families convert is their entry in ``ppo_weight_sync.families`` (a :class:`MegatronLayout`);
+a family without one (Gemma 3) is refused in one line that names ``train.backend: torch``.
+
 Pure torch on plain tensors (no megatron import), so CI checks every rule without a GPU.
 
 Layouts (megatron-core 0.19, ``get_gpt_layer_local_spec``):
@@ -31,9 +34,12 @@ from typing import Any, Literal
 
 import torch
 
+from ppo_weight_sync.families import FAMILIES, megatron_family
+
 Parallel = Literal["column", "row", "vocab", "fc1", "replicated"]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES if f.megatron is not None for a in f.architectures)
+"""The architectures of the families with a megatron layout (``ppo_weight_sync.families``)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,8 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | Any) -> ModelShape:
-        """From a ``config.json`` mapping or a transformers ``PretrainedConfig`` (Llama or Qwen2)."""
+        """From a ``config.json`` mapping or a transformers ``PretrainedConfig`` of a family with a megatron
+        layout (``ppo_weight_sync.families``: Llama, Qwen2)."""
 
         def get(key: str, default: Any = None) -> Any:
             if isinstance(config, Mapping):
@@ -73,16 +80,11 @@ class ModelShape:
         def number(key: str) -> int:
             value = get(key)
             if value is None:
-                raise ValueError(f"the model config lacks {key!r}; it is not a Llama or Qwen2 config")
+                raise ValueError(f"the model config lacks {key!r}; it is not a {_names()} config")
             return int(value)
 
-        archs = get("architectures") or []
-        model_type = get("model_type")
-        if model_type not in ("llama", "qwen2") and not set(archs) & set(SUPPORTED_ARCHITECTURES):
-            raise ValueError(
-                f"the megatron backend converts Llama and Qwen2 models; this config has model_type="
-                f"{model_type!r}, architectures={archs!r}; use train.backend='torch'"
-            )
+        family = megatron_family(config)  # ValueError in one line for a family it does not convert
+        assert family.megatron is not None
         heads = number("num_attention_heads")
         hidden = number("hidden_size")
         kv = get("num_key_value_heads")
@@ -95,9 +97,9 @@ class ModelShape:
             head_dim=int(head_dim) if head_dim is not None else hidden // heads,
             intermediate_size=number("intermediate_size"),
             vocab_size=number("vocab_size"),
-            tied_embeddings=bool(get("tie_word_embeddings", False)),
+            tied_embeddings=bool(get("tie_word_embeddings", family.tied_embeddings)),
             # Qwen2 has Q/K/V biases; Llama has them only with attention_bias=true.
-            qkv_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
+            qkv_bias=family.megatron.qkv_bias == "always" or bool(get("attention_bias", False)),
         )
 
     def check_tensor_parallel(self, tp: int) -> None:
@@ -115,6 +117,10 @@ class ModelShape:
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary megatron holds: rounded up to a multiple of ``tp`` (extra rows are zero)."""
         return -(-self.vocab_size // tp) * tp
+
+
+def _names() -> str:
+    return " or ".join(f.name for f in FAMILIES if f.megatron is not None)
 
 
 def _layer_spec(shape: ModelShape) -> list[tuple[str, tuple[str, ...], Parallel]]:

@@ -43,6 +43,7 @@ from ppo_weight_sync.lora import adapter_module, merge_lora
 from .. import fault_injection
 from ..config import AdapterUpdates, SamplingConfig
 from .core import GenerationCore, GenerationOutput
+from .early_stop import EarlyStop
 
 __all__ = ["MEMORY_TAGS", "BuiltinEngine", "BuiltinEngineActor", "GenerationAborted"]
 
@@ -112,11 +113,19 @@ class BuiltinEngine(ReceivingEngine):
         *,
         max_new_tokens: Sequence[int] | None = None,
         stop: Sequence[Sequence[Sequence[int]]] | None = None,
+        until: EarlyStop | None = None,
     ) -> list[GenerationOutput]:
-        """See :meth:`GenerationCore.generate` (per-prompt ``max_new_tokens`` and ``stop`` included)."""
+        """See :meth:`GenerationCore.generate` (per-prompt ``max_new_tokens`` and ``stop``, and an early
+        stop, included)."""
         with self._generating("generate") as guard:
             return self._core.generate(
-                prompts, sampling, seed=seed, step_guard=guard, max_new_tokens=max_new_tokens, stop=stop
+                prompts,
+                sampling,
+                seed=seed,
+                step_guard=guard,
+                max_new_tokens=max_new_tokens,
+                stop=stop,
+                until=until,
             )
 
     def warm_up(self, rows: int, max_prompt_tokens: int, sampling: SamplingConfig) -> dict[str, float]:

@@ -46,6 +46,7 @@ from torch.nn.attention import sdpa_kernel
 
 from ..config import SamplingConfig
 from .decode_graphs import SDPA_BACKENDS, DecodeGraphs
+from .early_stop import PAUSED, EarlyStop
 from .static_decode import (
     KV_BLOCK,
     DecodeBuffers,
@@ -185,13 +186,15 @@ def generate_in_slots(
     make_sampler: Callable[[SamplingConfig], Sampler],
     first_token: Callable[[torch.Tensor, SamplingConfig, torch.Generator], tuple[torch.Tensor, torch.Tensor]],
     prefill_tokens: int = PREFILL_TOKENS,
+    until: EarlyStop | None = None,
 ) -> tuple[Outputs, SlotStats]:
     """(token ids, log-probs, finish reason) per request in request order, and the slot use.
 
     ``stop_token_ids`` (eos and the sampling's stop tokens) end every request; each request's own
     ``stop`` sequences end it alone. ``first_token(logits [1, V], sampling, generator)`` samples a
     prefill's token as a one-row call does. ``prefill_tokens``: the most padded prompt tokens of one
-    prefill forward (see :func:`prefill_groups`).
+    prefill forward (see :func:`prefill_groups`). ``until``: end the call at the first check where it
+    is reached (``early_stop``): the requests still running or waiting return as paused.
     """
     if slots < 1:
         raise ValueError(f"max_running must be >= 1, got {slots}")
@@ -239,7 +242,11 @@ def generate_in_slots(
             steps += 1
             since_check += 1
         _check(b, occupied, results, requests, shared_stops, pad_token_id)
-    busy = sum(len(out[0]) - 1 for out in results.values())
+        running = bool(waiting or occupied)
+        if until is not None and running and until.reached(len(results), _made(results, occupied)):
+            _pause(b, occupied, results, waiting)
+            break
+    busy = sum(max(len(out[0]) - 1, 0) for out in results.values())
     return [results[i] for i in range(len(requests))], SlotStats(batch, steps, busy, prefills)
 
 
@@ -265,6 +272,30 @@ def _check(
         results[slot.request] = (tuple(tokens[: finish.length]), tuple(logps), finish.reason)
         del occupied[s]
         _empty(b, s, pad)
+
+
+def _made(
+    results: dict[int, tuple[tuple[int, ...], tuple[float, ...], str]], occupied: dict[int, _Slot]
+) -> int:
+    """The tokens a call has made so far: its finished outputs' and its running slots'."""
+    return sum(len(out[0]) for out in results.values()) + sum(slot.made for slot in occupied.values())
+
+
+def _pause(
+    b: DecodeBuffers,
+    occupied: dict[int, _Slot],
+    results: dict[int, tuple[tuple[int, ...], tuple[float, ...], str]],
+    waiting: deque[int],
+) -> None:
+    """An early stop: every running request's tokens so far (none past a stop: the check before found
+    none), every waiting request with none, all paused."""
+    for s, slot in occupied.items():
+        tokens = b.tokens_out[s, : slot.made].cpu().tolist()
+        logps = b.logps_out[s, : slot.made].cpu().tolist()
+        results[slot.request] = (tuple(tokens), tuple(logps), PAUSED)
+    occupied.clear()
+    while waiting:
+        results[waiting.popleft()] = ((), (), PAUSED)
 
 
 def _finish(tokens: Sequence[int], slot: _Slot, stops: Sequence[tuple[int, ...]]) -> _Finish | None:

@@ -30,6 +30,7 @@ from ..config import SamplingConfig
 from .continuous import GenerationRequest, SlotStats, generate_in_slots, row_seed
 from .decode_fusions import fuse_projections
 from .decode_graphs import SDPA_BACKENDS, DecodeGraphs
+from .early_stop import PAUSED, EarlyStop
 from .static_decode import (
     KV_BLOCK,
     STOP_SLOTS,
@@ -60,7 +61,7 @@ DECODE_MODES = ("auto", "loop", "static", "static-eager")
 """``GenerationCore(decode=...)``: "loop" is the Hugging Face forward with a dynamic cache, one Python
 iteration per token; "static" the static KV cache with CUDA-graph decode steps on CUDA (eager on CPU);
 "static-eager" the static cache without graphs; "auto" is "static" on CUDA for the model types the
-static decoder knows (Llama, Qwen2) and "loop" everywhere else."""
+static decoder knows (Llama, Qwen2, Gemma 3: ``ppo_weight_sync.families``) and "loop" everywhere else."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,9 @@ class GenerationOutput:
     prompt_position: int
     token_ids: tuple[int, ...]
     log_probs: tuple[float, ...]
-    finish_reason: str  # "stop": a stop token was sampled (and is the last token); "length": max_new_tokens
+    # "stop": a stop token was sampled (and is the last token); "length": max_new_tokens; "paused": an
+    # early stop ended the call first (``early_stop``)
+    finish_reason: str
 
 
 def sampling_distribution(
@@ -165,6 +168,7 @@ class _Call:
     generator: torch.Generator
     stop_ids: list[int]
     guard: Callable[[], AbstractContextManager[Any]]
+    until: EarlyStop | None = None
 
 
 # (tokens [B, N], log-probs [B, N], lengths [B], stopped [B]) on the host
@@ -288,6 +292,7 @@ class GenerationCore:
         *,
         max_new_tokens: Sequence[int] | None = None,
         stop: Sequence[Sequence[Sequence[int]]] | None = None,
+        until: EarlyStop | None = None,
     ) -> list[GenerationOutput]:
         """``n_samples_per_prompt`` samples per prompt, consecutive, in prompt order.
 
@@ -297,12 +302,13 @@ class GenerationCore:
         ``max_new_tokens`` (one limit per prompt, in place of ``sampling.max_new_tokens``) and ``stop``
         (per prompt, token sequences that end its samples, included in them) make the call
         continuously batched (:meth:`generate_requests`); sample ``r`` then draws from
-        ``row_seed(seed, r)``.
+        ``row_seed(seed, r)``. ``until``: the call may end before every sample finished
+        (``early_stop``); the unfinished ones return their tokens so far, finish reason "paused".
         """
         if max_new_tokens is not None or stop is not None:
             requests = self._requests(prompts, sampling, seed, max_new_tokens, stop)
             n = sampling.n_samples_per_prompt
-            outs = self.generate_requests(requests, sampling, step_guard=step_guard)
+            outs = self.generate_requests(requests, sampling, step_guard=step_guard, until=until)
             return [dataclasses.replace(o, prompt_position=i // n) for i, o in enumerate(outs)]
         self.check_prompts(prompts, sampling.max_new_tokens)
         n = sampling.n_samples_per_prompt
@@ -322,6 +328,7 @@ class GenerationCore:
             generator=torch.Generator(device=dev),
             stop_ids=sorted({*(() if sampling.ignore_eos else self.eos_token_ids), *sampling.stop_token_ids}),
             guard=step_guard or contextlib.nullcontext,
+            until=until,
         )
         call.generator.manual_seed(int(sampling.seed if seed is None else seed) & 0x7FFF_FFFF_FFFF_FFFF)
         if self._decoder is None:
@@ -332,12 +339,13 @@ class GenerationCore:
         results = []
         for i in range(batch):
             length = int(lengths[i])
+            reason = "length" if length == sampling.max_new_tokens else PAUSED
             results.append(
                 GenerationOutput(
                     prompt_position=i // n,
                     token_ids=tuple(tokens[i, :length].tolist()),
                     log_probs=tuple(logps[i, :length].tolist()),
-                    finish_reason="stop" if bool(stopped[i]) else "length",
+                    finish_reason="stop" if bool(stopped[i]) else reason,
                 )
             )
         return results
@@ -380,13 +388,14 @@ class GenerationCore:
         step_guard: Callable[[], AbstractContextManager[Any]] | None = None,
         max_running: int | None = None,
         refill_every: int | None = None,
+        until: EarlyStop | None = None,
     ) -> list[GenerationOutput]:
         """One output per request, in request order (``prompt_position`` is the request's index).
 
         Each request brings its own length limit, stop sequences and seed; ``sampling`` gives the
         temperature, top-k/top-p, extra stop token ids and ``ignore_eos`` (its ``max_new_tokens``,
         ``n_samples_per_prompt`` and ``seed`` are not used). ``max_running`` and ``refill_every``
-        override the core's settings for this call.
+        override the core's settings for this call; ``until`` may end it early (``early_stop``).
         """
         if not requests:
             raise ValueError("generate_requests needs at least one request; got an empty list")
@@ -412,6 +421,7 @@ class GenerationCore:
                 guard=step_guard or contextlib.nullcontext,
                 make_sampler=make_sampler,
                 first_token=first_token,
+                until=until,
             )
         self.last_slot_stats = stats
         return [
@@ -463,6 +473,9 @@ class GenerationCore:
             lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
             finished = finished | hit
             if t + 1 == sampling.max_new_tokens or bool(finished.all()):
+                break
+            if _stops_early(call.until, t, finished, lengths):
+                lengths = torch.where(finished, lengths, torch.full_like(lengths, t + 1))
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=dev)], dim=1)
             last_pos = last_pos + 1
@@ -568,12 +581,21 @@ class GenerationCore:
             with call.guard():
                 runner.step(kv_bucket(width + t, capacity), sampling_key, sampler, pad)
             t += 1
-            done = t == max_new or (stop_check_due(t - 1) and bool(b.finished[:rows].all()))
+            done = t == max_new or (
+                stop_check_due(t - 1)
+                and (
+                    bool(b.finished[:rows].all())
+                    or _stops_early(call.until, t - 1, b.finished[:rows], b.lengths[:rows])
+                )
+            )
+        finished = b.finished[:rows]
+        # An early stop: the unfinished rows made t tokens each (at max_new the same as their limit).
+        lengths = torch.where(finished, b.lengths[:rows], torch.full_like(b.lengths[:rows], t))
         return (
             b.tokens_out[:rows, :max_new].cpu(),
             b.logps_out[:rows, :max_new].cpu(),
-            b.lengths[:rows].cpu(),
-            b.finished[:rows].cpu(),
+            lengths.cpu(),
+            finished.cpu(),
         )
 
     def warm_up(
@@ -647,6 +669,15 @@ class GenerationCore:
             if name not in params:
                 raise ValueError(f"weight {name!r} is not a tensor of this model")
             params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
+
+
+def _stops_early(until: EarlyStop | None, t: int, finished: torch.Tensor, lengths: torch.Tensor) -> bool:
+    """Whether ``until`` ends a batch call after its token ``t`` (0-based) at one of the stop checks:
+    ``finished`` and ``lengths`` are the rows' flags and finished lengths so far."""
+    if until is None or not stop_check_due(t):
+        return False
+    made = torch.where(finished, lengths, torch.full_like(lengths, t + 1))
+    return until.reached(int(finished.sum()), int(made.sum()))
 
 
 def _own_storage(model: torch.nn.Module) -> None:

@@ -1,7 +1,7 @@
-"""The pieces of the static decoder's fused forward (``LlamaStaticDecoder(fused=True)``).
+"""The pieces of the static decoder's fused forward (``StaticDecoder(fused=True)``).
 
-Each computes what transformers' Llama/Qwen2 modules compute, in fewer kernels: a captured decode step
-is several hundred small kernels whose launches, not their work, set its time. See
+Each computes what transformers' modules of a family the decoder knows compute, in fewer kernels: a
+captured decode step is several hundred small kernels whose launches, not their work, set its time. See
 :mod:`ppo_rollout.engine.static_decode` for how the decoder uses them.
 """
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ppo_weight_sync.families import DecoderSpec
 
 __all__ = [
     "GATE_UP",
@@ -29,15 +31,6 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
-def _llama_rms_norm_classes() -> tuple[type[torch.nn.Module], ...]:
-    """The RMSNorm classes whose forward is the formula :class:`RmsNorm` fuses (read from transformers'
-    modeling_llama / modeling_qwen2: float32, ``x * rsqrt(mean(x^2) + eps)``, cast back, times weight)."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-
-    return (LlamaRMSNorm, Qwen2RMSNorm)
-
-
 def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor:
     """``module.<name>``, read at call time (a weight update may replace what the module holds)."""
     value = getattr(module, name)
@@ -48,29 +41,39 @@ def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RmsNorm:
-    """One of the model's RMSNorms. ``eps`` is set when the module is transformers' Llama/Qwen2 RMSNorm,
-    whose formula :meth:`__call__` computes with ``F.rms_norm`` (one kernel on CUDA instead of about
-    seven); None for any other class, which is called as it is."""
+    """One of the model's RMSNorms. ``eps`` is set when the module is one of the transformers classes
+    its family's :class:`~ppo_weight_sync.families.DecoderSpec` names (``norm_classes``), whose formula
+    (``spec.norm``) :meth:`__call__` computes with ``F.rms_norm`` (one kernel on CUDA instead of about
+    seven); None for any other class, which is called as it is. ``one_plus``: the weight multiplies as
+    ``1 + weight`` in float32 before the cast back (Gemma), not after it (Llama)."""
 
     module: torch.nn.Module
     eps: float | None
+    one_plus: bool = False
 
     @classmethod
-    def of(cls, module: torch.nn.Module) -> RmsNorm:
-        if type(module) not in _llama_rms_norm_classes():
+    def of(cls, module: torch.nn.Module, spec: DecoderSpec | None = None) -> RmsNorm:
+        kind = type(module)
+        known = spec is not None and kind.__name__ in spec.norm_classes
+        if not known or not kind.__module__.startswith("transformers.models."):
             return cls(module, None)
-        eps: object = module.variance_epsilon  # a plain attribute (torch's stubs type it as a tensor)
+        assert spec is not None
+        # A plain attribute (torch's stubs type it as a tensor): Llama's variance_epsilon, Gemma's eps.
+        eps: object = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if not isinstance(eps, float | int):
-            raise TypeError(f"{type(module).__name__}.variance_epsilon is {type(eps).__name__}, not a number")
-        return cls(module, float(eps))
+            raise TypeError(f"{kind.__name__}.variance_epsilon/eps is {type(eps).__name__}, not a number")
+        return cls(module, float(eps), spec.norm == "rms_one_plus")
 
     def __call__(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
         if not fused or self.eps is None:
             return self.module(x)
         weight = _parameter(self.module, "weight")
-        # transformers' order of roundings: normalise in float32, cast to the input's dtype, then
-        # multiply by the weight (F.rms_norm's own weight argument would multiply before the cast).
         normed = F.rms_norm(x.float(), (weight.shape[-1],), eps=self.eps)
+        if self.one_plus:
+            # Gemma's order: (normalised * (1 + weight)) in float32, then cast.
+            return (normed * (1.0 + weight.float())).to(x.dtype)
+        # Llama's order of roundings: normalise in float32, cast to the input's dtype, then multiply by
+        # the weight (F.rms_norm's own weight argument would multiply before the cast).
         return normed.to(x.dtype) * weight
 
 
@@ -184,7 +187,7 @@ class RopeTables:
 
 
 def fuse_projections(model: torch.nn.Module) -> int:
-    """Joins every layer's q/k/v and gate/up projections of a Llama-family model (``model.model.layers``)
+    """Joins every layer's q/k/v and gate/up projections of a decoder model (``model.model.layers``)
     into one buffer each (:func:`fuse_linears`); returns how many groups are joined. Layers whose
     projections are not plain ``nn.Linear`` modules are left as they are."""
     joined = 0

@@ -15,6 +15,7 @@ from ..config import AdapterUpdates, SamplingConfig
 from ..stops import RequestStop
 from .builtin import BuiltinEngineActor
 from .core import GenerationOutput
+from .early_stop import EarlyStop
 from .sglang import SGLangClient, SGLangServer, SGLangServerSpec
 
 __all__ = [
@@ -48,10 +49,12 @@ class EngineHandle(Protocol):
         *,
         max_new_tokens: Sequence[int] | None = None,
         stop: Sequence[RequestStop] | None = None,
+        until: EarlyStop | None = None,
     ) -> Waiter:
         """``max_new_tokens``: one limit per prompt in place of ``sampling.max_new_tokens``; ``stop``:
         one :class:`~ppo_rollout.stops.RequestStop` per prompt (the built-in engine matches its token
-        sequences, SGLang its strings)."""
+        sequences, SGLang its strings); ``until``: the call may end early, its unfinished samples
+        paused (``early_stop``; the built-in engine only)."""
         ...
 
     def endpoint(self) -> EngineEndpoint: ...
@@ -127,11 +130,12 @@ class BuiltinEngineHandle:
         *,
         max_new_tokens: Sequence[int] | None = None,
         stop: Sequence[RequestStop] | None = None,
+        until: EarlyStop | None = None,
     ) -> Waiter:
         limits = None if max_new_tokens is None else [int(n) for n in max_new_tokens]
         sequences = None if stop is None else [[list(seq) for seq in s.token_ids] for s in stop]
         ref = self.actor.generate.remote(
-            [list(p) for p in prompts], sampling, seed, max_new_tokens=limits, stop=sequences
+            [list(p) for p in prompts], sampling, seed, max_new_tokens=limits, stop=sequences, until=until
         )
         name = self.name
 
@@ -282,7 +286,10 @@ class SGLangEngineHandle:
         *,
         max_new_tokens: Sequence[int] | None = None,
         stop: Sequence[RequestStop] | None = None,
+        until: EarlyStop | None = None,
     ) -> Waiter:
+        if until is not None:  # rollout.partial refuses engine 'sglang' when the config loads
+            raise ValueError(f"engine {self.name}: an early stop (rollout.partial) needs the built-in engine")
         strings = None if stop is None else [list(s.strings) for s in stop]
         future = self._pool.submit(
             self.client.generate, prompts, sampling, seed, max_new_tokens=max_new_tokens, stop=strings

@@ -2,7 +2,9 @@
 
 The Hugging Face decode loop re-enters Python for every layer of every token, grows its KV cache with
 ``torch.cat`` (copying the whole cache each step) and builds a new attention mask each step; at batch
-256 on an H200 that, not the matrix multiplies, sets the pace. Here the Llama-family forward pass is
+256 on an H200 that, not the matrix multiplies, sets the pace. Here the forward pass of a model family
+the decoder knows (its :class:`~ppo_weight_sync.families.DecoderSpec`, resolved per layer by
+:mod:`ppo_rollout.engine.model_spec`: norms, q/k norms, activation, rotary tables, sliding windows) is
 written against the model's own modules (embeddings, RMSNorms, MLPs, projections, ``lm_head``: the
 same tensors, so weight updates and memory release need nothing new) with attention on a static cache:
 
@@ -13,6 +15,8 @@ same tensors, so weight updates and memory release need nothing new) with attent
   :data:`KV_BLOCK`): one graph per bucket, so a step reads about as much cache as it uses;
 - the step's inputs and outputs live in fixed buffers (:class:`DecodeBuffers`), the step counter and
   positions are device tensors, so one captured graph replays every step of its bucket.
+- a sliding-window layer (Gemma 3's local layers) sees the last ``window`` columns of those: its mask
+  or ranged-kernel range narrowed once per forward, from the same device tensors.
 
 The sampling noise is drawn outside the graph, in eager mode, with the call's generator and the shape
 ``torch.multinomial`` uses, so a seed gives the same noise as the plain loop (see
@@ -22,9 +26,10 @@ A decode step is several hundred small kernels whose launches, not their work, s
 3.5 ms at 0.82B on an H200, whatever the KV length), so the forward is written in fewer of them
 (``fused=True``, the default; ``fused=False`` is the earlier form, kept for comparison):
 
-- the RMSNorms as ``F.rms_norm`` (one fused kernel on CUDA) on float32, cast back, times the weight:
-  transformers' ``LlamaRMSNorm``/``Qwen2RMSNorm`` formula, in that order of roundings (a norm of any
-  other class is called as it is);
+- the RMSNorms as ``F.rms_norm`` (one fused kernel on CUDA) on float32, then the family's weight
+  convention in its order of roundings: cast back, times the weight (``LlamaRMSNorm``,
+  ``Qwen2RMSNorm``), or times ``1 + weight`` in float32, then cast (``Gemma3RMSNorm``); a norm of any
+  other class is called as it is;
 - rotary embeddings as ``x * cos + roll(x, D/2) * sin_signed``, ``sin_signed`` the sine with its first
   half negated (made once per forward): the same products as ``x * cos + rotate_half(x) * sin``, as
   ``-a * b == a * -b`` exactly, without the negation and concatenation per tensor;
@@ -33,7 +38,8 @@ A decode step is several hundred small kernels whose launches, not their work, s
   (``decode_fusions.fuse_projections``; gate and up alike), so there is no second copy: a weight
   update that copies into a parameter writes the buffer, a memory release moves the one storage, and
   the weights checksum reads the model's own named tensors. One rotation covers each token's q and k
-  heads of the joint output (tables ``[B, T, 1, D]`` broadcast over the heads). A layer whose
+  heads of the joint output (tables ``[B, T, 1, D]`` broadcast over the heads; with q/k norms, each
+  part is normed and rotated apart). A layer whose
   projections are not plain ``nn.Linear`` (LoRA, quantised) or no longer joined (a parameter replaced
   by a tensor of its own) is computed module by module.
 
@@ -64,12 +70,14 @@ from ppo_rollout.engine.decode_fusions import (
     rotate_rolled,
     signed_sin,
 )
+from ppo_rollout.engine.model_spec import LayerPlan, unsupported_reason
 
 __all__ = [
     "KV_BLOCK",
     "STOP_CHECK_EVERY",
     "DecodeBuffers",
     "LlamaStaticDecoder",
+    "StaticDecoder",
     "batch_bucket",
     "kv_bucket",
     "round_up",
@@ -85,11 +93,6 @@ STOP_CHECK_EVERY = 16
 
 STOP_SLOTS = 16
 """Stop-token slots in the captured step (unused slots hold -1, which no token equals)."""
-
-# RoPE types whose frequencies are fixed at load time (the "dynamic" and "longrope" kinds change them
-# with the sequence length, which a captured graph cannot follow).
-_STATIC_ROPE = frozenset({"default", "linear", "llama3"})
-_ARCHITECTURES = frozenset({"llama", "qwen2"})
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -125,29 +128,6 @@ def stop_check_due(step: int, every: int = STOP_CHECK_EVERY) -> bool:
     if every < 1:
         raise ValueError(f"stop checks need every >= 1, got {every}")
     return (step + 1) % every == 0
-
-
-def unsupported_reason(model: Any) -> str | None:
-    """Why ``model`` cannot use the static decoder, or None when it can."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _ARCHITECTURES:
-        return f"model_type {model_type!r} is not one of {sorted(_ARCHITECTURES)}"
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        return f"hidden_act {act!r} (only silu)"
-    if getattr(config, "use_sliding_window", False):
-        return "sliding-window attention"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in _STATIC_ROPE:
-        return f"rope type {rope_type!r} (only {sorted(_STATIC_ROPE)})"
-    base = getattr(model, "model", None)
-    if getattr(getattr(base, "rotary_emb", None), "inv_freq", None) is None:
-        return "no model.rotary_emb.inv_freq (transformers older than 4.48?)"
-    if getattr(model, "lm_head", None) is None or getattr(base, "layers", None) is None:
-        return "no model.layers / lm_head"
-    return None
 
 
 @dataclass
@@ -192,13 +172,14 @@ Sampler = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tenso
 """(logits [B, V], noise [B, V]) -> (tokens [B] int64, log-probs [B] float32)."""
 
 
-class LlamaStaticDecoder:
-    """The forward pass of a Llama-family ``*ForCausalLM`` over a :class:`DecodeBuffers` cache."""
+class StaticDecoder:
+    """The forward pass of a ``*ForCausalLM`` of a family the decoder knows (its
+    :class:`~ppo_weight_sync.families.DecoderSpec`: Llama, Qwen2, Gemma 3) over a :class:`DecodeBuffers`
+    cache."""
 
     def __init__(self, model: Any, fused: bool = True) -> None:
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(f"the static decoder does not support this model: {reason}")
+        self.plan = plan = LayerPlan.of(model)
+        spec = plan.spec
         config = model.config
         base = model.model
         self.embed = base.embed_tokens
@@ -209,7 +190,7 @@ class LlamaStaticDecoder:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
-        self.scaling = float(self.head_dim**-0.5)
+        self.scaling = plan.scaling
         self.vocab = int(self.embed.weight.shape[0])
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
@@ -221,9 +202,20 @@ class LlamaStaticDecoder:
         # Fewer kernels per step (see the module docstring); False: the earlier form, for comparison.
         # Read at every forward: switching it needs the decode graphs dropped (they hold the old form).
         self.fused = fused
-        self._input_norms = [RmsNorm.of(layer.input_layernorm) for layer in self.layers]
-        self._post_norms = [RmsNorm.of(layer.post_attention_layernorm) for layer in self.layers]
-        self._final_norm = RmsNorm.of(self.norm)
+
+        def norms(name: str) -> list[RmsNorm]:
+            return [RmsNorm.of(layer.get_submodule(name), spec) for layer in self.layers]
+
+        self._input_norms = norms("input_layernorm")
+        # The norm before the MLP; with sandwich norms also one on each sublayer's output.
+        self._post_norms = norms(
+            "pre_feedforward_layernorm" if spec.sandwich_norms else "post_attention_layernorm"
+        )
+        self._attn_out_norms = norms("post_attention_layernorm") if spec.sandwich_norms else None
+        self._mlp_out_norms = norms("post_feedforward_layernorm") if spec.sandwich_norms else None
+        self._q_norms = norms("self_attn.q_norm") if spec.qk_norm else None
+        self._k_norms = norms("self_attn.k_norm") if spec.qk_norm else None
+        self._final_norm = RmsNorm.of(self.norm, spec)
         if fused:
             # The model's q/k/v and gate/up weights become views into one buffer per group (no copy
             # kept beside them: weight updates write through, memory release moves one storage).
@@ -261,12 +253,13 @@ class LlamaStaticDecoder:
         )
 
     # -- forward ------------------------------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, head_dim] as transformers' rotary embedding computes them."""
-        inv_freq = self.rotary.inv_freq.to(device=positions.device, dtype=torch.float32)
+    def _rope(self, positions: torch.Tensor, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, head_dim] as transformers' rotary embedding computes them (``prefix``: the
+        layer type's table, ``rotary_emb.<prefix>inv_freq``)."""
+        inv_freq = getattr(self.rotary, f"{prefix}inv_freq").to(device=positions.device, dtype=torch.float32)
         freqs = positions[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        scale = float(getattr(self.rotary, "attention_scaling", 1.0))
+        scale = float(getattr(self.rotary, f"{prefix}attention_scaling", 1.0))
         return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
 
     @staticmethod
@@ -275,9 +268,9 @@ class LlamaStaticDecoder:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos) + (rotated * sin)
 
-    def _rope_tables(self, positions: torch.Tensor) -> RopeTables:
+    def _rope_tables(self, positions: torch.Tensor, prefix: str = "") -> RopeTables:
         """The rotary tables of one forward over ``positions`` [B, T] (see :class:`RopeTables`)."""
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(positions, prefix)
         cos, sin = cos[:, None], sin[:, None]
         if not self.fused:
             return RopeTables(cos, sin, None)
@@ -287,6 +280,12 @@ class LlamaStaticDecoder:
         """[B, T, heads * D] -> [B, heads, T, D] (a view)."""
         return x.view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
 
+    def _qk_norm(self, i: int, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s q/k norms over each head (families with ``qk_norm``), else q and k as they are."""
+        if self._q_norms is None or self._k_norms is None:
+            return q, k
+        return self._q_norms[i](q, self.fused), self._k_norms[i](k, self.fused)
+
     def _qkv_heads(
         self, i: int, attn: Any, x: torch.Tensor, rope: RopeTables
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -294,7 +293,7 @@ class LlamaStaticDecoder:
         fused = self._qkv[i] if rope.sin_signed is not None else None
         qkv = fused(x) if fused is not None else None
         if qkv is None or rope.sin_signed is None:
-            q, k = self._split_heads(attn.q_proj(x)), self._split_heads(attn.k_proj(x))
+            q, k = self._qk_norm(i, self._split_heads(attn.q_proj(x)), self._split_heads(attn.k_proj(x)))
             v = self._split_heads(attn.v_proj(x))
             if rope.sin_signed is None:
                 return self._rotate(q, rope.cos, rope.sin), self._rotate(k, rope.cos, rope.sin), v
@@ -304,20 +303,108 @@ class LlamaStaticDecoder:
         # over them: the same products as rotating q and k apart.
         heads = qkv.view(x.shape[0], x.shape[1], -1, self.head_dim)
         qk = self.heads + self.kv_heads
-        rotated = rotate_rolled(heads[:, :, :qk], rope.cos.transpose(1, 2), rope.sin_signed.transpose(1, 2))
+        cos, sin_signed = rope.cos.transpose(1, 2), rope.sin_signed.transpose(1, 2)
+        if self._q_norms is not None:
+            # Each of q and k through its own norm first, then rotated apart.
+            q, k = self._qk_norm(i, heads[:, :, : self.heads], heads[:, :, self.heads : qk])
+            q, k = rotate_rolled(q, cos, sin_signed), rotate_rolled(k, cos, sin_signed)
+            return q.transpose(1, 2), k.transpose(1, 2), heads[:, :, qk:].transpose(1, 2)
+        rotated = rotate_rolled(heads[:, :, :qk], cos, sin_signed)
         q = rotated[:, :, : self.heads].transpose(1, 2)
         k = rotated[:, :, self.heads :].transpose(1, 2)
         return q, k, heads[:, :, qk:].transpose(1, 2)
 
     def _mlp(self, i: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        """``down(silu(gate(x)) * up(x))`` (transformers' Llama/Qwen2 MLP with silu, the only activation
-        the decoder accepts), gate and up as one matmul when the fused forward has them joined."""
+        """``down(act(gate(x)) * up(x))`` (transformers' gated MLP with the family's activation), gate
+        and up as one matmul when the fused forward has them joined."""
         fused = self._gate_up[i] if self.fused else None
         gate_up = fused(x) if fused is not None else None
         if fused is None or gate_up is None:
             return mlp(x)
         inner = fused.widths[0]
-        return mlp.down_proj(F.silu(gate_up[..., :inner]) * gate_up[..., inner:])
+        return mlp.down_proj(self.plan.activation(gate_up[..., :inner]) * gate_up[..., inner:])
+
+    def _out_norm(self, norms: list[RmsNorm] | None, i: int, x: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output through layer ``i``'s output norm (sandwich norms), else as it is."""
+        return x if norms is None else norms[i](x, self.fused)
+
+    def _windowed(
+        self,
+        bias: torch.Tensor | None,
+        ranges: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_len: int,
+        col: Any,
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The mask and ranges of the sliding layers: those of full attention less the columns
+        ``window`` or more before the query's (transformers' rule: key ``j`` is seen from query ``i``
+        when ``i - j < window``, in cache columns, which differ by the same amount as positions)."""
+        window = self.plan.window
+        if window is None:
+            return bias, ranges
+        if ranges is not None:
+            return bias, (torch.maximum(ranges[0], ranges[1] - window), ranges[1])
+        if bias is None:
+            return None, None
+        columns = torch.arange(kv_len, device=bias.device)
+        if col is None:  # a prefill: query t at column t
+            queries = torch.arange(bias.shape[2], device=bias.device)[:, None]
+            far = columns[None, :] <= queries - window  # [T, kv_len]
+        else:  # a decode step: row r's query at column col (one for all rows, or col[r])
+            far = (columns[None, :] <= col[:, None] - window)[:, None, None, :]
+        return bias.masked_fill(far, float("-inf")), None
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        bias: torch.Tensor | None,
+        kv_len: int,
+        decode: bool,
+        ranges: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Attention of ``q`` [B, heads, T, D] over one layer's cache: the ranged kernel, transformers'
+        eager form (one decode query) or SDPA under ``bias``."""
+        rows = q.shape[0]
+        if ranges is not None and decode:
+            return ranged_attention.ranged_attention(
+                q, keys, values, ranges[0], ranges[1], kv_len, self.scaling
+            )
+        if bias is None:
+            raise ValueError("forward needs an attention mask (bias) unless it is given ranges")
+        if self.attention == "matmul" and decode:
+            return self._attend_matmul(q, keys[:rows, :, :kv_len], values[:rows, :, :kv_len], bias)
+        return F.scaled_dot_product_attention(
+            q,
+            keys[:rows, :, :kv_len],
+            values[:rows, :, :kv_len],
+            attn_mask=bias,
+            scale=self.scaling,
+            enable_gqa=self.kv_heads != self.heads,
+        )
+
+    def _write_cache(
+        self,
+        i: int,
+        buffers: DecodeBuffers,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        col: torch.Tensor | None,
+        flat_cols: torch.Tensor | None,
+    ) -> None:
+        """Layer ``i``'s new keys and values into its cache (see :meth:`forward` for the columns)."""
+        keys, values = buffers.keys[i], buffers.values[i]
+        rows, width = k.shape[0], k.shape[2]
+        if col is None:
+            keys[:rows, :, :width].copy_(k)
+            values[:rows, :, :width].copy_(v)
+        elif flat_cols is not None:
+            # [B, H, C, D] as [B * H * C, D]: row r, head h, column col[r] is one row of it.
+            keys.view(-1, self.head_dim).index_copy_(0, flat_cols, k.reshape(-1, self.head_dim))
+            values.view(-1, self.head_dim).index_copy_(0, flat_cols, v.reshape(-1, self.head_dim))
+        else:
+            keys.index_copy_(2, col, k)
+            values.index_copy_(2, col, v)
 
     def forward(
         self,
@@ -338,51 +425,36 @@ class LlamaStaticDecoder:
         otherwise T is 1 and they go to column ``col`` of every row (``per_row``: column ``col[r]`` of
         row ``r``). ``bias`` [B, 1, T, kv_len] is the additive attention mask over the first ``kv_len``
         columns; ``ranges`` (starts, ends) [B], given with ``col`` instead of a mask (``bias`` None): row
-        ``r`` attends to columns ``[starts[r], ends[r])`` through the ranged kernel.
+        ``r`` attends to columns ``[starts[r], ends[r])`` through the ranged kernel. Sliding-window
+        layers narrow either to their window.
         """
         rows, width = ids.shape
         flat_cols = self._flat_columns(buffers, col) if per_row and col is not None else None
         fused = self.fused
-        rope = self._rope_tables(positions)
-        gqa = self.kv_heads != self.heads
+        ropes = {prefix: self._rope_tables(positions, prefix) for prefix in sorted(set(self.plan.rope))}
+        window_bias, window_ranges = self._windowed(bias, ranges if col is not None else None, kv_len, col)
         hidden = self.embed(ids)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             residual = hidden
             x = self._input_norms[i](hidden, fused)
-            q, k, v = self._qkv_heads(i, attn, x, rope)
-            keys, values = buffers.keys[i], buffers.values[i]
-            if col is None:
-                keys[:rows, :, :width].copy_(k)
-                values[:rows, :, :width].copy_(v)
-            elif flat_cols is not None:
-                # [B, H, C, D] as [B * H * C, D]: row r, head h, column col[r] is one row of it.
-                keys.view(-1, self.head_dim).index_copy_(0, flat_cols, k.reshape(-1, self.head_dim))
-                values.view(-1, self.head_dim).index_copy_(0, flat_cols, v.reshape(-1, self.head_dim))
-            else:
-                keys.index_copy_(2, col, k)
-                values.index_copy_(2, col, v)
-            if ranges is not None and col is not None:
-                out = ranged_attention.ranged_attention(
-                    q, keys, values, ranges[0], ranges[1], kv_len, self.scaling
-                )
-            elif bias is None:
-                raise ValueError("forward needs an attention mask (bias) unless it is given ranges")
-            elif self.attention == "matmul" and col is not None:
-                out = self._attend_matmul(q, keys[:rows, :, :kv_len], values[:rows, :, :kv_len], bias)
-            else:
-                out = F.scaled_dot_product_attention(
-                    q,
-                    keys[:rows, :, :kv_len],
-                    values[:rows, :, :kv_len],
-                    attn_mask=bias,
-                    scale=self.scaling,
-                    enable_gqa=gqa,
-                )
+            q, k, v = self._qkv_heads(i, attn, x, ropes[self.plan.rope[i]])
+            self._write_cache(i, buffers, k, v, col, flat_cols)
+            sliding = self.plan.windows[i] is not None
+            out = self._attend(
+                q,
+                buffers.keys[i],
+                buffers.values[i],
+                window_bias if sliding else bias,
+                kv_len,
+                col is not None,
+                window_ranges if sliding else ranges,
+            )
             out = attn.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
-            hidden = residual + out
+            hidden = residual + self._out_norm(self._attn_out_norms, i, out)
             residual = hidden
-            hidden = residual + self._mlp(i, layer.mlp, self._post_norms[i](hidden, fused))
+            out = self._mlp(i, layer.mlp, self._post_norms[i](hidden, fused))
+            hidden = residual + self._out_norm(self._mlp_out_norms, i, out)
         if last is None:
             hidden = hidden[:, -1:, :]
         else:
@@ -485,3 +557,7 @@ class LlamaStaticDecoder:
         b.pos.add_(1)
         b.col.add_(1)
         b.step.add_(1)
+
+
+LlamaStaticDecoder = StaticDecoder
+"""The same class, by the name the engine's modules import."""

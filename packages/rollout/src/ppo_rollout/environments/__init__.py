@@ -9,4 +9,6 @@ BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "calculator": "ppo_rollout.environments.calculator:CalculatorEnvironment",
     # guess the row's number; "higher"/"lower" after each wrong guess, a reward every turn
     "guess_number": "ppo_rollout.environments.guess:GuessNumberEnvironment",
+    # a BFCL multi-turn question against its simulated APIs, scored by BFCL's checker (the bfcl extra)
+    "bfcl_multi_turn": "ppo_rollout.environments.bfcl.environment:BFCLMultiTurnEnvironment",
 }

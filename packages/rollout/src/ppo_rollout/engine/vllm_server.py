@@ -1,0 +1,210 @@
+"""vLLM adapter, the process: launch vLLM's OpenAI server as a subprocess, wait for it (bounded), stop it.
+
+Nothing here imports vllm: the server runs on a Python of its own (``rollout.vllm.python``, typically a
+virtual environment holding vLLM and its own torch). Its command is
+``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_DEV_MODE=1`` (the pause, cache,
+``/collective_rpc`` and sleep routes are served only then) and this project's weight-sync package put on
+its ``PYTHONPATH`` (:func:`extension_path`), whose worker extension
+(:mod:`ppo_weight_sync.vllm_worker`) joins the weight group. Every flag :meth:`VLLMServerSpec.argv`
+writes is one vLLM 0.32.0 defines (``vllm/engine/arg_utils.py`` ``EngineArgs``,
+``vllm/entrypoints/openai/cli_args.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ppo_weight_sync
+from ppo_weight_sync.vllm_worker import EXTENSION
+
+__all__ = ["VLLMError", "VLLMServer", "VLLMServerSpec", "extension_path"]
+
+
+class VLLMError(RuntimeError):
+    """A vLLM server failed to start, refused a request, or answered something unexpected."""
+
+
+def extension_path() -> Path:
+    """A folder holding only this process's ``ppo_weight_sync`` package (a link to it), for the server's
+    ``PYTHONPATH``: the worker extension then runs the same code as the sender, and vLLM's environment
+    needs no install of ours (the package imports torch and the standard library only)."""
+    package = Path(ppo_weight_sync.__file__).resolve().parent
+    folder = Path(tempfile.gettempdir()) / f"ppo-vllm-path-{os.getuid()}-{ppo_weight_sync.__version__}"
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / "ppo_weight_sync"
+    if not (link.is_symlink() and link.resolve() == package):
+        staged = folder / f".link-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            staged.unlink()
+        staged.symlink_to(package, target_is_directory=True)
+        staged.replace(link)  # atomic: a server starting meanwhile sees the old link or the new one
+    return folder
+
+
+@dataclass(frozen=True)
+class VLLMServerSpec:
+    """The arguments of one server. The flags, and why:
+
+    - ``--dtype``: the dtype the actor sends its weights in (vLLM's ``auto`` would serve a float32
+      checkpoint in bfloat16 on CPU and float16 on older GPUs; the updates would be rounded on load).
+    - ``--seed``: the server's default seed (every request here carries its own).
+    - ``--worker-extension-cls``: the weight-sync extension (:mod:`ppo_weight_sync.vllm_worker`).
+    - ``--logprobs-mode processed_logprobs``: each token's log-prob after temperature (and top-k/top-p,
+      which renormalise over the tokens they keep), as the trainer recomputes it; vLLM's default
+      (``raw_logprobs``) ignores the temperature.
+    - ``--max-model-len``: the prompt's and the response's tokens together, when the config bounds them.
+    - ``--enforce-eager``: no ``torch.compile`` of the model at start (``eager``): on CPU it costs minutes
+      of a 2-core machine for a model of a few layers.
+    - ``--tensor-parallel-size``: the engine's GPUs (1 on CPU).
+    """
+
+    model_path: str
+    port: int
+    python: str
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    seed: int = 0
+    tp_size: int = 1
+    max_model_len: int | None = None
+    eager: bool = True
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)  # added to the server's environment
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not self.python:
+            raise ValueError("python must name the Python vLLM is installed for (rollout.vllm.python)")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path]
+        args += ["--host", self.host, "--port", str(self.port), "--seed", str(self.seed)]
+        args += ["--tensor-parallel-size", str(self.tp_size), "--worker-extension-cls", EXTENSION]
+        if "--dtype" not in self.extra_args:
+            args += ["--dtype", self.dtype]
+        if "--logprobs-mode" not in self.extra_args:
+            args += ["--logprobs-mode", "processed_logprobs"]
+        if self.max_model_len is not None and "--max-model-len" not in self.extra_args:
+            args += ["--max-model-len", str(self.max_model_len)]
+        if self.eager and "--enforce-eager" not in self.extra_args:
+            args.append("--enforce-eager")
+        return args + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        paths = [str(extension_path()), *filter(None, [env.get("PYTHONPATH", "")])]
+        env.update(VLLM_SERVER_DEV_MODE="1", PYTHONPATH=os.pathsep.join(paths))
+        env.update(self.env)
+        return env
+
+
+class VLLMServer:
+    """One server subprocess in its own process group. ``start()`` returns once ``/health`` answers 200."""
+
+    def __init__(
+        self,
+        spec: VLLMServerSpec,
+        *,
+        startup_timeout_s: float = 600.0,
+        stop_grace_s: float = 15.0,
+        log_path: str | Path | None = None,
+        name: str = "",
+    ) -> None:
+        self.spec = spec
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.name = name or f"vllm@{spec.url}"
+        self.log_path = (
+            Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+        )
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        if self.is_running():
+            return
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                self.spec.argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.spec.environment(),
+                start_new_session=True,  # own process group: stop() reaches the engine core and workers
+            )
+        try:
+            self.wait_healthy(self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise VLLMError(
+                    f"vLLM server {self.name} exited with code {self._proc.returncode} before /health "
+                    f"answered; log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"vLLM server {self.name} did not answer /health with 200 within {timeout_s:.0f} s "
+                    f"(rollout.vllm.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self) -> int | None:
+        """SIGTERM to the process group, SIGKILL after ``stop_grace_s``. Idempotent; returns the exit code."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        # The leader is gone; whatever it left in its group (engine core, workers) goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.returncode
