@@ -23,16 +23,9 @@ other supported versions are followed from their source.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +38,7 @@ from ppo_weight_sync.sglang_weights import rows_checksum, tensor_from_reply, wei
 
 from ..config import AdapterUpdates, SamplingConfig
 from .core import GenerationOutput
+from .server_process import ServerProcess
 
 __all__ = ["SGLangClient", "SGLangError", "SGLangServer", "SGLangServerSpec"]
 
@@ -169,8 +163,13 @@ class SGLangServerSpec:
         return args + list(self.extra_args)
 
 
-class SGLangServer:
-    """One server subprocess in its own process group. ``start()`` returns once ``/health`` answers 200."""
+class SGLangServer(ServerProcess):
+    """One SGLang server subprocess in its own process group. ``start()`` returns once ``/health``
+    answers 200 (:class:`~ppo_rollout.engine.server_process.ServerProcess`)."""
+
+    KIND = "SGLang server"
+    ERROR = SGLangError
+    POLL_S = 0.2
 
     def __init__(
         self,
@@ -181,93 +180,25 @@ class SGLangServer:
         log_path: str | Path | None = None,
         name: str = "",
     ) -> None:
-        self.spec = spec
-        self.startup_timeout_s = startup_timeout_s
-        self.stop_grace_s = stop_grace_s
-        self.name = name or f"sglang@{spec.url}"
-        self.log_path = (
-            Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="sglang-", suffix=".log")[1])
+        super().__init__(
+            spec.url,
+            startup_timeout_s=startup_timeout_s,
+            stop_grace_s=stop_grace_s,
+            log_path=log_path,
+            name=name or f"sglang@{spec.url}",
+            log_prefix="sglang-",
         )
-        self._proc: subprocess.Popen[bytes] | None = None
+        self.spec = spec
 
-    @property
-    def url(self) -> str:
-        return self.spec.url
+    def argv(self) -> Sequence[str]:
+        return self.spec.argv()
 
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
-    def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def start(self) -> None:
-        if self.is_running():
-            return
+    def environment(self) -> Mapping[str, str]:
         env = dict(os.environ)
         if self.spec.physical_gpu_ids:
             env.pop("CUDA_VISIBLE_DEVICES", None)
         env.update(self.spec.env)
-        with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                self.spec.argv(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # own process group: stop() reaches the server's children too
-            )
-        try:
-            self.wait_healthy(self.startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise SGLangError(
-                    f"SGLang server {self.name} exited with code {self._proc.returncode} "
-                    "before /health answered; "
-                    f"log {self.log_path}:\n{self._log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"SGLang server {self.name} did not answer /health with 200 within {timeout_s:.0f} s; "
-                    f"log {self.log_path}:\n{self._log_tail()}"
-                )
-            time.sleep(0.2)
-
-    def stop(self) -> int | None:
-        """SIGTERM to the process group, SIGKILL after ``stop_grace_s``. Idempotent; returns the exit code."""
-        proc = self._proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(self.stop_grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        # The leader is gone; whatever it left in its group (scheduler, detokenizer) goes too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        return proc.returncode
+        return env
 
 
 class SGLangClient:

@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ppo_weight_sync
 from ppo_weight_sync.vllm_worker import EXTENSION
+
+from .server_process import ServerProcess
 
 __all__ = ["VLLMError", "VLLMServer", "VLLMServerSpec", "extension_path"]
 
@@ -114,8 +111,13 @@ class VLLMServerSpec:
         return env
 
 
-class VLLMServer:
-    """One server subprocess in its own process group. ``start()`` returns once ``/health`` answers 200."""
+class VLLMServer(ServerProcess):
+    """One vLLM server subprocess in its own process group. ``start()`` returns once ``/health`` answers
+    200 (:class:`~ppo_rollout.engine.server_process.ServerProcess`)."""
+
+    KIND = "vLLM server"
+    ERROR = VLLMError
+    STARTUP_SETTING = "rollout.vllm.startup_timeout_s"
 
     def __init__(
         self,
@@ -126,85 +128,18 @@ class VLLMServer:
         log_path: str | Path | None = None,
         name: str = "",
     ) -> None:
-        self.spec = spec
-        self.startup_timeout_s = startup_timeout_s
-        self.stop_grace_s = stop_grace_s
-        self.name = name or f"vllm@{spec.url}"
-        self.log_path = (
-            Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+        super().__init__(
+            spec.url,
+            startup_timeout_s=startup_timeout_s,
+            stop_grace_s=stop_grace_s,
+            log_path=log_path,
+            name=name or f"vllm@{spec.url}",
+            log_prefix="vllm-",
         )
-        self._proc: subprocess.Popen[bytes] | None = None
+        self.spec = spec
 
-    @property
-    def url(self) -> str:
-        return self.spec.url
+    def argv(self) -> Sequence[str]:
+        return self.spec.argv()
 
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
-    def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def start(self) -> None:
-        if self.is_running():
-            return
-        with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                self.spec.argv(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.spec.environment(),
-                start_new_session=True,  # own process group: stop() reaches the engine core and workers
-            )
-        try:
-            self.wait_healthy(self.startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise VLLMError(
-                    f"vLLM server {self.name} exited with code {self._proc.returncode} before /health "
-                    f"answered; log {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"vLLM server {self.name} did not answer /health with 200 within {timeout_s:.0f} s "
-                    f"(rollout.vllm.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
-
-    def stop(self) -> int | None:
-        """SIGTERM to the process group, SIGKILL after ``stop_grace_s``. Idempotent; returns the exit code."""
-        proc = self._proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(self.stop_grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        # The leader is gone; whatever it left in its group (engine core, workers) goes too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        return proc.returncode
+    def environment(self) -> Mapping[str, str]:
+        return self.spec.environment()
