@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 import ray
 
@@ -16,6 +16,7 @@ from ..stops import RequestStop
 from .builtin import BuiltinEngineActor
 from .core import GenerationOutput
 from .early_stop import EarlyStop
+from .server_process import ServerProcess
 from .sglang import SGLangClient, SGLangServer, SGLangServerSpec
 
 __all__ = [
@@ -23,11 +24,15 @@ __all__ = [
     "EngineHandle",
     "SGLangEngineHandle",
     "SGLangServerActor",
+    "ServerEngineHandle",
+    "ServerHost",
     "Waiter",
     "WarmUpWaiter",
 ]
 
 Waiter = Callable[[float], list[GenerationOutput]]
+C = TypeVar("C", bound="ServerClient")
+R = TypeVar("R")
 WarmUpWaiter = Callable[[float], dict[str, float]]
 
 
@@ -185,20 +190,16 @@ class BuiltinEngineHandle:
         ray.kill(self.actor, no_restart=True)
 
 
-class _SGLangServerHost:
-    """Owns one SGLang server subprocess on the node of the engine's slot (run as a Ray actor)."""
+class ServerHost:
+    """Owns one server subprocess on the node of the engine's slot (run as a Ray actor); subclasses make
+    the server (SGLang's, vLLM's) from the spec's arguments on that node."""
 
-    def __init__(
-        self, spec_args: dict[str, Any], startup_timeout_s: float, stop_grace_s: float, name: str
-    ) -> None:
+    def __init__(self, server: ServerProcess) -> None:
         self._setup = SetupTimer()
-        spec = _spec_on_node(spec_args)  # here, so that a free port is picked on the server's node
-        self.server = SGLangServer(
-            spec, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s, name=name
-        )
+        self.server = server
 
     def start(self) -> str:
-        with self._setup.part("server"):  # the SGLang process: its imports, model load, CUDA graphs
+        with self._setup.part("server"):  # the server's processes: imports, the model's load, warm-up
             self.server.start()
         return self.server.url
 
@@ -212,11 +213,137 @@ class _SGLangServerHost:
         return self.server.pid
 
 
+class ServerClient(Protocol):
+    """What :class:`ServerEngineHandle` needs of a server's HTTP client."""
+
+    @property
+    def endpoint(self) -> EngineEndpoint: ...
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int | None = None,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
+        stop: Sequence[Sequence[str]] | None = None,
+    ) -> list[GenerationOutput]: ...
+    def release_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply: ...
+    def resume_memory_occupation(self, *, tags: Sequence[str] | None) -> EngineReply: ...
+    def close(self) -> None: ...
+
+
+class ServerEngineHandle(Generic[C]):
+    """An inference server launched by a Ray actor (a :class:`ServerHost`) on the engine's slot and
+    driven over HTTP from here, through a client made once the server answers (``_client``). SGLang's
+    and vLLM's handles add how they make the client and read the weights back."""
+
+    KIND: ClassVar[str] = "inference"  # "the SGLang server", "the vLLM server" in messages
+
+    def _launch(
+        self,
+        name: str,
+        host: Any,
+        spec_args: dict[str, Any],
+        actor_options: dict[str, Any],
+        timeouts: tuple[float, float],
+    ) -> None:
+        """Start ``host`` (a Ray actor class of a :class:`ServerHost`) with the spec's arguments and
+        ``timeouts`` (start-up, stop grace); the server starts at once, :meth:`_server_url` waits."""
+        self.name = name
+        # max_concurrency 2: stop() must be able to run while a start() still waits for /health.
+        self._host_actor: Any = (
+            cast(Any, host).options(max_concurrency=2, **actor_options).remote(spec_args, *timeouts, name)
+        )
+        self._started = self._host_actor.start.remote()
+        self._client: C | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"gen-{name}")
+
+    def _server_url(self, timeout_s: float) -> str:
+        url: str = _ray_get(self._started, timeout_s, self.name, f"starting the {self.KIND} server")
+        return url
+
+    def startup(self, timeout_s: float) -> dict[str, float]:
+        report: dict[str, float] = _ray_get(
+            self._host_actor.startup.remote(), timeout_s, self.name, "start-up report"
+        )
+        return report
+
+    @property
+    def client(self) -> C:
+        if self._client is None:
+            raise RuntimeError(
+                f"engine {self.name}: the {self.KIND} server is not started; call wait_ready() first"
+            )
+        return self._client
+
+    def submit_generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: int,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
+        stop: Sequence[RequestStop] | None = None,
+        until: EarlyStop | None = None,
+    ) -> Waiter:
+        if until is not None:  # rollout.partial refuses engines other than the built-in one at load
+            raise ValueError(f"engine {self.name}: an early stop (rollout.partial) needs the built-in engine")
+        strings = None if stop is None else [list(s.strings) for s in stop]
+        future = self._pool.submit(
+            self.client.generate, prompts, sampling, seed, max_new_tokens=max_new_tokens, stop=strings
+        )
+        return lambda timeout_s: self._result(future, timeout_s, "generate")
+
+    def _result(self, future: concurrent.futures.Future[R], timeout_s: float, what: str, hint: str = "") -> R:
+        """``future``'s result within ``timeout_s``, else a TimeoutError naming the engine and ``what``."""
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"engine {self.name}: {what} did not finish within {timeout_s:.0f} s{hint}"
+            ) from None
+
+    def endpoint(self) -> EngineEndpoint:
+        return self.client.endpoint  # knows the server's protocol (read at wait_ready)
+
+    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply:
+        return self.client.release_memory_occupation(tags=tags)
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply:
+        return self.client.resume_memory_occupation(tags=tags)
+
+    def memory_stats(self, timeout_s: float) -> dict[str, float] | None:
+        return None  # a server does not report what its release and resume moved
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            ray.get(self._host_actor.stop.remote(), timeout=120)
+        finally:
+            ray.kill(self._host_actor, no_restart=True)
+
+
+class _SGLangServerHost(ServerHost):
+    """Owns one SGLang server subprocess on the node of the engine's slot (run as a Ray actor)."""
+
+    def __init__(
+        self, spec_args: dict[str, Any], startup_timeout_s: float, stop_grace_s: float, name: str
+    ) -> None:
+        spec = _spec_on_node(spec_args)  # here, so that a free port is picked on the server's node
+        super().__init__(
+            SGLangServer(spec, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s, name=name)
+        )
+
+
 SGLangServerActor = ray.remote(_SGLangServerHost)
 
 
-class SGLangEngineHandle:
+class SGLangEngineHandle(ServerEngineHandle[SGLangClient]):
     """An SGLang server launched by a Ray actor on the engine's slot; driven over HTTP from here."""
+
+    KIND = "SGLang"
 
     def __init__(
         self,
@@ -232,25 +359,16 @@ class SGLangEngineHandle:
     ) -> None:
         """``weights``: the dtype the actor sends and the rows :meth:`weights_checksum` reads of each
         tensor (``rollout.dtype``, ``rollout.sglang.check_rows``)."""
-        self.name = name
         self._model_path = str(spec_args["model_path"])
         self._weights_dtype, self._check_rows = weights
         self._adapter = adapter  # the LoRA adapter every generate request names (adapter-only updates)
         self._gpus = int(spec_args["tp_size"])
         self._request_timeout_s = request_timeout_s
-        # max_concurrency 2: stop() must be able to run while a start() is still waiting for health.
-        self._host_actor: Any = (
-            cast(Any, SGLangServerActor)
-            .options(max_concurrency=2, **actor_options)
-            .remote(spec_args, startup_timeout_s, stop_grace_s, name)
-        )
-        self._started = self._host_actor.start.remote()
-        self._client: SGLangClient | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"gen-{name}")
+        self._launch(name, SGLangServerActor, spec_args, actor_options, (startup_timeout_s, stop_grace_s))
 
     def wait_ready(self, timeout_s: float) -> None:
         if self._client is None:
-            url = _ray_get(self._started, timeout_s, self.name, "starting the SGLang server")
+            url = self._server_url(timeout_s)
             self._client = SGLangClient(
                 url,
                 timeout_s=self._request_timeout_s,
@@ -260,62 +378,9 @@ class SGLangEngineHandle:
                 vocab_size=_vocab_size(self._model_path),
             )
 
-    def startup(self, timeout_s: float) -> dict[str, float]:
-        report: dict[str, float] = _ray_get(
-            self._host_actor.startup.remote(), timeout_s, self.name, "start-up report"
-        )
-        return report
-
-    @property
-    def client(self) -> SGLangClient:
-        if self._client is None:
-            raise RuntimeError(
-                f"engine {self.name}: the SGLang server is not started; call wait_ready() first"
-            )
-        return self._client
-
     @property
     def url(self) -> str:
         return self.client.base_url
-
-    def submit_generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        seed: int,
-        *,
-        max_new_tokens: Sequence[int] | None = None,
-        stop: Sequence[RequestStop] | None = None,
-        until: EarlyStop | None = None,
-    ) -> Waiter:
-        if until is not None:  # rollout.partial refuses engine 'sglang' when the config loads
-            raise ValueError(f"engine {self.name}: an early stop (rollout.partial) needs the built-in engine")
-        strings = None if stop is None else [list(s.strings) for s in stop]
-        future = self._pool.submit(
-            self.client.generate, prompts, sampling, seed, max_new_tokens=max_new_tokens, stop=strings
-        )
-
-        def wait(timeout_s: float) -> list[GenerationOutput]:
-            try:
-                return future.result(timeout=timeout_s)
-            except concurrent.futures.TimeoutError:
-                raise TimeoutError(
-                    f"engine {self.name}: generate did not finish within {timeout_s:.0f} s"
-                ) from None
-
-        return wait
-
-    def endpoint(self) -> EngineEndpoint:
-        return self.client.endpoint  # knows the server's SGLang protocol (read at wait_ready)
-
-    def release_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply:
-        return self.client.release_memory_occupation(tags=tags)
-
-    def resume_memory_occupation(self, tags: Sequence[str] | None, timeout_s: float) -> EngineReply:
-        return self.client.resume_memory_occupation(tags=tags)
-
-    def memory_stats(self, timeout_s: float) -> dict[str, float] | None:
-        return None  # an SGLang server does not report what its release/resume moved
 
     def weights_checksum(self, timeout_s: float) -> str:
         """The checksum of the weights read back from the server (``/get_weights_by_name``): every tensor
@@ -323,22 +388,8 @@ class SGLangEngineHandle:
         rows; equal to the actor's ``weights_checksum(rows)`` exactly when the weights are equal."""
         manifest = model_manifest(self._model_path, self._weights_dtype)
         future = self._pool.submit(self.client.weights_checksum, manifest, self._check_rows)
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(
-                f"engine {self.name}: reading the weights back did not finish within {timeout_s:.0f} s "
-                "(set rollout.sglang.check_rows to read fewer rows)"
-            ) from None
-
-    def shutdown(self) -> None:
-        if self._client is not None:
-            self._client.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            ray.get(self._host_actor.stop.remote(), timeout=120)
-        finally:
-            ray.kill(self._host_actor, no_restart=True)
+        hint = " (set rollout.sglang.check_rows to read fewer rows)"
+        return self._result(future, timeout_s, "reading the weights back", hint)
 
 
 def _vocab_size(model_path: str) -> int | None:
