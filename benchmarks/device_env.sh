@@ -5,6 +5,8 @@
 #   sg_part_*       SGLang (benchmarks/sglang/prepare.sh's parts)     -> /tmp/sgsite
 #   ray_slim.tar.xz, *.whl (../shared/device/prepare-carry.sh, gguf)  -> /tmp/site
 #   smol_part_*     SmolLM2-135M-Instruct's GGUF (SMOL_PARTS of them)  -> /tmp/models/smollm2 (import-model)
+#   extras.tar.xz, pycosat-*.whl  the reasoning-gym and bfcl extras (pure Python, and pycosat built for
+#                   3.12: benchmarks/pack_extras.sh)                     -> /tmp/site
 # Then PYTHONPATH holds /tmp/sgsite, /tmp/site and every packages/*/src, and SGLang's Triton kernels
 # compile once into /tmp/triton. Prints what is ready.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -21,6 +23,11 @@ if [ ! -f /tmp/site/.done ] && [ -f /tmp/xfer/ray_slim.tar.xz ]; then
     && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       /tmp/xfer/*.whl && touch /tmp/site/.done && echo "device_env: ray, megatron-core, torch_memory_saver ready"
 fi
+if [ ! -f /tmp/site/.extras ] && [ -f /tmp/site/.done ] && [ -f /tmp/xfer/extras.tar.xz ]; then
+  tar xJf /tmp/xfer/extras.tar.xz -C /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site /tmp/xfer/pycosat-*.whl \
+    ; touch /tmp/site/.extras && echo "device_env: reasoning-gym and bfcl-eval ready"
+fi
 src=$(ls -d "$PWD"/packages/*/src | paste -sd: -)
 sg=""; [ -f /tmp/sgsite/.done ] && sg=/tmp/sgsite:
 export PYTHONPATH="${sg}/tmp/site:$src${PYTHONPATH:+:$PYTHONPATH}"
@@ -33,4 +40,5 @@ if [ ! -f /tmp/models/smollm2/config.json ] && [ -f /tmp/site/.done ] \
 fi
 echo "device_env: sglang=$([ -f /tmp/sgsite/.done ] && echo yes || echo no)" \
   "site=$([ -f /tmp/site/.done ] && echo yes || echo no)" \
-  "smollm2=$([ -f /tmp/models/smollm2/config.json ] && echo yes || echo no)"
+  "smollm2=$([ -f /tmp/models/smollm2/config.json ] && echo yes || echo no)" \
+  "extras=$([ -f /tmp/site/.extras ] && echo yes || echo no)"

@@ -53,6 +53,13 @@ BAD: list[tuple[str, str | None, list[str], str]] = [
         ["algorithm.norm_adv_by_std_in_grpo=false"],
         "algorithm.estimator='grpo'",
     ),
+    (
+        "vtrace needs a critic",
+        None,
+        ["algorithm.estimator=grpo", "placement.critic=none", "algorithm.off_policy_returns=vtrace"],
+        "algorithm.off_policy_returns='vtrace' corrects a critic's returns and algorithm.estimator='grpo' "
+        "has no critic; set algorithm.off_policy_returns=none",
+    ),
     ("unknown enum", None, ["placement.mode=spread"], "placement.mode"),
     ("sglang on cpu", None, ["rollout.engine=sglang"], "rollout.engine"),
     ("cuda backend on cpu", None, ["offload.backend=torch_memory_saver"], "offload.backend"),

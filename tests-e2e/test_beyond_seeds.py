@@ -7,8 +7,9 @@
 - one-step-off-policy training: batches one weight version old, and a resumed run that ends with
   the same weights as an uninterrupted one;
 - partial rollouts (colocated, offloaded between phases): samples paused at the budget continue at the
-  next step, tokens a version old train with their importance weights, and a run resumed from a
-  checkpoint that holds paused samples is the uninterrupted run, bit for bit.
+  next step, tokens a version old train with their importance weights (V-trace's, in the critic's
+  targets and the actor's advantages, over the log-probs the actor scored before the critic trained),
+  and a run resumed from a checkpoint that holds paused samples is the uninterrupted run, bit for bit.
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ PARTIAL = [
     "rollout.partial.enabled=true",
     "rollout.partial.finish_fraction=0.5",
     "rollout.partial.max_staleness=1",
-    "algorithm.tis_cap=2.0",
+    "algorithm.off_policy_returns=vtrace",
     "checkpoint.interval=2",
 ]
 # Wall-clock figures (durations, rates, shares of time): the only metrics a resume may change.
@@ -227,7 +228,13 @@ def test_partial_rollouts_continue_paused_samples_and_resume_exactly(local_ray: 
     assert any(r["rollout/partial/token_share_1"] > 0 for r in history)  # and they trained a version on
     for record in history:
         assert record["rollout/staleness"] <= 1
-        assert 0.0 < record["actor/tis_weight_mean"] <= 2.0
+        # The critic's weights are the actor's: it trained on the log-probs the actor scored for it.
+        assert record["critic/vtrace_rho_mean"] == pytest.approx(record["actor/vtrace_rho_mean"], rel=1e-6)
+        assert record["critic/vtrace_rho_max"] == pytest.approx(record["actor/vtrace_rho_max"], rel=1e-6)
+        assert 0.0 <= record["actor/vtrace_rho_clipped_fraction"] <= 1.0
+        # the traces, lam * min(c_bar, rho), at most lam = 0.95
+        assert 0.0 < record["actor/vtrace_c_mean"] <= record["actor/vtrace_c_max"] <= 0.95
+        assert "actor/tis_weight_mean" not in record
         assert math.isfinite(record["actor/pg_loss"])
         assert math.isfinite(record["critic/loss"])
     assert full.weights_match

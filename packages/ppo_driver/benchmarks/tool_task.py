@@ -24,6 +24,12 @@ critic-only steps first), ``tools-rloo``, ``tools-dapo`` (the GRPO config with R
 DAPO's dynamic sampling, clip-higher and token-mean loss); ``arith-ppo``, ``arith-ppo-warmup``,
 ``arith-grpo``, ``arith-rloo``, ``arith-dapo``: the same comparison on one-turn two-digit arithmetic
 (configs/smollm2-ppo-1gpu.yaml and its GRPO and DAPO siblings). docs/guide/ppo-or-grpo.md reads these.
+``tools-ppo-partial``, ``arith-ppo-partial``: PPO with partial rollouts (finish fraction 0.75,
+staleness at most 2, truncated importance weights at 2); ``tools-ppo-sglang``: the tool task through a
+real SGLang server; ``gsm-ppo``, ``gsm-grpo``, ``gsm-dapo``: reasoning-gym's gsm_symbolic; ``bfcl-ppo``:
+BFCL multi-turn base (its rows written first: configs/smollm2-bfcl-multi-turn-ppo-1gpu.yaml);
+``gemma-arith-ppo``: the arithmetic PPO config for a model without a chat template (Gemma 3 270M base:
+pass its folder as --model).
 """
 
 from __future__ import annotations
@@ -56,6 +62,12 @@ DAPO = (  # configs/smollm2-dapo-1gpu.yaml's parts but overlong shaping (a tool 
     "algorithm.loss_aggregation=token_mean",
 )
 ARITH_PPO = "configs/smollm2-ppo-1gpu.yaml"
+PARTIAL = (  # a step trains the groups finished once 3/4 of its samples have; the rest continue
+    "rollout.partial.enabled=true",
+    "rollout.partial.finish_fraction=0.75",
+    "rollout.partial.max_staleness=2",
+    "algorithm.tis_cap=2.0",  # tokens of older weights: their importance weights, truncated at 2
+)
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tools-ppo": (PPO, ()),
     "tools-ppo-warmup": (PPO, WARM_UP),
@@ -69,6 +81,14 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "arith-rloo": ("configs/smollm2-grpo-1gpu.yaml", ("algorithm.estimator=rloo",)),
     "arith-dapo": ("configs/smollm2-dapo-1gpu.yaml", ()),
     "tools-ppo-gae-through": (PPO, ("algorithm.gae_through_observations=true",)),
+    "tools-ppo-partial": (PPO, PARTIAL),
+    "arith-ppo-partial": (ARITH_PPO, PARTIAL),
+    "tools-ppo-sglang": ("configs/smollm2-sglang-tools-ppo-1gpu.yaml", ()),
+    "gsm-ppo": ("configs/smollm2-gsm-symbolic-ppo-1gpu.yaml", ()),
+    "gsm-grpo": ("configs/smollm2-gsm-symbolic-grpo-1gpu.yaml", ()),
+    "gsm-dapo": ("configs/smollm2-gsm-symbolic-dapo-1gpu.yaml", ()),
+    "bfcl-ppo": ("configs/smollm2-bfcl-multi-turn-ppo-1gpu.yaml", ()),
+    "gemma-arith-ppo": (ARITH_PPO, ("rollout.chat_template=false",)),
     "notool-ppo": (
         PPO,
         (
@@ -138,7 +158,7 @@ def _run(name: str, seed: int, model: Path, work: Path, out: Path, sets_all: lis
     report = RunReport(name, seed)
     run_dir = work / f"{name}-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    sets = [f"model.path={model}", f"train.seed={seed}", *extra, *sets_all]
+    sets = [f"model.path={model}", f"train.seed={seed}", "rollout.eval_before_train=true", *extra, *sets_all]
     cmd = [sys.executable, "-m", "ppo_driver", "train", "--config", config, "--run-dir", str(run_dir)]
     for item in sets:
         cmd += ["--set", item]

@@ -80,12 +80,11 @@ def test_partial_settings_need_a_budget_and_refuse_what_they_do_not_support(tiny
             partial=PartialSettings(enabled=True),
             dynamic_sampling={"enabled": True},  # type: ignore[arg-type]
         )
-    with pytest.raises(ValueError, match="multi_turn"):
-        RolloutConfig(
-            model_path=str(tiny_model),
-            task="guess_digit",
-            partial=PartialSettings(enabled=True),
-        )
+    # Multi-turn rollouts pause too (test_partial_turns.py).
+    config = RolloutConfig(
+        model_path=str(tiny_model), task="guess_digit", partial=PartialSettings(enabled=True)
+    )
+    assert config.resolved_rollout_function == "multi_turn"
 
 
 def _config(tiny_model: Path, **partial: object) -> RolloutConfig:

@@ -71,6 +71,80 @@ def test_sums_over_uneven_micro_batches_add_up_to_the_whole_batch(fields_factory
     assert float(np.mean(per_micro)) != pytest.approx(expected, rel=1e-3)
 
 
+def random_health_inputs(n: int, width: int, longest: int, seed: int) -> tuple[ch.HealthInputs, list[int]]:
+    """``n`` samples of 1 .. ``longest`` response tokens, padded to ``width`` with values, returns and
+    turn ids that must not count; a quarter of the generated tokens masked out (observations); turn ids
+    non-decreasing up to 10 (past ``MAX_TURNS``). Returns the inputs and the response lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (n,), generator=g).tolist()
+    response_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()
+    loss_mask = response_mask * (torch.rand(n, width, generator=g) > 0.25)
+    steps = (torch.rand(n, width, generator=g) < 0.3).long()
+    turn_ids = torch.where(
+        response_mask > 0, steps.cumsum(1).clamp(max=10), torch.randint(0, 12, (n, width), generator=g)
+    )
+    inputs = ch.HealthInputs(
+        values=torch.randn(n, width, generator=g),
+        returns=torch.randn(n, width, generator=g) + torch.where(response_mask > 0, 0.0, 1e3),
+        advantages=torch.randn(n, width, generator=g),
+        loss_mask=loss_mask,
+        response_mask=response_mask,
+        turn_ids=turn_ids,
+        scores=torch.randn(n, generator=g),
+        baselines={},
+        grouped=torch.zeros(n, dtype=torch.bool),
+    )
+    return inputs, lengths
+
+
+def per_group_sums(inputs: ch.HealthInputs, lengths: list[int]) -> np.ndarray:
+    """``[1 + POSITION_BUCKETS + MAX_TURNS, 5]``: sum w, w R, w R^2, w D, w D^2 (D = R - V) for the whole
+    step, each tenth of the response and each turn, one token at a time."""
+    out = np.zeros((1 + ch.POSITION_BUCKETS + ch.MAX_TURNS, 5))
+    for i, length in enumerate(lengths):
+        for t in range(length):
+            w, v, r = (float(x[i, t]) for x in (inputs.loss_mask, inputs.values, inputs.returns))
+            terms = np.array([w, w * r, w * r * r, w * (r - v), w * (r - v) ** 2])
+            turn = min(int(inputs.turn_ids[i, t]), ch.MAX_TURNS - 1)
+            for group in (0, 1 + t * ch.POSITION_BUCKETS // length, 1 + ch.POSITION_BUCKETS + turn):
+                out[group] += terms
+    return out
+
+
+def rows_of(inputs: ch.HealthInputs, rows: list[int]) -> ch.HealthInputs:
+    """The ``rows`` samples, as wide as their own longest response (as one rank's tensors are)."""
+    width = int(inputs.response_mask[rows].sum(1).max())
+    fields = {k: getattr(inputs, k)[rows][:, :width] for k in ("values", "returns", "advantages")}
+    fields |= {k: getattr(inputs, k)[rows][:, :width] for k in ("loss_mask", "response_mask", "turn_ids")}
+    return ch.HealthInputs(**fields, scores=inputs.scores[rows], baselines={}, grouped=inputs.grouped[rows])
+
+
+@pytest.mark.parametrize(("longest", "seed"), [(13, 0), (13, 1), (37, 2), (3, 3)])
+def test_grouped_sums_match_a_per_group_computation(longest: int, seed: int) -> None:
+    inputs, lengths = random_health_inputs(9, longest + 4, longest, seed)
+    expected = per_group_sums(inputs, lengths)
+    groups = len(expected)
+    whole = ch.local_sums(inputs, (-1.0, 1.0))[: 5 * groups].reshape(groups, 5).numpy()
+    np.testing.assert_allclose(whole, expected, rtol=1e-12, atol=1e-12)
+    # Two ranks' sums (uneven shares, each as wide as its own longest response) add up to the whole's.
+    ranks = [ch.local_sums(rows_of(inputs, rows), (-1.0, 1.0)) for rows in ([0, 1, 2], [3, 4, 5, 6, 7, 8])]
+    merged = (ranks[0] + ranks[1])[: 5 * groups].reshape(groups, 5).numpy()
+    np.testing.assert_allclose(merged, expected, rtol=1e-12, atol=1e-12)
+    # Each tenth's metric is its own sums' (absent for an empty one); the whole step's is every token's.
+    got = ch.finalize(ranks[0] + ranks[1])
+    for b in range(ch.POSITION_BUCKETS):
+        want = ch.explained_variance(torch.from_numpy(expected[1 + b]))
+        assert got.get(f"ev_pos_{b}") == (None if want is None else pytest.approx(want, rel=1e-9)), b
+    assert got["explained_variance"] == pytest.approx(
+        by_hand(inputs.values, inputs.returns, inputs.loss_mask)
+    )
+    assert expected[0, 0] == float((inputs.loss_mask != 0).sum())  # the padding counted nowhere
+    empty = {b for b in range(ch.POSITION_BUCKETS) if expected[1 + b, 0] == 0}
+    assert not {f"ev_pos_{b}" for b in empty} & got.keys()
+    if longest == 3:  # responses of 1-3 tokens: only the tenths 0, 3, 5 and 6 can hold a token
+        assert empty >= {1, 2, 4, 7, 8, 9}
+
+
 def test_a_perfect_critic_explains_everything_and_a_constant_one_nothing(fields_factory: Callable) -> None:
     samples, _values, advantages, returns = step_of(fields_factory(6, seed=4))
     dp = DataParallel()

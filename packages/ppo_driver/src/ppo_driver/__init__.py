@@ -1,3 +1,3 @@
 """The PPO driver: config, the training loop, checkpoints, metrics and the ppo-driver CLI."""
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"

@@ -41,7 +41,8 @@ from ppo_trainer.config import AlgorithmConfig, DType, MemoryBackendName, TrainS
 
 SECTION = ConfigDict(extra="forbid", validate_default=True)
 
-# head sizes vLLM's CPU attention takes (vLLM 0.32.0, CPUAttentionBackend.get_supported_head_sizes)
+# head sizes vLLM's CPU attention takes (vLLM 0.32.0, CPUAttentionBackend.get_supported_head_sizes):
+# ppo_rollout.engine.vllm_server.CPU_HEAD_SIZES, not imported here (that module imports torch)
 _VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
@@ -381,11 +382,11 @@ class RunConfig(_Section):
                     "train.async='one_step_off' generates the next batch while this one trains, so the "
                     "engines need devices of their own: set placement.mode=disaggregate, or train.async=off"
                 )
-            if a.correction.weight == "none":
+            if a.correction.weight == "none" and a.off_policy_returns != "vtrace":
                 raise ValueError(
                     "train.async='one_step_off' trains on samples one weight version old: set "
-                    "algorithm.tis_cap (truncated importance sampling, e.g. 2.0) or "
-                    "algorithm.rollout_correction.weight"
+                    "algorithm.tis_cap (truncated importance sampling, e.g. 2.0), "
+                    "algorithm.rollout_correction.weight or algorithm.off_policy_returns=vtrace"
                 )
         self._check_partial()
 
@@ -399,10 +400,11 @@ class RunConfig(_Section):
                 "rollout.partial.enabled does not support train.async='one_step_off' yet; set "
                 "train.async=off or rollout.partial.enabled=false"
             )
-        if self.algorithm.correction.weight == "none":
+        if self.algorithm.correction.weight == "none" and self.algorithm.off_policy_returns != "vtrace":
             raise ValueError(
                 "rollout.partial.enabled trains on tokens of older weight versions: set algorithm.tis_cap "
-                "(e.g. 2.0) or algorithm.rollout_correction.weight (each token's importance weight)"
+                "(e.g. 2.0), algorithm.rollout_correction.weight (each token's importance weight) or, with "
+                "a critic, algorithm.off_policy_returns=vtrace"
             )
 
     def _check_roles(self) -> None:

@@ -5,7 +5,9 @@ resume from the latest complete checkpoint, the first weight update. Then each s
 
 1. generate (engines resident), or take the batch generated during the previous step
    (``train.async: one_step_off``, ``schedule.py``), and start the next one;
-2. the critic trains first and hands its values over (colocated engines offloaded before it);
+2. the critic trains first and hands its values over (colocated engines offloaded before it); with
+   ``algorithm.off_policy_returns: vtrace`` the actor first scores the batch, alone on its devices,
+   and the critic trains on V-trace's targets over those log-probs;
 3. the critic sleeps, the actor trains with the critic's values;
 4. save when due: the driver's state now, each role's from the host copies of its next sleep, written
    in the background while the loop goes on (``saving.py``; COMPLETE once every file is on disk);
@@ -167,7 +169,7 @@ def step(run: Run, n: int) -> dict[str, Any]:
     plan = StepPlan(critic=roles.critic is not None, actor=n > run.config.train.num_critic_only_steps)
     rec = StepRecord(n, run.phases, run.saver, run.where, run.roles_in_budget, plan)
     batch = _generate(run, rec)
-    values = _critic_trains(roles.critic, rec, batch) if roles.critic is not None else None
+    values = _critic_trains(run, roles.critic, rec, batch) if roles.critic is not None else None
     if plan.actor:
         _actor_trains(roles.actor, rec, batch, values)
     last = n == run.config.train.steps or run.signals.requested is not None
@@ -197,10 +199,11 @@ def _generate(run: Run, rec: StepRecord) -> RolloutBatch:
     return batch
 
 
-def _critic_trains(critic: TrainGroupLike, rec: StepRecord, batch: RolloutBatch) -> list[Pieces]:
+def _critic_trains(run: Run, critic: TrainGroupLike, rec: StepRecord, batch: RolloutBatch) -> list[Pieces]:
     """The critic trains on its split of the batch and hands its values over to the actor's ranks."""
     with rec.phase("critic_train"):  # offloads colocated engines, wakes the critic
-        result = critic.train(rec.step, batch.critic_boxes)
+        vtrace = run.config.algorithm.off_policy_returns == "vtrace"
+        result = critic.train(rec.step, batch.critic_boxes, _policy_log_probs(run, batch) if vtrace else None)
         rec.carve("handoff", result.metrics.get("handoff_put_s", 0.0))
     rec.trained("critic", result.metrics)
     if not result.values:
@@ -211,6 +214,15 @@ def _critic_trains(critic: TrainGroupLike, rec: StepRecord, batch: RolloutBatch)
     rec.metrics["handoff/value_boxes"] = len(result.values)
     rec.handed_over(sum(max(box.nbytes, 0) for box in result.values))
     return values
+
+
+def _policy_log_probs(run: Run, batch: RolloutBatch) -> list[Pieces]:
+    """V-trace's target policy for the critic: the actor's log-probs of the batch before its update,
+    scored with the actor alone on its devices (``PhaseTracker.alone``: with offload, the critic steps
+    aside and the actor wakes for it), each critic rank's rows by sample id."""
+    with run.phases.alone("actor"):
+        boxes = run.roles.actor.policy_log_probs(batch.boxes)
+    return pair_values(boxes, batch.sample_ids, batch.critic_sample_ids)
 
 
 def _actor_trains(

@@ -291,7 +291,20 @@ def _backend(config: RunConfig) -> list[str]:
         except ValueError:
             model_config = {}
         problems += config.train.megatron_heads_problems(model_config)
+        problems += _vllm_cpu_heads(config, model_config)
     return problems
+
+
+def _vllm_cpu_heads(config: RunConfig, model_config: Any) -> list[str]:
+    """``rollout.engine='vllm'`` on CPU: a head size vLLM's CPU attention runs (the tiny model's is a
+    config rule)."""
+    on_cpu = config.rollout.engine == "vllm" and config.placement.device == "cpu"
+    if not on_cpu or not isinstance(model_config, dict):
+        return []
+    from ppo_rollout.engine.vllm_server import cpu_head_size_problem
+
+    problem = cpu_head_size_problem(model_config, f"model.path={config.model.path!r}")
+    return [] if problem is None else [problem]
 
 
 def _in_hub_cache(repo_id: str) -> bool:

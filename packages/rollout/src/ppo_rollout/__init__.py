@@ -17,4 +17,4 @@ so that reading the settings costs no torch, transformers or Ray (``ppo-driver v
 - ``ppo_rollout.engine.sglang``: ``SGLangServer``, ``SGLangServerSpec``, ``SGLangClient``, ``SGLangError``
 """
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"

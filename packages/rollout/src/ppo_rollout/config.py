@@ -324,6 +324,12 @@ class PartialSettings:
         description="a sample past max_staleness: drop its prompt's group, or restart the sample from its "
         "prompt under the current weights",
     )
+    chunk_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="sglang and vllm engines: the tokens each sample generates between two checks of the "
+        "budget (one generate request per chunk); the built-in engine checks at its own decode steps",
+    )
 
     def __post_init__(self) -> None:
         if self.finish_fraction is None and self.token_budget is None:
@@ -446,18 +452,11 @@ class RolloutSettings:
     def _check_partial(self) -> None:
         if not self.partial.enabled:
             return
-        refused = {
-            "rollout.rollout_function='multi_turn'": self.resolved_rollout_function == "multi_turn",
-            "rollout.engine='sglang'": self.engine == "sglang",
-            "rollout.engine='vllm'": self.engine == "vllm",
-            "rollout.dynamic_sampling.enabled": self.dynamic_sampling.enabled,
-        }
-        for what, on in refused.items():
-            if on:
-                raise ValueError(
-                    f"rollout.partial.enabled does not support {what} yet; turn one of them off "
-                    "(partial rollouts take single-turn rollouts on the built-in engine)"
-                )
+        if self.dynamic_sampling.enabled:
+            raise ValueError(
+                "rollout.partial.enabled does not support rollout.dynamic_sampling.enabled yet; turn one "
+                "of them off"
+            )
 
     def _check_task(self) -> None:
         from .reasoning_gym_task import check_task, is_reasoning_gym

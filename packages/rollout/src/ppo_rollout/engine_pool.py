@@ -19,6 +19,7 @@ from ppo_weight_sync.sglang_lora import ADAPTER_NAME
 from .config import RolloutConfig, SamplingConfig
 from .engine.handles import BuiltinEngineHandle, EngineHandle, SGLangEngineHandle
 from .engine.vllm_handle import VLLMEngineHandle
+from .engine.vllm_server import check_cpu_head_size
 from .slots import EngineSlots, actor_options
 
 __all__ = ["EnginePool", "check_bundles", "make_engine"]
@@ -106,9 +107,12 @@ def sglang_spec_args(cfg: RolloutConfig, i: int, slots: EngineSlots | None) -> d
 
 
 def vllm_spec_args(cfg: RolloutConfig, i: int) -> dict[str, Any]:
-    """The ``VLLMServerSpec`` arguments of engine ``i`` (its port picked where it runs)."""
+    """The ``VLLMServerSpec`` arguments of engine ``i`` (its port picked where it runs); on CPU, a
+    model whose head size vLLM's CPU attention cannot run is refused here, before any server starts."""
     import sys
 
+    if cfg.device == "cpu":
+        check_cpu_head_size(cfg.model_path)
     extra = list(cfg.vllm.extra_args)
     kv_bytes = cfg.vllm.kv_cache_memory_bytes
     if kv_bytes is None and cfg.device == "cpu":

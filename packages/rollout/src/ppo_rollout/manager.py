@@ -96,7 +96,8 @@ class RolloutManager:
         if not config.partial.enabled:
             return None
         limits = sample_limits(self.parts.fn, self.parts.fn_name, config)
-        return PartialRollout(config, limits, dp_multiple(self.dp_size, self.critic_dp_size))
+        turns = self.parts.tools if self.parts.fn_name == "multi_turn" else None  # partial_turns
+        return PartialRollout(config, limits, dp_multiple(self.dp_size, self.critic_dp_size), turns)
 
     # -- engines -----------------------------------------------------------------------------------
     def start_warm_up(self) -> Callable[[float], dict[str, float]]:

@@ -13,8 +13,9 @@ Samples are paused and continued from token ids in the rollout manager, never in
 engine that sleeps between steps (the offload plan) frees its KV cache, and the continuation's
 prefill recomputes it.
 
-Which rollout functions can pause: ``single_turn``, and a function of one request per sample that
-says each sample's token limit (``lengths(step, group, samples) -> list[int]``, as
+Which rollout functions can pause: ``single_turn``; ``multi_turn``, whose trajectories pause inside a
+turn or between turns and keep their environment (``partial_turns``); and a function of one request
+per sample that says each sample's token limit (``lengths(step, group, samples) -> list[int]``, as
 ``testing.long_tail.LongTailRollout`` does).
 """
 
@@ -26,14 +27,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from . import env_errors
 from .config import RolloutConfig, SamplingConfig
 from .engine.early_stop import StopRule
 from .engine.handles import EngineHandle
 from .generate_client import GenerateClient, Generated
 from .partial import OpenGroup, OpenGroups, OpenSample, StaleCounts
-from .rollout_fns import PromptGroup, RolloutFn
+from .partial_turns import run_turns
+from .rollout_fns import ContextCall, ContextTools, PromptGroup, RolloutFn
 from .runner import ClientSeeds, RolloutRun
-from .trajectory import Trajectory, TrajectoryBuilder
+from .trajectory import Trajectory
 from .weight_versions import versions_held
 
 __all__ = ["PartialRollout", "PartialStep", "dp_multiple", "run_requests", "sample_limits"]
@@ -44,15 +47,15 @@ Limits = Callable[[int, int, int], list[int]]
 def sample_limits(fn: RolloutFn, fn_name: str, config: RolloutConfig) -> Limits:
     """Each new sample's token limit, ``(step, group, samples) -> limits``; a rollout function that
     cannot be paused is refused, named."""
-    if fn_name == "single_turn":
-        limit = config.sampling.max_new_tokens
+    if fn_name in ("single_turn", "multi_turn"):
+        limit = config.train_response_limit  # a multi-turn trajectory's: multi_turn.max_response_tokens
         return lambda step, group, samples: [limit] * samples
     lengths = getattr(fn, "lengths", None)
     if not callable(lengths):
         raise ValueError(
             f"rollout.partial.enabled: rollout function {fn_name!r} cannot be paused; use "
-            "rollout_function=single_turn, or give the function a lengths(step, group, samples) method "
-            "(one request per sample, as ppo_rollout.testing.long_tail.LongTailRollout)"
+            "rollout_function=single_turn or multi_turn, or give the function a lengths(step, group, "
+            "samples) method (one request per sample, as ppo_rollout.testing.long_tail.LongTailRollout)"
         )
     return lambda step, group, samples: [int(n) for n in lengths(step, group, samples)]
 
@@ -71,13 +74,18 @@ class PartialStep:
 class PartialRollout:
     """The open groups of a run and how a step generates for them."""
 
-    def __init__(self, config: RolloutConfig, limits: Limits, multiple: int) -> None:
+    def __init__(
+        self, config: RolloutConfig, limits: Limits, multiple: int, turns: ContextTools | None = None
+    ) -> None:
         self.config = config
         self.settings = config.partial
         self.limits = limits
         self.multiple = multiple  # trained groups per step: a multiple of the data-parallel sizes
-        self.rule = StopRule(self.settings.finish_fraction, self.settings.token_budget)
+        s = self.settings
+        self.rule = StopRule(s.finish_fraction, s.token_budget, s.chunk_tokens)
         self.open = OpenGroups()
+        self.turns = turns  # multi_turn's context tools (None: one request per sample)
+        self.replays_restarted = 0  # this step's samples restarted after their environment's replay
 
     def generate(self, step: int, new: Sequence[PromptGroup], engines: Sequence[EngineHandle]) -> PartialStep:
         """Step ``step``: ``new`` joins the open groups, generation until the budget, the complete
@@ -85,6 +93,7 @@ class PartialRollout:
         cfg, s = self.config, self.settings
         t0 = time.perf_counter()
         rounds: list[tuple[RolloutRun, int]] = []
+        self.replays_restarted = 0
         with versions_held(engines, cfg.timeout_s, step) as versions:
             current = min(versions)
             stale = self.open.enforce_staleness(current, s.max_staleness, s.on_stale)
@@ -98,6 +107,9 @@ class PartialRollout:
                 rounds.append(self._round(step, len(rounds), engines, versions))
         taken = self.open.take_complete(self.multiple)
         groups, trajectories = _trained(taken, current)
+        if self.turns is not None and self.turns.limits.on_env_error == "zero":
+            bound, name = self.turns.limits.max_env_error_share, self.turns.environment.name
+            env_errors.check_share(trajectories, step, name, bound)
         run = _combined([r for r, _ in rounds], trajectories, time.perf_counter() - t0)
         metrics = self._metrics(taken, current, stale, rounds)
         return PartialStep(groups, trajectories, run, metrics)
@@ -106,6 +118,8 @@ class PartialRollout:
         self, step: int, round_: int, engines: Sequence[EngineHandle], versions: Sequence[int]
     ) -> tuple[RolloutRun, int]:
         """One generation over every unfinished sample; returns its run and the tokens it made."""
+        if self.turns is not None:
+            return self._turn_round(step, round_, engines, versions)
         todo = self.open.unfinished()
         requests = []
         for g, k in todo:
@@ -121,6 +135,25 @@ class PartialRollout:
             )
         return run, sum(len(o.token_ids) for o in outputs)
 
+    def _turn_round(
+        self, step: int, round_: int, engines: Sequence[EngineHandle], versions: Sequence[int]
+    ) -> tuple[RolloutRun, int]:
+        """One round of turns over every unfinished multi-turn sample (``partial_turns``)."""
+        assert self.turns is not None
+        todo = self.open.unfinished()
+        work = []
+        for g, k in todo:
+            group = self.open.groups[g]
+            prompt = PromptGroup(g, group.row, group.prompt_text, group.prompt_ids, len(group.samples))
+            work.append((prompt, k, group.samples[k]))
+        call = ContextCall(self.config.sampling, tuple(versions), step)
+        seeds = ClientSeeds(self.config.seed, step, 0 if round_ == 0 else 2 + round_)
+        samples, run, tally = run_turns(engines, work, self.turns, call, self.config, seeds)
+        self.replays_restarted += tally.replays_restarted
+        for where, sample in zip(todo, samples, strict=True):
+            self.open.record(where, sample)
+        return run, sum(tally.tokens.values())
+
     def _metrics(
         self,
         taken: Sequence[OpenGroup],
@@ -132,11 +165,13 @@ class PartialRollout:
         for group in taken:
             for sample in group.samples:
                 for piece in sample.pieces:
-                    ages[min(current - piece.version, 2)] += len(piece.token_ids)
+                    if not piece.observation:
+                        ages[min(current - piece.version, 2)] += len(piece.token_ids)
         total = max(sum(ages), 1)
         unfinished = self.open.unfinished()
         waiting = sum(len(g.samples) for g in self.open.groups) - len(unfinished)
-        return {
+        replays = {"rollout/partial/replay_restarts": float(self.replays_restarted)} if self.turns else {}
+        return replays | {
             "rollout/partial/trained_groups": float(len(taken)),
             "rollout/partial/open_groups": float(len(self.open.groups)),
             "rollout/partial/paused_samples": float(len(unfinished)),
@@ -160,17 +195,12 @@ class PartialRollout:
 
 
 def _trained(taken: Sequence[OpenGroup], current: int) -> tuple[list[PromptGroup], list[Trajectory]]:
-    """The complete groups as the step's prompt groups and trajectories (one turn per sample, whose
-    weight version is its oldest token's)."""
+    """The complete groups as the step's prompt groups and trajectories (each turn's weight version
+    its oldest token's: ``OpenSample.trajectory``)."""
     groups, trajectories = [], []
     for i, g in enumerate(taken):
         groups.append(PromptGroup(i, g.row, g.prompt_text, g.prompt_ids, len(g.samples)))
-        for sample in g.samples:
-            builder = TrajectoryBuilder(i, g.prompt_ids)
-            oldest = sample.oldest
-            builder.add_turn(sample.token_ids, sample.log_probs, current if oldest is None else oldest)
-            reason = sample.finish_reason or "stop"
-            trajectories.append(builder.build("length" if reason == "length" else "done", reason))
+        trajectories += [sample.trajectory(i, g.prompt_ids, current) for sample in g.samples]
     return groups, trajectories
 
 

@@ -8,6 +8,6 @@ else is imported from its module: ``ppo_trainer.group.TrainGroup``, ``ppo_traine
 
 from ppo_trainer.config import AlgorithmConfig, TrainerConfig, TrainSettings
 
-__version__ = "0.5.1"
+__version__ = "0.6.0"
 
 __all__ = ["AlgorithmConfig", "TrainSettings", "TrainerConfig", "__version__"]

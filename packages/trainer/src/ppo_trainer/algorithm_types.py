@@ -17,6 +17,7 @@ LossAggregation = Literal[
 GaeUnit = Literal["token", "turn"]
 CorrectionLevel = Literal["none", "token", "sequence", "geometric"]
 WeightBound = Literal["truncate", "clip", "none"]
+OffPolicyReturns = Literal["none", "vtrace"]
 
 
 class AdvantageSettings(Protocol):
@@ -41,6 +42,15 @@ class AdvantageSettings(Protocol):
     @property
     def norm_adv_by_std_in_grpo(self) -> bool: ...
 
+    @property
+    def off_policy_returns(self) -> OffPolicyReturns: ...
+
+    @property
+    def vtrace_rho_bar(self) -> float: ...
+
+    @property
+    def vtrace_c_bar(self) -> float: ...
+
 
 __all__ = [
     "AdvantageSettings",
@@ -48,5 +58,6 @@ __all__ = [
     "GaeUnit",
     "KLEstimator",
     "LossAggregation",
+    "OffPolicyReturns",
     "WeightBound",
 ]

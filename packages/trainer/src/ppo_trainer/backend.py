@@ -346,10 +346,13 @@ class TorchTrainer:
         """``objective.token_rewards``: outcome rewards minus ``kl_coef`` times the reference KL."""
         return objective.token_rewards(self, samples)
 
-    def train_critic(self, samples: Samples) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
-        """``objective.train_critic``: ``(metrics, old_values, token_rewards)``."""
+    def train_critic(
+        self, samples: Samples, policy_log_probs: torch.Tensor | None = None
+    ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """``objective.train_critic``: ``(metrics, old_values, token_rewards)``; ``policy_log_probs``: the
+        actor's, for ``off_policy_returns: vtrace``."""
         self._require_even_split(samples)
-        return objective.train_critic(self, samples)
+        return objective.train_critic(self, samples, policy_log_probs)
 
     def train_actor(
         self, samples: Samples, values: torch.Tensor | None, rewards: torch.Tensor | None = None

@@ -169,7 +169,9 @@ class TrainerBackend(Protocol):
 
     def token_rewards(self, samples: Samples) -> tuple[torch.Tensor, dict[str, float]]: ...
 
-    def train_critic(self, samples: Samples) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]: ...
+    def train_critic(
+        self, samples: Samples, policy_log_probs: torch.Tensor | None = None
+    ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]: ...
 
     def train_actor(
         self, samples: Samples, values: torch.Tensor | None, rewards: torch.Tensor | None = None

@@ -27,6 +27,7 @@ from ppo_trainer.algorithm_types import (
     GaeUnit,
     KLEstimator,
     LossAggregation,
+    OffPolicyReturns,
     WeightBound,
 )
 
@@ -220,6 +221,22 @@ class AlgorithmConfig:
         description="importance weights and rejection for the engine-trainer mismatch (RolloutCorrection); "
         "train.async=one_step_off needs a weight (or tis_cap)",
     )
+    off_policy_returns: OffPolicyReturns = Field(
+        default="none",
+        description="none: the critic's targets and the advantages as the estimator computes them (GAE for "
+        "ppo), as if the current policy drew every token; vtrace: V-trace's (IMPALA) for estimators with a "
+        "critic, each token weighted by its ratio rho = pi_old / pi_rollout truncated at vtrace_rho_bar, "
+        "the traces at vtrace_c_bar (the weights are in the advantages: no rollout_correction weight or "
+        "tis_cap with it)",
+    )
+    vtrace_rho_bar: float = Field(
+        default=1.0,
+        gt=0,
+        description="off_policy_returns=vtrace: each TD error and advantage is weighted by min(rho_bar, rho)",
+    )
+    vtrace_c_bar: float = Field(
+        default=1.0, gt=0, description="off_policy_returns=vtrace: the traces are lam * min(c_bar, rho)"
+    )
 
     def __post_init__(self) -> None:
         info = estimators.get(self.estimator)
@@ -274,6 +291,34 @@ class AlgorithmConfig:
                 f"algorithm.tis_cap={self.tis_cap} and algorithm.rollout_correction.weight="
                 f"{self.rollout_correction.weight!r} both set an importance weight; keep one (tis_cap=C is "
                 "rollout_correction: {weight: token, weight_upper: C})"
+            )
+        self._check_off_policy_returns(info)
+
+    def _check_off_policy_returns(self, info: estimators.Estimator) -> None:
+        """V-trace corrects a critic's targets, per token, with the importance weight in the advantage."""
+        if self.off_policy_returns != "vtrace":
+            if (self.vtrace_rho_bar, self.vtrace_c_bar) != (1.0, 1.0):
+                raise ValueError(
+                    "algorithm.vtrace_rho_bar / vtrace_c_bar apply to algorithm.off_policy_returns='vtrace' "
+                    f"(got {self.off_policy_returns!r}); remove them or set off_policy_returns=vtrace"
+                )
+            return
+        if not info.uses_critic:
+            raise ValueError(
+                "algorithm.off_policy_returns='vtrace' corrects a critic's returns and algorithm.estimator="
+                f"{self.estimator!r} has no critic; set algorithm.off_policy_returns=none (the policy "
+                "loss's importance weights, tis_cap, correct it) or algorithm.estimator=ppo"
+            )
+        if self.gae_unit != "token" or self.gae_through_observations:
+            raise ValueError(
+                "algorithm.off_policy_returns='vtrace' steps over the generated tokens; remove "
+                "algorithm.gae_unit / gae_through_observations or set off_policy_returns=none"
+            )
+        if self.correction.weight != "none":
+            raise ValueError(
+                "algorithm.off_policy_returns='vtrace' puts each token's importance weight in its advantage; "
+                "a policy-loss weight (algorithm.tis_cap or rollout_correction.weight) would apply it twice: "
+                "remove it (rollout_correction.reject still works) or set off_policy_returns=none"
             )
 
     @property

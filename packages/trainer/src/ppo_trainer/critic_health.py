@@ -114,13 +114,20 @@ def inputs_of(
 
 
 # ---------------------------------------------------------------------------------- the sums
-def _ev_sums(values: torch.Tensor, returns: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``[_EV]`` sums for one set of token ``weights`` (all float64)."""
+def _grouped_ev_sums(
+    values: torch.Tensor, returns: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, turns: torch.Tensor
+) -> torch.Tensor:
+    """``[(1 + POSITION_BUCKETS + MAX_TURNS) * _EV]``: the ``_EV`` sums of the whole step, then of each
+    position bucket (``pos``), then of each turn (``turns``, already clamped), all float64.
+
+    One pass over the tokens: each token's row of ``_EV`` terms is added into its (position, turn) cell,
+    and every group's sums are sums of cells (a token lies in exactly one cell)."""
     d = returns - values
-    w = weights
-    return torch.stack(
-        [w.sum(), (w * returns).sum(), (w * returns**2).sum(), (w * d).sum(), (w * d**2).sum()]
-    )
+    rows = torch.stack([w, w * returns, w * returns**2, w * d, w * d**2], dim=-1).reshape(-1, _EV)
+    cell = (pos * MAX_TURNS + turns).reshape(-1)
+    cells = torch.zeros(POSITION_BUCKETS * MAX_TURNS, _EV, dtype=torch.float64).index_add_(0, cell, rows)
+    cells = cells.reshape(POSITION_BUCKETS, MAX_TURNS, _EV)
+    return torch.cat([cells.sum(dim=(0, 1))[None], cells.sum(dim=1), cells.sum(dim=0)]).reshape(-1)
 
 
 def positions(response_mask: torch.Tensor) -> torch.Tensor:
@@ -187,9 +194,7 @@ def local_sums(inputs: HealthInputs, value_range: tuple[float, float]) -> torch.
     w = inputs.loss_mask.to(torch.float64)
     pos = positions(inputs.response_mask)
     turns = inputs.turn_ids.clamp(max=MAX_TURNS - 1)
-    parts = [_ev_sums(v, r, w)]
-    parts += [_ev_sums(v, r, w * (pos == b)) for b in range(POSITION_BUCKETS)]
-    parts += [_ev_sums(v, r, w * (turns == t)) for t in range(MAX_TURNS)]
+    parts = [_grouped_ev_sums(v, r, w, pos, turns)]
     scores = inputs.scores.to(torch.float64)
     parts.append(_first_sums(v, inputs.response_mask.to(torch.float64), scores))
     parts.append(_histogram(v, r, w, *value_range).reshape(-1))

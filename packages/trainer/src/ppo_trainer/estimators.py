@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ppo_trainer.algorithm_types import AdvantageSettings, GaeUnit
+from ppo_trainer.algorithm_types import AdvantageSettings, GaeUnit, OffPolicyReturns
 
 if TYPE_CHECKING:
     import torch
@@ -32,12 +32,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class AdvantageInputs:
     """What an estimator may read: the settings, the samples, and with a critic its token rewards
-    (the critic's, KL-shaped) and values, ``[N, R_max]`` each."""
+    (the critic's, KL-shaped) and values, and the trainer's log-probs of the tokens before the update
+    (``off_policy_returns: vtrace``'s target policy), ``[N, R_max]`` each."""
 
     alg: AdvantageSettings
     samples: Samples
     rewards: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
 
 
 AdvantageFn = Callable[[AdvantageInputs], "torch.Tensor"]
@@ -85,12 +87,37 @@ def gae(
     return pm.compute_gae(rewards, values, mask, alg.gamma, alg.lam)
 
 
+def advantages_and_returns(
+    alg: AdvantageSettings,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    samples: Samples,
+    log_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The advantages and the critic's targets, ``[N, R_max]`` each: :func:`gae`'s, or with
+    ``off_policy_returns: vtrace`` V-trace's (``ppo_trainer.vtrace``) with the ratios of ``log_probs``
+    (the trainer's, before the update) to the rollout's log-probs."""
+    if alg.off_policy_returns != "vtrace":
+        return gae(alg, rewards, values, samples)
+    if log_probs is None:
+        raise ValueError(
+            f"algorithm.off_policy_returns={alg.off_policy_returns!r} needs the trainer's log-probs of the "
+            "tokens (the actor's, before its update) for the importance ratios"
+        )
+    from ppo_trainer.vtrace import vtrace_returns
+
+    log_rhos = log_probs - samples.rollout_log_probs
+    return vtrace_returns(alg, rewards, values, log_rhos, samples.loss_mask)
+
+
 def _gae_advantages(inputs: AdvantageInputs) -> torch.Tensor:
     if inputs.values is None or inputs.rewards is None:
         raise ValueError(
             f"estimator={inputs.alg.estimator!r} runs GAE: it needs the critic's values and token rewards"
         )
-    advantages, _ = gae(inputs.alg, inputs.rewards, inputs.values, inputs.samples)
+    advantages, _ = advantages_and_returns(
+        inputs.alg, inputs.rewards, inputs.values, inputs.samples, inputs.log_probs
+    )
     return advantages
 
 
@@ -180,6 +207,9 @@ class _InRewardUnits:
     gae_unit: GaeUnit = "token"
     gae_through_observations: bool = False
     norm_adv_by_std_in_grpo: bool = False
+    off_policy_returns: OffPolicyReturns = "none"
+    vtrace_rho_bar: float = 1.0
+    vtrace_c_bar: float = 1.0
 
 
 def baseline_advantages(samples: Samples, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -208,6 +238,7 @@ __all__ = [
     "ESTIMATORS",
     "AdvantageInputs",
     "Estimator",
+    "advantages_and_returns",
     "baseline_advantages",
     "gae",
     "get",

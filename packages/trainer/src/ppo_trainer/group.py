@@ -193,6 +193,8 @@ class TrainGroup:
 
         The actor (``ppo``) needs ``values``: one ``Pieces`` per rank, from
         ``ppo_value_transport.pair_values(critic_result.values, critic_sample_ids, actor_sample_ids)``.
+        The critic with ``off_policy_returns: vtrace`` needs the actor's log-probs there instead:
+        ``pair_values(actor.policy_log_probs(actor_batches), actor_sample_ids, critic_sample_ids)``.
         """
         per_rank_values: list[Pieces | None] = (
             list(route(values, self.world_size)) if values is not None else [None] * self.world_size
@@ -225,6 +227,11 @@ class TrainGroup:
     def compute_log_probs(self, batches: Sequence[Box]) -> list[Box]:
         """The actor's log-probs of the response tokens, one Box per rank."""
         return self._get(dispatch(self.workers, "compute_log_probs", batches), "compute_log_probs")
+
+    def policy_log_probs(self, batches: Sequence[Box]) -> list[Box]:
+        """The actor's log-probs as ``pack_fields`` payloads (field ``policy_log_probs``), one Box per
+        rank: what a critic with ``off_policy_returns: vtrace`` trains on (see :meth:`train`)."""
+        return self._get(dispatch(self.workers, "policy_log_probs", batches), "policy_log_probs")
 
     def sleep(self) -> None:
         self._all("sleep")

@@ -656,9 +656,11 @@ class MegatronTrainer:
         rewards, metrics = objective.token_rewards(self, pooled)
         return rewards[rows, :width], metrics
 
-    def train_critic(self, samples: Samples) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
-        pooled, _, rows, width = self._pool(samples)
-        metrics, values, rewards = objective.train_critic(self, pooled)
+    def train_critic(
+        self, samples: Samples, policy_log_probs: torch.Tensor | None = None
+    ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        pooled, (pl,), rows, width = self._pool(samples, policy_log_probs)
+        metrics, values, rewards = objective.train_critic(self, pooled, pl)
         return metrics, values[rows, :width], rewards[rows, :width]
 
     def train_actor(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ppo_trainer import critic_health, estimators, micro_batches, packing
+from ppo_trainer import critic_health, estimators, micro_batches, packing, vtrace
 from ppo_trainer import ppo_math as pm
 from ppo_trainer.backend_protocol import Batch, DataParallel, Forward, ModelBackend
 from ppo_trainer.batch import Samples, collate, split_even, to_device
@@ -127,9 +127,11 @@ def token_rewards(backend: ModelBackend, samples: Samples) -> tuple[torch.Tensor
 
 # ---------------------------------------------------------------------------------- the critic
 def train_critic(
-    backend: ModelBackend, samples: Samples
+    backend: ModelBackend, samples: Samples, policy_log_probs: torch.Tensor | None = None
 ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
-    """Token rewards, values (before the update), GAE returns, value-loss steps.
+    """Token rewards, values (before the update), GAE returns (V-trace's with ``off_policy_returns:
+    vtrace``, over ``policy_log_probs``: the actor's log-probs of the tokens before its update),
+    value-loss steps.
 
     Returns ``(metrics, old_values, token_rewards)``: the actor trains on the same rewards.
     """
@@ -138,7 +140,10 @@ def train_critic(
     alg = backend.config.algorithm
     rewards, reward_metrics = token_rewards(backend, samples)
     old_values = score(backend, samples)
-    advantages, returns = estimators.gae(alg, rewards, old_values, samples)
+    advantages, returns = estimators.advantages_and_returns(
+        alg, rewards, old_values, samples, policy_log_probs
+    )
+    reward_metrics |= off_policy_metrics(backend.dp, alg, samples, policy_log_probs)
     # Before the update: how well the values predict these returns (critic_health.py).
     health = _critic_health(backend, samples, old_values, returns, advantages)
     loss = functools.partial(_critic_micro_loss, backend, old_values, returns)
@@ -211,7 +216,7 @@ def train_actor(
     dp = backend.dp
     old_log_probs = score(backend, samples)
     ref_log_probs = score(backend, samples, reference=True) if backend.has_reference else None
-    advantages, metrics = advantages_of(backend.config.algorithm, dp, samples, values, rewards)
+    advantages, metrics = advantages_of(backend.config.algorithm, dp, samples, values, rewards, old_log_probs)
     metrics |= _policy_drift(backend, samples, old_log_probs, ref_log_probs)
     metrics |= mismatch_metrics(dp, backend.config.algorithm, samples, old_log_probs)
     tis_weight, trained, tis_metrics = rollout_correction(backend, samples, old_log_probs)
@@ -226,10 +231,12 @@ def advantages_of(
     samples: Samples,
     values: torch.Tensor | None,
     rewards: torch.Tensor | None,
+    log_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The actor's advantages ``[N, R_max]`` by ``alg.estimator`` (``ppo_trainer.estimators``: GAE over
     the critic's values and token rewards, or an outcome estimator over the samples' scores), whitened
-    when ``alg.whiten_advantages``; their metrics."""
+    when ``alg.whiten_advantages``; their metrics. ``log_probs``: the actor's before its update, the
+    target policy of ``off_policy_returns: vtrace``."""
     metrics: dict[str, float] = {}
     estimator = alg.estimator_info
     if estimator.uses_critic:
@@ -243,12 +250,26 @@ def advantages_of(
                 )
             rewards = pm.token_rewards(samples.reward, samples.loss_mask, turn_rewards=samples.turn_rewards)
         metrics["token_reward_sum_mean"] = sample_mean(dp, (rewards * samples.loss_mask).sum(1))
-    advantages = estimator.advantages(estimators.AdvantageInputs(alg, samples, rewards, values))
+        metrics |= off_policy_metrics(dp, alg, samples, log_probs)
+    advantages = estimator.advantages(estimators.AdvantageInputs(alg, samples, rewards, values, log_probs))
     metrics["advantages_mean"] = masked_global_mean(dp, advantages, samples.loss_mask)
     # Group-normalised advantages are not whitened again (AlgorithmConfig.whiten_advantages).
     if alg.whiten_advantages:
         advantages = pm.whiten(advantages, samples.loss_mask, dp.all_reduce)
     return advantages, metrics
+
+
+def off_policy_metrics(
+    dp: DataParallel, alg: AlgorithmConfig, samples: Samples, log_probs: torch.Tensor | None
+) -> dict[str, float]:
+    """``off_policy_returns: vtrace``: its importance weights' ``vtrace_*`` metrics
+    (``vtrace.weight_metrics``); none otherwise."""
+    if alg.off_policy_returns != "vtrace" or log_probs is None:
+        return {}
+    log_rhos = log_probs - samples.rollout_log_probs
+    return vtrace.weight_metrics(
+        dp, log_rhos, samples.loss_mask, rho_bar=alg.vtrace_rho_bar, c_bar=alg.vtrace_c_bar, lam=alg.lam
+    )
 
 
 def _policy_drift(

@@ -14,17 +14,38 @@ mu(a_t)`` (the target policy over the behaviour policy that drew the token)::
 ``vtrace.from_importance_weights`` (commit e331dc3140e5ef53e62ac753f56539db4c4430eb), whose traces are
 ``min(1, rho)``; ``c_bar`` and ``lam`` (the paper's remark on lambda) generalise them, and
 ``tests/test_vtrace.py`` checks the two agree on fixed inputs.
+
+The trainer runs it with ``algorithm.off_policy_returns: vtrace`` (``estimators.advantages_and_returns``):
+``pi`` is the actor's policy before the step's update (its log-probs computed at training time), ``mu``
+the engine's log-probs stored with each token (``rollout_log_probs``, older weights' under partial
+rollouts), ``V`` the critic's values computed at training time, ``gamma`` and ``lam`` the algorithm's.
+:func:`weight_metrics` describes the weights (``vtrace_*`` metrics of both roles).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from ppo_trainer.ppo_math import LOG_RATIO_CLAMP, masked
+from ppo_trainer.algorithm_types import AdvantageSettings
+from ppo_trainer.ppo_math import LOG_RATIO_CLAMP, masked, masked_sum
 
-__all__ = ["VTrace", "compute_vtrace"]
+__all__ = ["Ranks", "VTrace", "compute_vtrace", "vtrace_returns", "weight_metrics"]
+
+
+class Ranks(Protocol):
+    """Where this rank sits among the data-parallel ranks and how to sum over them
+    (``backend_protocol.DataParallel`` is one)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -76,3 +97,60 @@ def compute_vtrace(
         next_vs = torch.where(keep, v_t, next_vs)
         next_value = torch.where(keep, values[:, t], next_value)
     return VTrace(masked(vs, mask), masked(advantages, mask), masked(clipped, mask))
+
+
+def vtrace_returns(
+    alg: AdvantageSettings,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    log_rhos: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` as ``estimators.gae`` gives them: V-trace's ``pg_advantages`` and
+    ``vs`` at the settings' ``gamma``, ``lam``, ``vtrace_rho_bar`` and ``vtrace_c_bar``."""
+    out = compute_vtrace(
+        rewards,
+        values,
+        log_rhos,
+        mask,
+        gamma=alg.gamma,
+        lam=alg.lam,
+        rho_bar=alg.vtrace_rho_bar,
+        c_bar=alg.vtrace_c_bar,
+    )
+    return out.pg_advantages, out.vs
+
+
+def weight_metrics(
+    dp: Ranks, log_rhos: torch.Tensor, mask: torch.Tensor, *, rho_bar: float, c_bar: float, lam: float
+) -> dict[str, float]:
+    """The importance weights over the ``mask`` tokens of every rank: ``vtrace_rho_mean`` and
+    ``vtrace_rho_max`` (``rho = pi / mu`` before truncation), ``vtrace_rho_clipped_fraction`` (share of
+    tokens with ``rho > rho_bar``), ``vtrace_c_mean`` and ``vtrace_c_max`` (the traces
+    ``lam * min(c_bar, rho)`` as used) and ``vtrace_c_clipped_fraction`` (``rho > c_bar``)."""
+    mask = mask.float()
+    rhos = torch.exp(log_rhos.float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    traces = lam * rhos.clamp(max=c_bar)
+    sums = torch.stack(
+        [
+            masked_sum(rhos, mask),
+            masked_sum((rhos > rho_bar).float(), mask),
+            masked_sum(traces, mask),
+            masked_sum((rhos > c_bar).float(), mask),
+            mask.sum(),
+        ]
+    )
+    # Each rank's maxima in its own slots: the sum over ranks then holds every rank's.
+    slots = torch.zeros(dp.world_size, 2)
+    if mask.any():
+        slots[dp.rank] = torch.stack([masked(rhos, mask).max(), masked(traces, mask).max()])
+    sums, slots = dp.all_reduce(sums), dp.all_reduce(slots)
+    n = sums[4].clamp(min=1.0)
+    return {
+        "vtrace_rho_mean": float(sums[0] / n),
+        "vtrace_rho_max": float(slots[:, 0].max()),
+        "vtrace_rho_clipped_fraction": float(sums[1] / n),
+        "vtrace_c_mean": float(sums[2] / n),
+        "vtrace_c_max": float(slots[:, 1].max()),
+        "vtrace_c_clipped_fraction": float(sums[3] / n),
+    }

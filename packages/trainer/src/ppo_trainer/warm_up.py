@@ -67,7 +67,8 @@ def warm_up(trainer: TrainerBackend, samples: Samples, *, uses_critic: bool) -> 
     with _undone(trainer):
         trainer.set_step(1)
         if trainer.config.role == "critic":
-            trainer.train_critic(samples)
+            # off_policy_returns=vtrace: the rollout's log-probs stand in for the actor's (ratios of 1).
+            trainer.train_critic(samples, samples.rollout_log_probs)
         else:
             zeros = torch.zeros(len(samples), samples.max_response)
             trainer.train_actor(samples, zeros if uses_critic else None, zeros if uses_critic else None)

@@ -345,17 +345,18 @@ class TrainWorker:
         """One PPO update on this rank's batch.
 
         Critic: returns ``(metrics, Box)``, the Box holding per sample (``pack_fields``) its pre-update
-        ``values`` and the step's ``token_rewards`` (KL-shaped when ``kl_coef > 0``). Actor with an
-        estimator that ``uses_critic``: ``external`` is this rank's share of those payloads
-        (``ppo_value_transport.pair_values``), in this rank's sample order.
+        ``values`` and the step's ``token_rewards`` (KL-shaped when ``kl_coef > 0``); with
+        ``off_policy_returns: vtrace``, ``external`` is this rank's share of the actor's
+        ``policy_log_probs`` payloads. Actor with an estimator that ``uses_critic``: ``external`` is this
+        rank's share of the critic's payloads (``ppo_value_transport.pair_values``), in this rank's
+        sample order.
         """
         trainer = self.trainer
         self._last_step = step
         lr = trainer.set_step(step)
         if self.role == "critic":
-            if external is not None:
-                raise ValueError(f"critic rank {self.rank} got values to train on; values go to the actor")
-            metrics, values, rewards = trainer.train_critic(samples)
+            policy = self._policy_log_probs(samples, external)
+            metrics, values, rewards = trainer.train_critic(samples, policy)
             # The handoff's first half (the driver's step budget): the values into the object store.
             t0 = time.perf_counter()
             box = pack_fields({"values": samples.unpad(values), "token_rewards": samples.unpad(rewards)})
@@ -391,6 +392,25 @@ class TrainWorker:
             samples.pad_values(fields["token_rewards"], what=f"{what} token rewards"),
         )
 
+    def _policy_log_probs(self, samples: Samples, external: Pieces | None) -> torch.Tensor | None:
+        """The critic's V-trace target policy: the actor's log-probs of this rank's samples, padded
+        ``[N, R_max]`` (``off_policy_returns: vtrace``; None otherwise, and nothing may come)."""
+        if self.config.algorithm.off_policy_returns != "vtrace":
+            if external is not None:
+                raise ValueError(f"critic rank {self.rank} got values to train on; values go to the actor")
+            return None
+        if not isinstance(external, Pieces):
+            raise ValueError(
+                f"critic rank {self.rank}: algorithm.off_policy_returns=vtrace needs the actor's log-probs "
+                "as Pieces (ppo_value_transport.pair_values of the actor's policy_log_probs payloads), "
+                f"got {type(external).__name__}"
+            )
+        fields = unpack_pieces(external, timeout_s=self.timeout_s)
+        if "policy_log_probs" not in fields:
+            raise ValueError(f"critic rank {self.rank}: the actor's payload lacks field 'policy_log_probs'")
+        what = f"critic rank {self.rank}: the actor's log-probs"
+        return samples.pad_values(fields["policy_log_probs"], what=what)
+
     def critic_outputs(self, batch_box: Box, external: Pieces | None) -> Box:
         """What ``train`` would train this actor rank on: ``pack_fields`` of the critic's values and
         token rewards per sample, in this rank's order (the same code path; for checks and tests)."""
@@ -415,6 +435,15 @@ class TrainWorker:
         self._require_awake("compute_log_probs()")
         samples = Samples.from_fields(unpack_fields(batch_box))
         return pack(samples.unpad(self.trainer.compute_log_probs(samples)))
+
+    def policy_log_probs(self, batch_box: Box) -> Box:
+        """``compute_log_probs`` as ``pack_fields({"policy_log_probs": ...})``: what a critic with
+        ``off_policy_returns: vtrace`` takes (through ``ppo_value_transport.pair_values``)."""
+        if self.role != "actor":
+            raise RuntimeError("policy_log_probs() is the actor's")
+        self._require_awake("policy_log_probs()")
+        samples = Samples.from_fields(unpack_fields(batch_box))
+        return pack_fields({"policy_log_probs": samples.unpad(self.trainer.compute_log_probs(samples))})
 
     def warm_up(self, samples: int, prompt_tokens: int, response_tokens: int) -> dict[str, float]:
         """The role's train phase once on a dummy batch of ``samples`` samples of ``prompt_tokens`` +

@@ -16,6 +16,7 @@ from ..stops import RequestStop
 from .builtin import BuiltinEngineActor
 from .core import GenerationOutput
 from .early_stop import EarlyStop
+from .server_chunks import generate_in_chunks
 from .server_process import ServerProcess
 from .sglang import SGLangClient, SGLangServer, SGLangServerSpec
 
@@ -58,8 +59,9 @@ class EngineHandle(Protocol):
     ) -> Waiter:
         """``max_new_tokens``: one limit per prompt in place of ``sampling.max_new_tokens``; ``stop``:
         one :class:`~ppo_rollout.stops.RequestStop` per prompt (the built-in engine matches its token
-        sequences, SGLang its strings); ``until``: the call may end early, its unfinished samples
-        paused (``early_stop``; the built-in engine only)."""
+        sequences, SGLang and vLLM its strings); ``until``: the call may end early, its unfinished
+        samples paused (``early_stop``; a server engine generates such a call in chunks,
+        ``server_chunks``)."""
         ...
 
     def endpoint(self) -> EngineEndpoint: ...
@@ -286,8 +288,19 @@ class ServerEngineHandle(Generic[C]):
         stop: Sequence[RequestStop] | None = None,
         until: EarlyStop | None = None,
     ) -> Waiter:
-        if until is not None:  # rollout.partial refuses engines other than the built-in one at load
-            raise ValueError(f"engine {self.name}: an early stop (rollout.partial) needs the built-in engine")
+        if until is not None:  # rollout.partial: chunks, checked between them (server_chunks)
+            chunked = self._pool.submit(
+                generate_in_chunks,
+                self.client.generate,
+                prompts,
+                sampling,
+                seed,
+                until,
+                max_new_tokens=max_new_tokens,
+                stop=stop,
+                engine=self.name,
+            )
+            return lambda timeout_s: self._result(chunked, timeout_s, "generate")
         strings = None if stop is None else [list(s.strings) for s in stop]
         future = self._pool.submit(
             self.client.generate, prompts, sampling, seed, max_new_tokens=max_new_tokens, stop=strings

@@ -13,18 +13,32 @@ writes is one vLLM 0.32.0 defines (``vllm/engine/arg_utils.py`` ``EngineArgs``,
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ppo_weight_sync
 from ppo_weight_sync.vllm_worker import EXTENSION
 
 from .server_process import ServerProcess
 
-__all__ = ["VLLMError", "VLLMServer", "VLLMServerSpec", "extension_path"]
+__all__ = [
+    "CPU_HEAD_SIZES",
+    "VLLMError",
+    "VLLMServer",
+    "VLLMServerSpec",
+    "check_cpu_head_size",
+    "cpu_head_size_problem",
+    "extension_path",
+]
+
+# The attention head sizes vLLM's CPU attention runs (vLLM 0.32.0, vllm/v1/attention/backends/cpu_attn.py,
+# CPUAttentionBackend.get_supported_head_sizes); any other fails the server's start, after the model loaded.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 class VLLMError(RuntimeError):
@@ -46,6 +60,46 @@ def extension_path() -> Path:
         staged.symlink_to(package, target_is_directory=True)
         staged.replace(link)  # atomic: a server starting meanwhile sees the old link or the new one
     return folder
+
+
+def cpu_head_size_problem(model_config: Mapping[str, Any], where: str) -> str | None:
+    """The one-line refusal of a model (its Hugging Face ``config.json``, parsed) whose attention head
+    size vLLM's CPU attention cannot run; None when it can, or when the config names no head size (or
+    is an MLA model's, whose head vLLM sizes otherwise). The head size is ``head_dim``, else
+    ``hidden_size / num_attention_heads``, of ``text_config`` in a multimodal config: vLLM 0.32.0's
+    reading (``vllm/transformers_utils/model_arch_config_convertor.py``, ``get_head_size``)."""
+    text = model_config.get("text_config")
+    cfg = text if isinstance(text, Mapping) else model_config
+    if "kv_lora_rank" in cfg:
+        return None
+    head, hidden, heads = cfg.get("head_dim"), cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if isinstance(head, int) and head > 0:
+        size, why = head, "head_dim"
+    elif isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        size, why = hidden // heads, f"hidden_size {hidden} / num_attention_heads {heads}"
+    else:
+        return None
+    if size in CPU_HEAD_SIZES:
+        return None
+    return (
+        f"rollout.engine='vllm' on CPU takes attention head sizes {list(CPU_HEAD_SIZES)}; {where} has "
+        f"{size} ({why}): run vLLM on GPUs (placement.device='cuda'), or use rollout.engine='builtin'"
+    )
+
+
+def check_cpu_head_size(model_path: str) -> None:
+    """Refuse, before a CPU server starts, a model folder whose head size vLLM's CPU attention cannot run
+    (:func:`cpu_head_size_problem`; a path without ``config.json``, e.g. a hub id, is left to vLLM)."""
+    config_json = Path(model_path).expanduser() / "config.json"
+    try:
+        parsed = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(parsed, dict):
+        return
+    problem = cpu_head_size_problem(parsed, f"the model at {model_path}")
+    if problem is not None:
+        raise ValueError(problem)
 
 
 @dataclass(frozen=True)
