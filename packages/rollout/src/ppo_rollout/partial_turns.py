@@ -38,7 +38,7 @@ from .loop_watch import LoopWatch
 from .partial import OpenSample, Piece
 from .participant import PARTICIPANT
 from .rollout_fns import ContextCall, ContextTools, PromptGroup, RolloutContext, Turn, cut_at_stop
-from .runner import ClientSeeds, RolloutRun, _rollout_bound
+from .runner import ClientSeeds, RolloutRun, named_within, rollout_bound
 from .trajectory import Status
 
 __all__ = ["TurnRound", "run_turns"]
@@ -88,7 +88,7 @@ def run_turns(
         )
         client.order, client.stop_rule = limits.turn_order, rule
         ctx, tally = RolloutContext(client, tools, call), TurnRound(len(todo), config.partial)
-        bound = _rollout_bound(limits, config.timeout_s)
+        bound = rollout_bound(limits, config.timeout_s)
         started = time.perf_counter()
         try:
             watch = LoopWatch(limits.env_timeout_s, "rollout.multi_turn.env_timeout_s")
@@ -117,15 +117,7 @@ async def _bounded(
 ) -> OpenSample:
     what = f"rollout function multi_turn (rollout.partial) on prompt {group.index}, sample {k}"
     try:
-        return await asyncio.wait_for(_advance(ctx, group, k, sample, tally), bound)
-    except TimeoutError:
-        raise TimeoutError(
-            f"{what}: did not pause or end within {bound:g} s (rollout.multi_turn.rollout_timeout_s)"
-        ) from None
-    except (EnvironmentFailure, env_errors.EnvErrorShare):
-        raise  # they name the environment, the row and the turn
-    except Exception as exc:
-        raise RuntimeError(f"{what}: raised {type(exc).__name__}: {exc}") from exc
+        return await named_within(_advance(ctx, group, k, sample, tally), what, bound, "pause or end")
     finally:
         ctx.client.leave((group.index, k))
 

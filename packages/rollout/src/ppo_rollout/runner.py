@@ -13,7 +13,7 @@ import contextvars
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from . import env_errors
 from .config import MultiTurnSettings
@@ -23,6 +23,8 @@ from .loop_watch import LoopWatch, user_code
 from .participant import PARTICIPANT
 from .rollout_fns import BUILTIN_ROLLOUT_FUNCTIONS, PromptGroup, RolloutContext, RolloutFn
 from .trajectory import Trajectory
+
+T = TypeVar("T")
 
 __all__ = ["RolloutRun", "run_rollout"]
 
@@ -65,7 +67,7 @@ def run_rollout(
         ctx = make_context(client)
         limits = ctx.limits
         client.order = limits.turn_order
-        bound = _rollout_bound(limits, timeout_s)
+        bound = rollout_bound(limits, timeout_s)
         started = time.perf_counter()
         try:
             watch = LoopWatch(limits.env_timeout_s, "rollout.multi_turn.env_timeout_s")
@@ -93,7 +95,7 @@ def run_rollout(
     return asyncio.run(every_group())
 
 
-def _rollout_bound(limits: MultiTurnSettings, timeout_s: float) -> float:
+def rollout_bound(limits: MultiTurnSettings, timeout_s: float) -> float:
     """``rollout_timeout_s``, or what a trajectory of ``max_turns`` full waits could take."""
     if limits.rollout_timeout_s is not None:
         return limits.rollout_timeout_s
@@ -109,17 +111,25 @@ async def _bounded(
     if fn_name not in BUILTIN_ROLLOUT_FUNCTIONS:
         coro = user_code(coro, what)
     try:
+        return await named_within(coro, what, bound, "return")
+    finally:
+        ctx.client.leave((group.index,))
+
+
+async def named_within(coro: Coroutine[Any, Any, T], what: str, bound: float, ending: str) -> T:
+    """``coro`` within ``bound`` seconds (``rollout.multi_turn.rollout_timeout_s``); a timeout or a
+    failure is raised naming ``what``, an environment's own failure as it is (it names the environment,
+    the row and the turn)."""
+    try:
         return await asyncio.wait_for(coro, bound)
     except TimeoutError:
         raise TimeoutError(
-            f"{what}: did not return within {bound:g} s (rollout.multi_turn.rollout_timeout_s)"
+            f"{what}: did not {ending} within {bound:g} s (rollout.multi_turn.rollout_timeout_s)"
         ) from None
     except (EnvironmentFailure, env_errors.EnvErrorShare):
-        raise  # they name the environment, the row and the turn
+        raise
     except Exception as exc:
         raise RuntimeError(f"{what}: raised {type(exc).__name__}: {exc}") from exc
-    finally:
-        ctx.client.leave((group.index,))
 
 
 def _checked(result: object, group: PromptGroup, fn_name: str) -> list[Trajectory]:
