@@ -24,3 +24,12 @@ def test_check_weights_with_sglang_needs_one_gpu_servers_and_merged_updates(tmp_
         load_config(None, adapters)
     with pytest.raises(ConfigError, match="check_rows"):
         load_config(None, [*sglang, "rollout.sglang.check_rows=0"])
+
+
+def test_sglang_refuses_a_float32_model_before_start(tmp_path: Path) -> None:
+    """Seen on SGLang 0.5.17 (one H100): a float32 server dies at start in the CUDA rmsnorm kernel."""
+    sglang = ["rollout.engine=sglang", "placement.device=cuda", f"model.path={tmp_path}"]
+    assert load_config(None, sglang).model.dtype == "auto"
+    assert load_config(None, [*sglang, "model.dtype=bfloat16"]).model.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"SGLang's CUDA rmsnorm takes no float32.*model.dtype=auto"):
+        load_config(None, [*sglang, "model.dtype=float32"])

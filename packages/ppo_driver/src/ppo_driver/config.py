@@ -471,7 +471,7 @@ class RunConfig(_Section):
 
     def _check_model(self) -> None:
         """What the model (the built-in tiny one, or a folder) allows; what the engine and backend need."""
-        p, t, r, o = self.placement, self.train, self.rollout, self.offload
+        p, r, o = self.placement, self.rollout, self.offload
         if self.model.path is None and r.task is None:
             raise ValueError(
                 "model.path is null (the built-in tiny model, whose tokenizer is made for a built-in "
@@ -489,27 +489,7 @@ class RunConfig(_Section):
                 "model lacks; set model.path to a chat model, or rollout.chat_template=false"
             )
         if r.engine == "sglang":
-            adapters = t.lora is not None and t.lora.update == "adapters" and "actor" in t.lora.roles
-            if t.check_weights and (adapters or p.gpus_per_engine > 1):
-                raise ValueError(
-                    "train.check_weights reads an SGLang server's weights back (/get_weights_by_name), "
-                    "whole only from a server of one GPU and merged only without adapter-only updates; "
-                    "set train.check_weights=false, or placement.gpus_per_engine=1 and train.lora.update="
-                    "'merged'"
-                )
-            if adapters and p.colocate and p.gpus_per_engine > 1:
-                raise ValueError(
-                    "train.lora.update='adapters' with SGLang loads the adapters over HTTP, which "
-                    "colocated engines of several GPUs (placement.gpus_per_engine > 1) do not take: "
-                    "set train.lora.update='merged' or placement.gpus_per_engine=1"
-                )
-            if p.device != "cuda":
-                raise ValueError("rollout.engine='sglang' needs placement.device='cuda'")
-            if self.model.path is None:
-                raise ValueError(
-                    "rollout.engine='sglang' needs model.path (a Hugging Face model folder); "
-                    "the built-in tiny model runs on rollout.engine='builtin' only"
-                )
+            self._check_sglang()
         if r.engine == "vllm":
             self._check_vllm()
         if o.backend in ("pinned", "torch_memory_saver") and p.device != "cuda":
@@ -520,6 +500,38 @@ class RunConfig(_Section):
             raise ValueError(
                 "placement.critic='dedicated' with placement.mode='colocate': a colocated run shares "
                 "every device; use placement.critic=shared, or placement.mode=disaggregate"
+            )
+
+    def _check_sglang(self) -> None:
+        """What rollout.engine='sglang' needs: a model folder on CUDA served in a half dtype, and whole
+        merged weights wherever they are read back."""
+        p, t = self.placement, self.train
+        adapters = t.lora is not None and t.lora.update == "adapters" and "actor" in t.lora.roles
+        if t.check_weights and (adapters or p.gpus_per_engine > 1):
+            raise ValueError(
+                "train.check_weights reads an SGLang server's weights back (/get_weights_by_name), "
+                "whole only from a server of one GPU and merged only without adapter-only updates; "
+                "set train.check_weights=false, or placement.gpus_per_engine=1 and train.lora.update="
+                "'merged'"
+            )
+        if adapters and p.colocate and p.gpus_per_engine > 1:
+            raise ValueError(
+                "train.lora.update='adapters' with SGLang loads the adapters over HTTP, which "
+                "colocated engines of several GPUs (placement.gpus_per_engine > 1) do not take: "
+                "set train.lora.update='merged' or placement.gpus_per_engine=1"
+            )
+        if p.device != "cuda":
+            raise ValueError("rollout.engine='sglang' needs placement.device='cuda'")
+        if self.model.path is None:
+            raise ValueError(
+                "rollout.engine='sglang' needs model.path (a Hugging Face model folder); "
+                "the built-in tiny model runs on rollout.engine='builtin' only"
+            )
+        if self.model.dtype == "float32":
+            raise ValueError(
+                "rollout.engine='sglang' serves in model.dtype, and SGLang's CUDA rmsnorm takes no float32 "
+                "(the server dies at start: 'failed to dispatch data type Float'); set model.dtype=auto "
+                "(bfloat16 on cuda) or bfloat16"
             )
 
     def _check_vllm(self) -> None:
