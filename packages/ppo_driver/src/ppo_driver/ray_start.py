@@ -69,12 +69,15 @@ JOIN_TIMEOUT_S = 120.0
 
 def join_cluster(config: RunConfig) -> None:
     """``ray.init(address=ray.address)``, bounded by ``JOIN_TIMEOUT_S``: past it the main thread is
-    interrupted (between Ray's connection attempts) and the join refused in one line."""
-    gave_up = threading.Event()
+    interrupted (between Ray's connection attempts), once a second until it leaves ``ray.init`` (an
+    interrupt that lands inside a handler of Ray's is lost there), and the join refused in one line."""
+    gave_up, left = threading.Event(), threading.Event()
 
     def give_up() -> None:
         gave_up.set()
-        _thread.interrupt_main()
+        while not left.is_set():
+            _thread.interrupt_main()
+            left.wait(1.0)
 
     timer = threading.Timer(JOIN_TIMEOUT_S, give_up)
     timer.daemon = True
@@ -83,9 +86,10 @@ def join_cluster(config: RunConfig) -> None:
     try:
         ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
     except KeyboardInterrupt:
+        left.set()
         if not gave_up.is_set():
             raise  # the user's Ctrl-C
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception, KeyboardInterrupt):  # an interrupt sent as it left
             ray.shutdown()
         raise ConfigError(
             f"invalid config (1 error):\n  - ray.address={config.ray.address!r}: no Ray cluster answered "
@@ -93,6 +97,7 @@ def join_cluster(config: RunConfig) -> None:
             "head node's GCS address (`ray status` on it prints it), or drop --ray-address for a local run"
         ) from None
     finally:
+        left.set()
         timer.cancel()
 
 
