@@ -110,16 +110,23 @@ def test_a_worker_death_prints_no_raylet_notice_and_the_session_folder_goes() ->
 
 _JOIN_NOT_RAY = textwrap.dedent(
     """
-    import socket, threading
+    import faulthandler, socket, threading
     from rich.console import Console
     from ppo_driver import ray_start
     from ppo_driver.config import ConfigError, load_config
 
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang ends with every thread's stack in stderr
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
-    server.listen()
+    server.listen(128)
     port = server.getsockname()[1]
-    threading.Thread(target=lambda: [server.accept() for _ in range(1000)], daemon=True).start()
+    held = []  # every connection accepted and kept open, however many Ray's retries make
+
+    def accept_all():
+        while True:
+            held.append(server.accept())
+
+    threading.Thread(target=accept_all, daemon=True).start()
     ray_start.JOIN_TIMEOUT_S = 3
     try:
         with ray_start.ray_session(load_config(None, [f"ray.address=127.0.0.1:{port}"]), Console()):
