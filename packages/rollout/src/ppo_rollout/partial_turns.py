@@ -23,22 +23,20 @@ from its prompt, counted; a deterministic environment (the built-in ones) contin
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from . import env_errors
 from .config import PartialSettings, RolloutConfig
 from .engine.early_stop import PAUSED, StopRule
 from .environment import Action, EnvironmentFailure, EnvironmentStop
 from .generate_client import BatchGenerator, GenerateClient
-from .loop_watch import LoopWatch
 from .partial import OpenSample, Piece
-from .participant import PARTICIPANT
 from .rollout_fns import ContextCall, ContextTools, PromptGroup, RolloutContext, Turn, cut_at_stop
-from .runner import ClientSeeds, RolloutRun, named_within, rollout_bound
+from .runner import ClientSeeds, RolloutRun, named_within, rollout_bound, run_participants
 from .trajectory import Status
 
 __all__ = ["TurnRound", "run_turns"]
@@ -90,24 +88,11 @@ def run_turns(
         ctx, tally = RolloutContext(client, tools, call), TurnRound(len(todo), config.partial)
         bound = rollout_bound(limits, config.timeout_s)
         started = time.perf_counter()
-        try:
-            watch = LoopWatch(limits.env_timeout_s, "rollout.multi_turn.env_timeout_s")
-            async with watch, asyncio.TaskGroup() as tasks:
-                running = []
-                for group, k, sample in todo:
-                    client.join((group.index, k))
-                    context = contextvars.copy_context()
-                    context.run(PARTICIPANT.set, (group.index, k))
-                    task = _bounded(ctx, group, k, sample, tally, bound)
-                    running.append(tasks.create_task(task, context=context))
-        except BaseExceptionGroup as group_error:
-            await client.drain()  # no engine call of this step may outlive it
-            raise group_error.exceptions[0] from None
-        finally:
-            client.close()
+        calls = [((g.index, k), partial(_bounded, ctx, g, k, sample, tally, bound)) for g, k, sample in todo]
+        samples = await run_participants(client, limits.env_timeout_s, calls)
         seconds = time.perf_counter() - started
         run = RolloutRun([], seconds, client.idle_share(seconds), sum(client.calls))
-        return [task.result() for task in running], run, tally
+        return samples, run, tally
 
     return asyncio.run(every_sample())
 

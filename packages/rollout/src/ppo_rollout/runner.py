@@ -13,6 +13,7 @@ import contextvars
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from . import env_errors
@@ -69,30 +70,43 @@ def run_rollout(
         client.order = limits.turn_order
         bound = rollout_bound(limits, timeout_s)
         started = time.perf_counter()
-        try:
-            watch = LoopWatch(limits.env_timeout_s, "rollout.multi_turn.env_timeout_s")
-            async with watch, asyncio.TaskGroup() as tasks:
-                running: list[asyncio.Task[list[Trajectory]]] = []
-                for group in groups:
-                    client.join((group.index,))
-                    context = contextvars.copy_context()
-                    context.run(PARTICIPANT.set, (group.index,))
-                    call = _bounded(fn, fn_name, ctx, group, bound)
-                    running.append(tasks.create_task(call, context=context))
-        except BaseExceptionGroup as group_error:
-            await client.drain()  # no engine call of this step may outlive it
-            raise group_error.exceptions[0] from None
-        finally:
-            client.close()
+        calls = [((g.index,), partial(_bounded, fn, fn_name, ctx, g, bound)) for g in groups]
+        results = await run_participants(client, limits.env_timeout_s, calls)
         seconds = time.perf_counter() - started
         trajectories: list[Trajectory] = []
-        for group, task in zip(groups, running, strict=True):
-            trajectories.extend(_checked(task.result(), group, fn_name))
+        for group, result in zip(groups, results, strict=True):
+            trajectories.extend(_checked(result, group, fn_name))
         if limits.on_env_error == "zero":
             env_errors.check_share(trajectories, seeds.step, ctx.environment_name, limits.max_env_error_share)
         return RolloutRun(trajectories, seconds, client.idle_share(seconds), sum(client.calls))
 
     return asyncio.run(every_group())
+
+
+async def run_participants(
+    client: GenerateClient,
+    env_timeout_s: float,
+    calls: Sequence[tuple[tuple[int, ...], Callable[[], Coroutine[Any, Any, T]]]],
+) -> list[T]:
+    """Each call as the task of its participant (``client.join(key)``, ``PARTICIPANT`` set to ``key`` in
+    its context), under the environment steps' loop watch; the results in order. The first failure
+    cancels the rest, waits out every engine call of the step (``client.drain``) and is raised as it
+    is; the client is closed either way."""
+    running: list[asyncio.Task[T]] = []
+    try:
+        watch = LoopWatch(env_timeout_s, "rollout.multi_turn.env_timeout_s")
+        async with watch, asyncio.TaskGroup() as tasks:
+            for key, make in calls:
+                client.join(key)
+                context = contextvars.copy_context()
+                context.run(PARTICIPANT.set, key)
+                running.append(tasks.create_task(make(), context=context))
+    except BaseExceptionGroup as group_error:
+        await client.drain()  # no engine call of this step may outlive it
+        raise group_error.exceptions[0] from None
+    finally:
+        client.close()
+    return [task.result() for task in running]
 
 
 def rollout_bound(limits: MultiTurnSettings, timeout_s: float) -> float:
