@@ -328,12 +328,14 @@ def test_validate_takes_a_chat_dataset(
 
 @pytest.mark.timeout(400)
 def test_train_takes_a_chat_dataset(tmp_path: Path, chat_model: Path) -> None:
-    """The run's reader and pre-flight's agree: a list of {role, content} messages trains."""
+    """The run's reader and pre-flight's agree: a list of {role, content} messages trains (GRPO, without
+    a critic: a role process fewer to start, and the critic reads no prompts)."""
     done = run_cli(
         "train",
         "--run-dir",
         str(tmp_path / "run"),
         *_chat_sets(chat_model, tmp_path / "chat.jsonl"),
+        *("--set", "placement.critic=none", "--set", "algorithm.estimator=grpo"),
         cwd=tmp_path,
         timeout=380,
     )

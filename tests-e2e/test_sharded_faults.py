@@ -1,13 +1,20 @@
 """Background checkpoints of FSDP2 roles in whole runs: actor and shared critic sharded over two CPU
 ranks (`train.data_parallel=fsdp2`, `placement.actor_gpus=2`). Their saves are written asleep, the
 shards gathered to rank 0 over each role's save group; a rank killed while the actor's checkpoint is
-being written leaves no COMPLETE checkpoint of that step, and the re-run ends with the weights of an
-uninterrupted run, bit for bit. The run helpers are conftest.py's, shared with test_faults.py.
+being written leaves no COMPLETE checkpoint of that step, the previous one stays, and the re-run
+resumes from it and ends with the weights of an uninterrupted run, bit for bit. The run helpers are
+conftest.py's, shared with test_faults.py.
+
+Three runs, each mostly its start-up: the uninterrupted reference; its folder cut back to what a run
+stopped after step 4's checkpoint leaves, resumed and killed in step 6's background save; the re-run,
+which resumes from step 4 again. (Without the critic, the actor's wake in the next step would come
+before the loop's poll sees the dead rank, and wait 30 s for rank 0, whose writer waits for rank 1.)
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +24,21 @@ from ppo_driver import checkpoint as ck
 
 FSDP2 = ("--set", "train.data_parallel=fsdp2", "--set", "placement.actor_gpus=2")
 CHECKPOINTS = list(range(2, DRILL_STEPS + 1, 2))
+STOPPED_AT = 4  # the reference's folder is cut back to this checkpoint
+
+
+def _stopped_after(reference: Path, run_dir: Path, step: int) -> None:
+    """``run_dir`` as a run of the reference's settings stopped right after step ``step``'s save leaves
+    it: the checkpoints up to it, the metrics up to it, no summary, no exported model."""
+    shutil.copytree(reference, run_dir)
+    for s, folder in ck.complete_checkpoints(run_dir / "checkpoints"):
+        if s > step:
+            shutil.rmtree(folder)
+    shutil.rmtree(run_dir / "model", ignore_errors=True)
+    (run_dir / "summary.json").unlink()
+    metrics = run_dir / "metrics.jsonl"
+    kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
+    metrics.write_text("".join(line + "\n" for line in kept))
 
 
 @pytest.mark.timeout(1800)
@@ -32,12 +54,14 @@ def test_kill_during_a_sharded_background_save_keeps_the_previous_checkpoint(tmp
     metrics = [json.loads(line) for line in (reference.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("time/save_background" in m for m in metrics)
 
-    # Rank 1 dies: rank 0's writer waits for its shards.
+    # Rank 1 dies in step 6's background save: rank 0's writer waits for its shards. Step 4's stays.
     run_dir = tmp_path / "run"
+    _stopped_after(reference.run_dir, run_dir, STOPPED_AT)
     found = kill_during_background_save(run_dir, *FSDP2, rank=1, fault="actor rank ")
+    assert found is not None
+    assert found[0] == STOPPED_AT, found
 
     run = Run(run_dir, *FSDP2)
     assert run.finish() == 0, run.text()
-    if found is not None:
-        assert f"resumed from {found[1]} (step {found[0]})" in run.text()
+    assert f"resumed from {found[1]} (step {STOPPED_AT})" in run.text()
     check_completed_like(run_dir, reference.run_dir, CHECKPOINTS)

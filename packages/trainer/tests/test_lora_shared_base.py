@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,52 +57,56 @@ def _compare(a: dict[str, float], b: dict[str, float]) -> None:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.usefixtures("ray_session")
-def test_the_critic_maps_the_actors_pages(tiny_model: Path) -> None:
+@pytest.fixture(scope="module")
+def shared_pair(tiny_model: Path, ray_session: None) -> Iterator[tuple[TrainGroup, TrainGroup]]:
+    """One sharing actor and critic (their start-up is most of a test's time): the page checks look
+    at them first, untrained, then the training test trains them."""
     actor, critic = _pair(tiny_model, shared=True)
-    try:
-        (handle,) = actor.shared_base_handles()
-        assert handle.path is not None
-        assert os.path.exists(handle.path)
-        (a,), (c,) = actor.shared_base_state(), critic.shared_base_state()
-        # one file, one inode, the same bytes
-        assert a["inode"] == c["inode"] == os.stat(handle.path).st_ino
-        assert a["digest"] == c["digest"]
-        # both read every page now (the digests): proportional set size splits them between the two
-        (a,), (c,) = actor.shared_base_state(), critic.shared_base_state()
-        assert a["base_rss"] == c["base_rss"] >= handle.nbytes
-        assert a["base_pss"] == c["base_pss"] == pytest.approx(a["base_rss"] / 2, rel=0.05)
-        # a byte written through a third mapping (this process) is read by both workers
-        mine = SharedBase.attach(handle)
-        original = int(mine.buffer[0])
-        mine.buffer[0] = (original + 1) % 256
-        changed = mine.digest()
-        assert [s["digest"] for s in (*actor.shared_base_state(), *critic.shared_base_state())] == [
-            changed
-        ] * 2
-        mine.buffer[0] = original
-        del mine
-        # the critic tracks no base bytes: a sleep moves its adapters (17,408 bytes: 4,352 float32),
-        # value head (33 float32) and rotary frequencies (32 float32) only
-        (state,) = critic.memory_state()
-        assert state["weights_bytes"] == 17_408 + 4 * 33 + 4 * 32
-        actor.base_mapped()
-        assert not os.path.exists(handle.path)  # the file goes, the mappings stay
-        (c2,) = critic.shared_base_state()
-        assert c2["inode"] == c["inode"]
-        assert c2["digest"] == a["digest"]
-    finally:
-        critic.shutdown()
-        actor.shutdown()
+    yield actor, critic
+    critic.shutdown()
+    actor.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_the_critic_maps_the_actors_pages(shared_pair: tuple[TrainGroup, TrainGroup]) -> None:
+    actor, critic = shared_pair
+    (handle,) = actor.shared_base_handles()
+    assert handle.path is not None
+    assert os.path.exists(handle.path)
+    (a,), (c,) = actor.shared_base_state(), critic.shared_base_state()
+    # one file, one inode, the same bytes
+    assert a["inode"] == c["inode"] == os.stat(handle.path).st_ino
+    assert a["digest"] == c["digest"]
+    # both read every page now (the digests): proportional set size splits them between the two
+    (a,), (c,) = actor.shared_base_state(), critic.shared_base_state()
+    assert a["base_rss"] == c["base_rss"] >= handle.nbytes
+    assert a["base_pss"] == c["base_pss"] == pytest.approx(a["base_rss"] / 2, rel=0.05)
+    # a byte written through a third mapping (this process) is read by both workers
+    mine = SharedBase.attach(handle)
+    original = int(mine.buffer[0])
+    mine.buffer[0] = (original + 1) % 256
+    changed = mine.digest()
+    assert [s["digest"] for s in (*actor.shared_base_state(), *critic.shared_base_state())] == [changed] * 2
+    mine.buffer[0] = original
+    del mine
+    # the critic tracks no base bytes: a sleep moves its adapters (17,408 bytes: 4,352 float32),
+    # value head (33 float32) and rotary frequencies (32 float32) only
+    (state,) = critic.memory_state()
+    assert state["weights_bytes"] == 17_408 + 4 * 33 + 4 * 32
+    actor.base_mapped()
+    assert not os.path.exists(handle.path)  # the file goes, the mappings stay
+    (c2,) = critic.shared_base_state()
+    assert c2["inode"] == c["inode"]
+    assert c2["digest"] == a["digest"]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.usefixtures("ray_session")
-def test_shared_training_equals_unshared_and_leaves_the_base_alone(tiny_model: Path, tmp_path: Path) -> None:
+def test_shared_training_equals_unshared_and_leaves_the_base_alone(
+    tiny_model: Path, shared_pair: tuple[TrainGroup, TrainGroup], tmp_path: Path
+) -> None:
     results: dict[bool, list[Any]] = {}
     for shared in (False, True):
-        actor, critic = _pair(tiny_model, shared)
+        actor, critic = shared_pair if shared else _pair(tiny_model, shared)
         try:
             if shared:
                 actor.base_mapped()
@@ -122,8 +127,9 @@ def test_shared_training_equals_unshared_and_leaves_the_base_alone(tiny_model: P
                 results[shared].append(_step(actor, critic, 3))
                 results[shared].append(actor.weights_checksum())
         finally:
-            critic.shutdown()
-            actor.shutdown()
+            if not shared:  # the shared pair is the module's
+                critic.shutdown()
+                actor.shutdown()
     for (c0, a0, v0), (c1, a1, v1) in zip(results[False][:2], results[True][:2], strict=True):
         _compare(c0, c1)
         _compare(a0, a1)

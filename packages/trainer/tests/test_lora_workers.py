@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,18 +113,26 @@ def test_a_lora_step_with_offload_and_the_engines_checksum(tiny_model: Path) -> 
         critic.shutdown()
 
 
-def test_a_lora_critics_value_head_is_trained(tiny_model: Path) -> None:
-    critic = _group("critic", tiny_model)
-    try:
-        (state,) = critic.memory_state()
-        # the adapters' tensors and the value head's weight and bias
-        assert state["optimizer_state_entries"] == 2 * 7 * 2 + 2
-    finally:
-        critic.shutdown()
+@pytest.fixture(scope="module")
+def critic(tiny_model: Path, ray_session: None) -> Iterator[TrainGroup]:
+    """The module's LoRA critic (a worker's start is most of a test's time): first looked at untrained,
+    then it gives each engine test's two actors the values of that test's batches (which steps the
+    critic took before does not matter: both actors get the same values)."""
+    group = _group("critic", tiny_model)
+    yield group
+    group.shutdown()
+
+
+def test_a_lora_critics_value_head_is_trained(critic: TrainGroup) -> None:
+    (state,) = critic.memory_state()
+    # the adapters' tensors and the value head's weight and bias
+    assert state["optimizer_state_entries"] == 2 * 7 * 2 + 2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_builtin_engine_merges_adapter_only_updates_from_its_base(tiny_model: Path, dtype: str) -> None:
+def test_the_builtin_engine_merges_adapter_only_updates_from_its_base(
+    tiny_model: Path, critic: TrainGroup, dtype: str
+) -> None:
     """Two actors of one seed train on the same batches; after each step one sends its adapters alone to a
     built-in engine, the other merged weights to another. Both engines then hold the trainers' checksum
     (the adapters' engine merged from its base, not onto its previous merge) and generate the same; in
@@ -133,7 +142,6 @@ def test_the_builtin_engine_merges_adapter_only_updates_from_its_base(tiny_model
     from ppo_rollout.engine import builtin  # a test-only sibling (noxfile's TEST_SIBLINGS)
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    critic = _group("critic", tiny_model)
     actor = _group("actor", tiny_model, "adapters", dtype)
     merged_actor = _group("actor", tiny_model, "merged", dtype)
     options: dict[str, Any] = {"max_concurrency": 4, "num_cpus": 0}
@@ -170,7 +178,7 @@ def test_the_builtin_engine_merges_adapter_only_updates_from_its_base(tiny_model
     finally:
         for handle in (engine, merged):
             ray.kill(handle)
-        for group in (actor, critic, merged_actor):
+        for group in (actor, merged_actor):
             group.shutdown()
 
 
