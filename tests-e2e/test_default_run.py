@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -233,3 +235,32 @@ def test_the_browser_check_sees_a_console_error(default_run: tuple[Path, str], t
     assert any("Uncaught ReferenceError: no_such_function is not defined" in m for m in opened.console), (
         opened.console
     )
+
+
+def test_the_guides_table_reads_a_runs_critic_panel(default_run: tuple[Path, str], tmp_path: Path) -> None:
+    """docs/guide/ppo-or-grpo.md's tables come from `ppo_or_grpo.py table`: on the default run (PPO with
+    a critic) its critic row shows the run's own explained variance at steps 1, 5, 10, 20 and the last,
+    the first step at 0.5 or more, and the means of the last ten steps."""
+    run_dir, _ = default_run
+    folder = tmp_path / "tools"
+    folder.mkdir()
+    (folder / "tools-ppo-s7").symlink_to(run_dir)
+    evals = [[0, 0.25, 10.0], [STEPS, 0.9, 60.0]]
+    report = {"name": "tools-ppo", "seed": 7, "evals": evals, "wall_s": 61.0}
+    (folder / "tool_task.json").write_text(json.dumps([report]))
+    script = Path(__file__).parents[1] / "packages/ppo_driver/benchmarks/ppo_or_grpo.py"
+    done = subprocess.run([sys.executable, str(script), "table", str(folder)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    records = _metrics(run_dir)
+    ev = {r["step"]: r["critic/explained_variance"] for r in records if "critic/explained_variance" in r}
+    first = next((str(s) for s in sorted(ev) if ev[s] >= 0.5), "never")
+    share = statistics.fmean([r["time/critic_share"] for r in records][-10:])
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| tools-ppo |")]
+    assert len(rows) == 2, done.stdout  # the accuracy table's, then the critic panel's
+    row = rows[1]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:6] == [f"{ev[s]:.2f}" if s in ev else "-" for s in (1, 5, 10, 20, max(ev))], row
+    assert cells[6] == first, row
+    assert cells[-1] == f"{share:.2f}", row
+    assert "| tools-ppo | 0.250 (10 s) | 0.900 (60 s) | 61 |" in done.stdout
+    assert "warm-up: one of the two PPO runs is missing" in done.stdout

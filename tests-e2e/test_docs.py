@@ -352,6 +352,17 @@ COMMANDS: dict[str, str] = {
     "uv run ppo-driver train --config configs/2gpu-colocate.yaml --run-dir runs/colocate": (
         "not-run: needs 2 GPUs (benchmarks/gpu_all.sh runs the GPU configs)"
     ),
+    # PPO or GRPO?
+    "python packages/ppo_driver/benchmarks/ppo_or_grpo.py run --model MODEL --task tools --steps 30": (
+        "not-run: five SmolLM2 training runs on a GPU (benchmarks/gpu_round.sh)"
+    ),
+    "python packages/ppo_driver/benchmarks/ppo_or_grpo.py run --model MODEL --task arith --steps 80": (
+        "not-run: five SmolLM2 training runs on a GPU (benchmarks/gpu_round.sh)"
+    ),
+    (
+        "python packages/ppo_driver/benchmarks/ppo_or_grpo.py table runs/ppo_or_grpo/tools "
+        "runs/ppo_or_grpo/arith"
+    ): "test:tests-e2e/test_default_run.py::test_the_guides_table_reads_a_runs_critic_panel",
 }
 
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.M | re.S)
