@@ -21,12 +21,14 @@
 #   wait SECONDS  until no detached job runs, or SECONDS
 #   status        each job: running or its exit status, and its last lines
 #   stop          ends every detached job
-#   collect       /tmp/round/* -> $OUT (logs, tables, metrics; no checkpoints)
+#   collect       /tmp/round -> $OUT/round.tgz (logs, tables, metrics; no checkpoints or models)
 # Step counts: TOOL_STEPS (30), ARITH_STEPS (60), GSM_STEPS (40), BFCL_STEPS (10), GEMMA_STEPS (40).
-# GPU memory: every process of a run holds 2.4-4.4 GB (CUDA context, model, optimizer, cache), so a PPO
-# run takes about 10 GB and a GRPO run about 7; a run that finds the card full fails at start-up. On an
-# 80 GB card start at most two learn groups (six runs) at once, plus one SGLang run or gemma: eighteen
-# runs started together on one H100 left 3 alive (2026-12-07). `status` shows the memory in use.
+# GPU memory: a SmolLM2 run peaks at 20-30 GB (the built-in engine's process about 20 GB while it
+# generates, the actor's or critic's about 17 GB while it trains; they take turns, but three runs' peaks
+# can meet). On an 80 GB card run one learn group (three runs) at a time and nothing beside it: on one
+# H100 (2026-12-07) six runs started together left one alive, and four at once (three PPO and an SGLang
+# run) ran out of memory between steps 11 and 26. A run that finds the card full fails; `status` shows
+# the memory in use. An H200 (139 GB) takes about five.
 # Exits non-zero when a foreground phase fails or `wait` ends with a failed job.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -151,11 +153,9 @@ while [ $# -gt 0 ]; do
         --out "$R/speed/speed.md" --logs "$R/speed/logs" ;;
     wait) wait_jobs "$1"; shift ;;
     status) status ;;
-    collect)
-      mkdir -p "$OUT/round"
-      (cd "$R" && find . -type f \( -name '*.txt' -o -name '*.md' -o -name '*.json' -o -name '*.jsonl' \
-        -o -name '*.log' -o -name '*.csv' -o -name rc \) -size -20M -not -path '*/work/*/checkpoints/*' \
-        -print0 | xargs -0 -r cp --parents -t "$OUT/round") ;;
+    collect)  # one archive: the device tool brings back few files and no deep folders
+      tar czf "$OUT/round.tgz" -C "$R" --exclude='*/checkpoints/*' --exclude='*/tensorboard/*' \
+        --exclude='*/model/*' . && ls -la "$OUT/round.tgz" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
