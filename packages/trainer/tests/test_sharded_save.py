@@ -3,14 +3,16 @@
 The checkpoint of an asleep FSDP2 role is written from each rank's host copies of its shards, gathered
 to rank 0 over the role's save group: the same bytes as the foreground save (which wakes the role and
 gathers with torch.distributed.checkpoint), a bit-identical resume into sharded and replicated ranks,
-and nothing committed when a rank dies mid-save. Shapes are uneven on purpose: a vocabulary of 17
-rows (9 + 8 over two ranks) with tied embeddings in the actor, and the critic's value head of one row
-(rank 1 holds an empty shard).
+and nothing committed when a rank dies mid-save (nor a wait for the living ranks' clean shutdown).
+Shapes are uneven on purpose: a vocabulary of 17 rows (9 + 8 over two ranks) with tied embeddings in
+the actor, and the critic's value head of one row (rank 1 holds an empty shard).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -204,7 +206,9 @@ def test_resume_from_a_sharded_background_save_is_bit_identical_in_either_kind(
     assert one.weights_checksum() == saved
 
 
-def test_a_rank_that_dies_mid_save_leaves_nothing_to_commit(odd_model: Path, tmp_path: Path) -> None:
+def test_a_rank_that_dies_mid_save_leaves_nothing_to_commit_nor_stalls_the_shutdown(
+    odd_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     group = TrainGroup("actor", LocalSlots(2), config(odd_model, "actor"), timeout_s=60)
     try:
         group.sleep()
@@ -221,6 +225,23 @@ def test_a_rank_that_dies_mid_save_leaves_nothing_to_commit(odd_model: Path, tmp
         ray.get(group.workers[0].save_async.remote(str(staging)), timeout=60)
         with pytest.raises(ray.exceptions.RayTaskError, match="unusable since an earlier save"):
             ray.get(group.workers[0].save_wait.remote(), timeout=60)
+
+        # Rank 0's wake waits for rank 1 in the new process group's rendezvous (up to the group's 60 s),
+        # and its shutdown call queues behind it. The group's shutdown sees rank 1's call fail and kills
+        # both at once rather than wait 30 s for rank 0.
+        workers = list(group.workers)
+        blocked = workers[0].wake_up.remote()
+        assert ray.wait([blocked], timeout=1.0)[1] == [blocked]
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="ppo_trainer.group"):
+            group.shutdown()
+        assert time.monotonic() - started < 10
+        assert "actor group: rank 1's shutdown failed" in caplog.text
+        assert "the other ranks were killed without a clean shutdown" in caplog.text
+        for ref in (blocked, *(w.is_asleep.remote() for w in workers)):
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(ref, timeout=30)
+        group.shutdown()  # a second call does nothing
     finally:
         group.shutdown()
 

@@ -342,20 +342,50 @@ class TrainGroup:
         return list(self._all("memory_info"))
 
     def shutdown(self) -> None:
-        """Destroy the process groups and kill the workers; safe to call twice."""
+        """Destroy the process groups and kill the workers; safe to call twice.
+
+        Waits at most ``min(timeout_s, 30)`` s for the ranks' clean shutdown, and not at all for the
+        rest once one rank's fails (its process died, say): the others are then typically stuck in a
+        collective with it, and are killed at once."""
         if not self.workers:
             return
+        workers, self.workers = self.workers, []
         try:
-            gather(
-                [w.shutdown.remote() for w in self.workers],
-                min(self.timeout_s, 30.0),
-                f"{self.role} shutdown",
-            )
-        except Exception as exc:  # the workers are killed below either way
-            log.warning("%s group: clean shutdown failed: %s", self.role, exc)
-        for w in self.workers:
-            ray.kill(w)
-        self.workers = []
+            self._shut_down_cleanly([w.shutdown.remote() for w in workers], min(self.timeout_s, 30.0))
+        finally:
+            for w in workers:
+                ray.kill(w)
+
+    def _shut_down_cleanly(self, refs: list[Any], timeout_s: float) -> None:
+        """Wait for every rank's ``shutdown`` until the first fails or ``timeout_s`` passes; log why
+        the workers are killed without a clean shutdown, if they are."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            left = max(deadline - time.monotonic(), 0.0)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                ranks = [rank for rank, ref in enumerate(refs) if ref in pending]
+                log.warning(
+                    "%s group: clean shutdown failed: ranks %s did not finish within %g s; killed",
+                    self.role,
+                    ranks,
+                    timeout_s,
+                )
+                return
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # a dead rank's ActorDiedError, or its own error
+                    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    log.warning(
+                        "%s group: rank %d's shutdown failed (%s); the other ranks were killed without "
+                        "a clean shutdown (they may be waiting for it in a collective)",
+                        self.role,
+                        refs.index(ref),
+                        reason,
+                    )
+                    return
 
 
 def merge_sync_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
