@@ -16,6 +16,8 @@
 #   learn_bfcl    SmolLM2 BFCL multi-turn base: held-out score at step 0 and after (detached)
 #   gemma         Gemma 3 270M from its parts (gem_part*.whl), imported, arithmetic PPO (detached)
 #   learn_sglang  SmolLM2 tool task through a real SGLang server (detached)
+#   learn_vllm    SmolLM2 tool task through a real vLLM 0.26.0 server (detached; needs the SGLang and the
+#                 vLLM parts: device_env's /tmp/vlsite/python is vLLM's Python)
 #   lora          SGLang adapter-only LoRA updates against the merged model (foreground)
 #   speed         the built-in engine against SGLang, tokens/s (foreground: run it alone)
 #   wait SECONDS  until no detached job runs, or SECONDS
@@ -143,10 +145,15 @@ while [ $# -gt 0 ]; do
     learn_sglang)
       tasks learn_sglang tools-ppo-sglang:1234 "$MODEL" train.steps="${TOOL_STEPS:-30}" rollout.eval_interval=5 \
         rollout.sglang.mem_fraction_static=0.12 ;;
+    learn_vllm)
+      [ -x /tmp/vlsite/python ] || { echo "learn_vllm: no /tmp/vlsite/python (the vl_part_* parts)"; failed=1; continue; }
+      tasks learn_vllm tools-ppo-vllm:1234 "$MODEL" train.steps="${TOOL_STEPS:-30}" rollout.eval_interval=5 \
+        rollout.vllm.python=/tmp/vlsite/python ;;
     lora) foreground lora "$PY" benchmarks/sglang/lora_equal.py --mem-fraction-static 0.1 --logs "$R/lora/logs" ;;
     stop)  # ends every detached job (their folders keep what they wrote)
       pkill -f benchmarks/tool_task.py; pkill -f "ppo_driver train"; pkill -f partial_rollouts.py; sleep 5
-      pkill -9 -f raylet; pkill -9 -f gcs_server; pkill -9 -f "ray::"; pkill -9 -f sglang.launch_server; sleep 2
+      pkill -9 -f raylet; pkill -9 -f gcs_server; pkill -9 -f "ray::"; pkill -9 -f sglang.launch_server
+      pkill -9 -f vllm.entrypoints.openai.api_server; sleep 2
       for d in "$R"/*/; do [ -f "$d/log.txt" ] && [ ! -f "$d/rc" ] && echo stopped > "$d/rc"; done ;;
     speed)
       foreground speed "$PY" benchmarks/sglang/speed.py --sizes "${SPEED_SIZES:-smollm2-135m,0.82B}" \

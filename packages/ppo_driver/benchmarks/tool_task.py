@@ -25,8 +25,9 @@ DAPO's dynamic sampling, clip-higher and token-mean loss); ``arith-ppo``, ``arit
 ``arith-grpo``, ``arith-rloo``, ``arith-dapo``: the same comparison on one-turn two-digit arithmetic
 (configs/smollm2-ppo-1gpu.yaml and its GRPO and DAPO siblings). docs/guide/ppo-or-grpo.md reads these.
 ``tools-ppo-partial``, ``arith-ppo-partial``: PPO with partial rollouts (finish fraction 0.75,
-staleness at most 2, truncated importance weights at 2); ``tools-ppo-sglang``: the tool task through a
-real SGLang server; ``gsm-ppo``, ``gsm-grpo``, ``gsm-dapo``: reasoning-gym's gsm_symbolic; ``bfcl-ppo``:
+staleness at most 2, truncated importance weights at 2); ``tools-ppo-sglang``, ``tools-ppo-vllm``: the
+tool task through a real SGLang or vLLM server (vLLM's Python: ``--set rollout.vllm.python=...``);
+``gsm-ppo``, ``gsm-grpo``, ``gsm-dapo``: reasoning-gym's gsm_symbolic; ``bfcl-ppo``:
 BFCL multi-turn base (its rows written first: configs/smollm2-bfcl-multi-turn-ppo-1gpu.yaml);
 ``gemma-arith-ppo``: the arithmetic PPO config for a model without a chat template (Gemma 3 270M base:
 pass its folder as --model).
@@ -84,6 +85,7 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tools-ppo-partial": (PPO, PARTIAL),
     "arith-ppo-partial": (ARITH_PPO, PARTIAL),
     "tools-ppo-sglang": ("configs/smollm2-sglang-tools-ppo-1gpu.yaml", ()),
+    "tools-ppo-vllm": ("configs/smollm2-vllm-tools-ppo-1gpu.yaml", ()),
     "gsm-ppo": ("configs/smollm2-gsm-symbolic-ppo-1gpu.yaml", ()),
     "gsm-grpo": ("configs/smollm2-gsm-symbolic-grpo-1gpu.yaml", ()),
     "gsm-dapo": ("configs/smollm2-gsm-symbolic-dapo-1gpu.yaml", ()),

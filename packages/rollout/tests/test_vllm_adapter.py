@@ -64,8 +64,9 @@ def test_the_endpoint_travels_to_a_trainer_process_with_its_manifest() -> None:
     assert (copy.name, copy.expected, copy.load_formats) == (
         "vllm-0",
         [["w", "float32", [2, 3]]],
-        ("ppo_flat_stream:",),
+        ("ppo_flat_stream:", "ppo_ipc_bucket", "ppo_ipc_stream"),
     )
+    assert copy.version_routes is True
     with pytest.raises(ValueError, match="expected must name"):
         VLLMEngineEndpoint("http://127.0.0.1:1", [])
 

@@ -47,7 +47,11 @@ def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_a_server_s
     (tmp_path / "config.json").write_text(json.dumps(two_heads))  # tests-vllm's model: 2 heads of 32
     assert vllm_spec_args(_config(tmp_path), 0)["model_path"] == str(tmp_path)
     # on GPUs vLLM picks another attention: no such rule
-    assert vllm_spec_args(_config(sixteen, device="cuda", gpus_per_engine=1), 0)["tp_size"] == 1
+    on_gpu = vllm_spec_args(_config(sixteen, device="cuda", gpus_per_engine=1), 0)
+    assert on_gpu["tp_size"] == 1
+    # sleep frees GPU memory only from vLLM's own pool, made with --enable-sleep-mode (not on CPU)
+    assert on_gpu["extra_args"] == ("--enable-sleep-mode",)
+    assert "--enable-sleep-mode" not in vllm_spec_args(_config(tmp_path), 0)["extra_args"]
 
 
 @pytest.mark.parametrize(
@@ -200,3 +204,118 @@ def test_a_sample_that_did_not_finish_by_stop_or_length_is_an_error(completions:
             client.generate([[3]], SamplingConfig(n_samples_per_prompt=1), seed=0)
     finally:
         client.close()
+
+
+# ---------------------------------------------------------------------------- the weight version's routes
+class _DevRoutes(BaseHTTPRequestHandler):
+    """vLLM's dev routes as ``server.release`` serves them: 0.32.0 keeps the weight version
+    (``/update_weight_version``, ``/weight_info``); 0.26.0 has neither (404, as FastAPI answers an unknown
+    route). ``/collective_rpc`` answers each worker method as the extension would; every call recorded."""
+
+    def _answer(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _route(self, method: str) -> None:
+        server: Any = self.server
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        server.calls.append((method, self.path, body))
+        versioned = server.release == "0.32.0"
+        if self.path == "/get_world_size?include_dp=false":
+            self._answer(200, {"world_size": 1})
+        elif self.path == "/weight_info" and versioned:
+            self._answer(200, {"weight_version": server.version})
+        elif self.path == "/update_weight_version" and versioned:
+            server.version = body["new_version"]
+            self._answer(200, {"success": True})
+        elif self.path == "/collective_rpc" and body["method"].startswith("ppo_update_weights_from_"):
+            server.worker_version = json.loads(body["args"][0]).get("weight_version")
+            self._answer(200, {"results": [{"success": True, "message": "Loaded 1 tensors into vLLM."}]})
+        elif self.path == "/collective_rpc" and body["method"] == "ppo_weight_version":
+            self._answer(200, {"results": [{"weight_version": server.worker_version}]})
+        else:
+            self._answer(404, {"detail": "Not Found"})
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(params=["0.26.0", "0.32.0"])
+def dev_routes(request: pytest.FixtureRequest) -> Iterator[Any]:
+    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), _DevRoutes)
+    server.release, server.calls, server.version, server.worker_version = request.param, [], "default", None
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_weight_version_goes_where_the_servers_vllm_keeps_it(dev_routes: Any) -> None:
+    import pickle
+
+    from ppo_weight_sync.requests import UpdateRequest
+
+    url = f"http://127.0.0.1:{dev_routes.server_address[1]}"
+    endpoint = VLLMEngineEndpoint.for_server(url, [("w", "float32", (2,))], 1, timeout_s=10.0, name="vllm-0")
+    old = dev_routes.release == "0.26.0"
+    try:
+        assert endpoint.version_routes is not old  # read off GET /weight_info: 404 on 0.26.0
+        assert pickle.loads(pickle.dumps(endpoint)).version_routes is endpoint.version_routes
+        assert endpoint.get_weight_version().result(10.0) is None  # nothing loaded yet
+        update = UpdateRequest.parse({"names": ["w"], "dtypes": ["float32"], "shapes": [[2]]})
+        versioned = UpdateRequest.parse(update.to_json() | {"weight_version": "step-3"})
+        reply = endpoint.update_weights_from_distributed(versioned).result(10.0)
+        assert reply.success, reply.message
+        assert endpoint.get_weight_version().result(10.0) == "step-3"
+    finally:
+        endpoint.close()
+    routes = [(method, path) for method, path, _ in dev_routes.calls]
+    sent = [body for _, path, body in dev_routes.calls if path == "/update_weight_version"]
+    if old:  # the worker extension keeps it: no route of vLLM's asked for it
+        assert sent == []
+        assert ("GET", "/weight_info") in routes
+        assert routes.count(("POST", "/collective_rpc")) == 3  # two reads of the version, one update
+    else:
+        assert sent == [{"new_version": "step-3"}]
+        assert routes.count(("GET", "/weight_info")) == 3  # the probe and two reads
+
+
+def test_a_fresh_worker_extension_has_no_weight_version() -> None:
+    from ppo_weight_sync.vllm_worker import WeightSyncExtension
+
+    assert WeightSyncExtension().ppo_weight_version("{}") == {"weight_version": None}
+
+
+def test_a_colocated_update_reaches_the_workers_with_the_manifest(dev_routes: Any) -> None:
+    """A colocated engine joins no group: each CUDA IPC call carries what the workers check it against."""
+    from ppo_weight_sync.requests import TensorRequest
+
+    url = f"http://127.0.0.1:{dev_routes.server_address[1]}"
+    endpoint = VLLMEngineEndpoint.for_server(url, [("w", "float32", (2,))], 1, timeout_s=10.0, name="vllm-0")
+    request = TensorRequest.parse(
+        {"serialized_named_tensors": ["e30="], "load_format": "ppo_ipc_stream", "weight_version": "7"}
+    )
+    try:
+        assert {"ppo_ipc_bucket", "ppo_ipc_stream"} <= set(endpoint.load_formats)  # our formats, not SGLang's
+        assert endpoint.update_weights_from_tensor(request).result(10.0).success
+        assert endpoint.get_weight_version().result(10.0) == "7"
+    finally:
+        endpoint.close()
+    (rpc,) = [b for _, path, b in dev_routes.calls if path == "/collective_rpc" and "tensor" in b["method"]]
+    assert rpc["method"] == "ppo_update_weights_from_tensor"
+    sent = json.loads(rpc["args"][0])
+    assert (sent["expected"], sent["timeout_s"]) == ([["w", "float32", [2]]], 10.0)
+    assert (sent["serialized_named_tensors"], sent["load_format"]) == (["e30="], "ppo_ipc_stream")

@@ -119,6 +119,8 @@ def vllm_spec_args(cfg: RolloutConfig, i: int) -> dict[str, Any]:
         kv_bytes = 1 << 30  # vLLM's CPU default reserves 92% of the host's memory and refuses to start
     if kv_bytes is not None and "--kv-cache-memory-bytes" not in extra:
         extra += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    if cfg.device == "cuda" and "--enable-sleep-mode" not in extra:
+        extra.append("--enable-sleep-mode")  # else /sleep frees nothing: vLLM allocates outside its pool
     return {
         "model_path": cfg.model_path,
         "port": None,

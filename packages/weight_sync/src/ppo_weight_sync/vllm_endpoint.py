@@ -10,14 +10,19 @@ answers the weight operations through ``POST /collective_rpc``. The routes, from
   weights, recomputing what they had; ``continue_generation``: ``POST /resume``;
 - ``flush_cache``: ``POST /reset_prefix_cache`` (``{"success": bool}``; retried while it is false);
 - the weight operations: ``POST /collective_rpc`` with ``{"method": "ppo_<operation>", "args": [body]}``
-  (``vllm/entrypoints/serve/dev/rpc/api_router.py``), one answer per worker in ``results``;
+  (``vllm/entrypoints/serve/dev/rpc/api_router.py``), one answer per worker in ``results``; a colocated
+  engine (on the sending actor rank's GPU) takes CUDA IPC (``update_weights_from_tensor``, our formats);
 - the weight version: ``POST /update_weight_version`` after an update's last call, read from
-  ``GET /weight_info`` (vLLM's ``"default"`` until the first update: None here);
+  ``GET /weight_info`` (vLLM's ``"default"`` until the first update: None here). vLLM 0.26.0 has neither
+  route (its ``vllm/entrypoints/serve/dev/`` routers serve none): a server whose ``GET /weight_info``
+  answers 404 keeps the version in the worker extension instead (:meth:`VLLMEngineEndpoint.for_server`
+  asks once; ``ppo_weight_version`` over ``/collective_rpc`` reads it);
 - the ranks a server adds to the group: ``GET /get_world_size?include_dp=false``.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,8 +30,9 @@ from typing import Any
 from ppo_weight_sync.buckets import STREAM_FORMAT_PREFIX
 from ppo_weight_sync.endpoints import Done, HttpEngineEndpoint, Pending, _FuturePending, _Mapped
 from ppo_weight_sync.errors import EngineUnavailableError
+from ppo_weight_sync.ipc.payload import PPO_IPC_FORMAT, PPO_IPC_STREAM
 from ppo_weight_sync.ops import EngineReply
-from ppo_weight_sync.requests import InitRequest, UpdateRequest, WeightRequest
+from ppo_weight_sync.requests import InitRequest, TensorRequest, UpdateRequest, WeightRequest
 
 __all__ = ["VLLM_INITIAL_VERSION", "VLLMEngineEndpoint"]
 
@@ -77,24 +83,28 @@ class VLLMEngineEndpoint(HttpEngineEndpoint):
         name: str = "",
         *,
         flush_retry_s: float = 60.0,
+        version_routes: bool = True,
     ) -> None:
-        super().__init__(
-            base_url, num_gpus, timeout_s, name, (STREAM_FORMAT_PREFIX,), flush_retry_s=flush_retry_s
-        )
+        formats = (STREAM_FORMAT_PREFIX, PPO_IPC_FORMAT, PPO_IPC_STREAM)  # the group's, CUDA IPC's
+        super().__init__(base_url, num_gpus, timeout_s, name, formats, flush_retry_s=flush_retry_s)
         self.expected = _rows(expected)
         if not self.expected:
             raise ValueError("expected must name at least one tensor (the model's manifest)")
+        # True: vLLM keeps the weight version (/update_weight_version, /weight_info; 0.32.0); False: the
+        # worker extension keeps it (vLLM 0.26.0 has no such route)
+        self.version_routes = version_routes
 
     def __reduce__(self) -> tuple[Any, ...]:
         args = (self.base_url, self.expected, self.num_gpus, self.timeout_s, self.name)
-        return (_endpoint, (args, self.flush_retry_s))
+        return (_endpoint, (args, self.flush_retry_s, self.version_routes))
 
     @classmethod
     def for_server(
         cls, base_url: str, expected: ManifestRows, num_gpus: int, timeout_s: float = 600.0, name: str = ""
     ) -> VLLMEngineEndpoint:
         """The endpoint, once the server's size (``/get_world_size``) matched ``num_gpus``; ValueError
-        naming both otherwise."""
+        naming both otherwise. Where the weight version is kept is read off ``GET /weight_info``: 404
+        (vLLM 0.26.0) leaves it to the worker extension."""
         endpoint = cls(base_url, expected, num_gpus, timeout_s, name)
         body = endpoint.request("GET", "/get_world_size?include_dp=false")
         size = body.get("world_size") if isinstance(body, Mapping) else None
@@ -108,7 +118,17 @@ class VLLMEngineEndpoint(HttpEngineEndpoint):
                 f"num_gpus={num_gpus} was given: set the engine's GPUs in the config to the server's "
                 "(or relaunch it)"
             )
+        endpoint.version_routes = endpoint._answer_any("GET", "/weight_info")[0] != 404
         return endpoint
+
+    def _answer_any(self, method: str, route: str) -> tuple[int, Any]:
+        """One request's status and body, whatever the status (a probe of a route's existence)."""
+        try:
+            reply = self._http.request(method, route)
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()
+            raise EngineUnavailableError(self.name, route.strip("/"), f"unreachable: {exc}") from exc
+        return reply.status, reply.body
 
     # -- the weight operations, over /collective_rpc --------------------------------------------------
     def rpc(self, method: str, body: Mapping[str, Any]) -> Any:
@@ -118,11 +138,12 @@ class VLLMEngineEndpoint(HttpEngineEndpoint):
 
     def _weights_call(self, request: WeightRequest) -> EngineReply:
         body: dict[str, Any] = request.to_json()
-        if isinstance(request, InitRequest):
+        if isinstance(request, InitRequest | TensorRequest):  # a colocated engine joins no group
             body.update(expected=self.expected, timeout_s=self.timeout_s)
         reply = replies_of(self.rpc("ppo_" + request.OP, body), self.name, request.OP)
-        if isinstance(request, UpdateRequest) and reply.success and request.weight_version is not None:
-            answer = self.request("POST", "/update_weight_version", {"new_version": request.weight_version})
+        version = request.weight_version if isinstance(request, UpdateRequest | TensorRequest) else None
+        if version is not None and reply.success and self.version_routes:
+            answer = self.request("POST", "/update_weight_version", {"new_version": version})
             if not (isinstance(answer, Mapping) and answer.get("success")):
                 return EngineReply.refused(f"weights loaded, but the version was not set: {answer}")
         return reply
@@ -151,7 +172,10 @@ class VLLMEngineEndpoint(HttpEngineEndpoint):
         return _NO_SESSION
 
     def get_weight_version(self) -> Pending[str | None]:
-        future = self._executor().submit(self.request, "GET", "/weight_info")
+        if self.version_routes:
+            future = self._executor().submit(self.request, "GET", "/weight_info")
+        else:
+            future = self._executor().submit(self.rpc, "ppo_weight_version", {})
         return _Mapped(_FuturePending(future, self.name, "get_weight_version"), _version_of)
 
     def __repr__(self) -> str:
@@ -159,9 +183,13 @@ class VLLMEngineEndpoint(HttpEngineEndpoint):
 
 
 def _version_of(body: Any) -> str | None:
+    """``/weight_info``'s ``{"weight_version": ...}``, or the workers' (``{"results": [{...}, ...]}``)."""
+    results = body.get("results") if isinstance(body, Mapping) else None
+    if isinstance(results, list) and results:
+        body = results[0]
     version = body.get("weight_version") if isinstance(body, Mapping) else None
     return None if version is None or version == VLLM_INITIAL_VERSION else str(version)
 
 
-def _endpoint(args: tuple[Any, ...], flush_retry_s: float) -> VLLMEngineEndpoint:
-    return VLLMEngineEndpoint(*args, flush_retry_s=flush_retry_s)
+def _endpoint(args: tuple[Any, ...], flush_retry_s: float, version_routes: bool = True) -> VLLMEngineEndpoint:
+    return VLLMEngineEndpoint(*args, flush_retry_s=flush_retry_s, version_routes=version_routes)

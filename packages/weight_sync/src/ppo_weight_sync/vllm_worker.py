@@ -23,9 +23,12 @@ that kernel, one identity matrix through ``cpu_linear``: what generation compute
 
 Imports the standard library, torch and this package only (vLLM's own modules inside the methods), so
 that vLLM's environment needs nothing else: the adapter puts this package on the server's
-``PYTHONPATH``. Followed from vLLM 0.32.0's source: ``vllm/v1/worker/worker_base.py`` (the extension's
-methods must not clash with the worker's), ``vllm/v1/worker/gpu_worker.py`` (``reload_weights``,
-``get_model``), ``vllm/entrypoints/serve/dev/rpc/api_router.py`` (``/collective_rpc``).
+``PYTHONPATH``. The worker also keeps each update's weight version
+(:meth:`WeightSyncExtension.ppo_weight_version`) for vLLM 0.26.0, whose server has no weight-version
+route. Followed from vLLM 0.32.0's source (the same in 0.26.0): ``vllm/v1/worker/worker_base.py``
+(the extension's methods must not clash with the worker's), ``vllm/v1/worker/gpu_worker.py``
+(``reload_weights``, ``get_model``), ``vllm/entrypoints/serve/dev/rpc/api_router.py``
+(``/collective_rpc``).
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ import torch
 from ppo_weight_sync.buckets import dtype_from_name
 from ppo_weight_sync.ops import EngineReply
 from ppo_weight_sync.receiver import WeightReceiver
-from ppo_weight_sync.requests import DestroyRequest, InitRequest, UpdateRequest, ValidationError
+from ppo_weight_sync.requests import (
+    DestroyRequest,
+    InitRequest,
+    TensorRequest,
+    UpdateRequest,
+    ValidationError,
+)
 from ppo_weight_sync.sglang_weights import rows_checksum
 
 __all__ = ["EXTENSION", "Manifest", "WeightSyncExtension", "read_hf_tensor"]
@@ -73,7 +82,7 @@ class WeightSyncExtension:
     def _ppo_state(self) -> dict[str, Any]:
         state: dict[str, Any] | None = getattr(self, "_ppo_sync", None)
         if state is None:
-            state = {"expected": {}, "pending": [], "receiver": None}
+            state = {"expected": {}, "pending": [], "receiver": None, "version": None}
             self._ppo_sync = state
         return state
 
@@ -127,17 +136,45 @@ class WeightSyncExtension:
         if receiver is None:
             return EngineReply.refused("no weight group joined; call init_weights_update_group").to_json()
         reply: EngineReply = receiver.update_weights_from_distributed(request)
+        return self._ppo_finish(reply, request.flush_cache, request.weight_version)
+
+    def ppo_update_weights_from_tensor(self, body: str) -> dict[str, Any]:
+        """One call of a colocated update (CUDA IPC from the actor rank on this GPU: no group to join).
+        ``body``: the ``TensorRequest``'s fields plus ``expected`` (the manifest) and ``timeout_s``, as
+        ``ppo_init_weights_update_group`` takes them; the update's last call (``flush_cache``) loads it."""
+        try:
+            data = json.loads(body)
+            request = TensorRequest.parse(data)
+            expected = _manifest(data.get("expected"))
+            timeout_s = float(data.get("timeout_s", 300.0))
+        except (ValueError, ValidationError, TypeError) as exc:
+            return EngineReply.refused(f"bad update_weights_from_tensor body: {exc}").to_json()
+        self._ppo_state()["expected"] = expected
+        reply = self._ppo_receiver(timeout_s).update_weights_from_tensor(request)
+        return self._ppo_finish(reply, request.flush_cache, request.weight_version)
+
+    def _ppo_finish(self, reply: EngineReply, last: bool, version: str | None) -> dict[str, Any]:
+        """After one call's tensors arrived (or not): the update's last call loads them all at once
+        through vLLM's ``reload_weights``; a call that failed drops what the update had staged."""
+        state = self._ppo_state()
         if not reply.success:
             state["pending"] = []
             return reply.to_json()
-        if request.flush_cache:
+        if last:
             pending, state["pending"] = state["pending"], []
             try:
                 self.reload_weights(weights_iterator=pending)  # type: ignore[attr-defined]  # vLLM's Worker
             except Exception as exc:  # the group is still in step: a refusal, nothing half-loaded kept
                 return EngineReply.refused(f"vLLM could not load the weights: {exc!r}").to_json()
-            return EngineReply.ok(f"Loaded {len(pending)} tensors into vLLM.").to_json()
+            reply = EngineReply.ok(f"Loaded {len(pending)} tensors into vLLM.")
+        if version is not None:
+            state["version"] = version
         return reply.to_json()
+
+    def ppo_weight_version(self, body: str) -> dict[str, Any]:
+        """``{"weight_version": str | null}``: the version of the last update that carried one (None
+        before any), for a vLLM without ``/weight_info`` (0.26.0). ``body``: ignored (``"{}"``)."""
+        return {"weight_version": self._ppo_state()["version"]}
 
     def ppo_destroy_weights_update_group(self, body: str) -> dict[str, Any]:
         try:
