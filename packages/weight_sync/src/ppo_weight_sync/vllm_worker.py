@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -69,6 +69,16 @@ def _manifest(rows: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
             raise ValueError(f"expected: each entry [name, dtype, shape], got {str(row)[:80]}")
         out[row[0]] = (str(row[1]), tuple(int(n) for n in row[2]))
     return out
+
+
+_Request = TypeVar("_Request", InitRequest, TensorRequest)
+
+
+def _with_manifest(body: str, kind: type[_Request]) -> tuple[_Request, Manifest, float]:
+    """A request that carries the model's manifest: ``kind``'s fields plus ``expected`` (``[[name, dtype,
+    shape], ...]``) and ``timeout_s`` (every receive's bound, 300 s when absent)."""
+    data = json.loads(body)
+    return kind.parse(data), _manifest(data.get("expected")), float(data.get("timeout_s", 300.0))
 
 
 class WeightSyncExtension:
@@ -114,10 +124,7 @@ class WeightSyncExtension:
         """Join the group. ``body``: the ``InitRequest``'s fields plus ``expected`` (the manifest,
         ``[[name, dtype, shape], ...]``) and ``timeout_s`` (every receive's bound)."""
         try:
-            data = json.loads(body)
-            request = InitRequest.parse(data)
-            expected = _manifest(data.get("expected"))
-            timeout_s = float(data.get("timeout_s", 300.0))
+            request, expected, timeout_s = _with_manifest(body, InitRequest)
         except (ValueError, ValidationError, TypeError) as exc:
             return EngineReply.refused(f"bad init_weights_update_group body: {exc}").to_json()
         self._ppo_state()["expected"] = expected
@@ -143,10 +150,7 @@ class WeightSyncExtension:
         ``body``: the ``TensorRequest``'s fields plus ``expected`` (the manifest) and ``timeout_s``, as
         ``ppo_init_weights_update_group`` takes them; the update's last call (``flush_cache``) loads it."""
         try:
-            data = json.loads(body)
-            request = TensorRequest.parse(data)
-            expected = _manifest(data.get("expected"))
-            timeout_s = float(data.get("timeout_s", 300.0))
+            request, expected, timeout_s = _with_manifest(body, TensorRequest)
         except (ValueError, ValidationError, TypeError) as exc:
             return EngineReply.refused(f"bad update_weights_from_tensor body: {exc}").to_json()
         self._ppo_state()["expected"] = expected
