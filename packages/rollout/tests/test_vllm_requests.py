@@ -5,6 +5,7 @@ on 127.0.0.1 (what a real server does with them: ``tests-vllm/``)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -120,16 +121,24 @@ class _Completions(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def completions() -> Iterator[Any]:
-    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), _Completions)
-    server.bodies, server.lock, server.finish_reason = [], threading.Lock(), "stop"
+@contextlib.contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler], **state: Any) -> Iterator[Any]:
+    """A stand-in server on 127.0.0.1 with ``state`` as its attributes, shut down on exit."""
+    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    for name, value in state.items():
+        setattr(server, name, value)
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:
         yield server
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def completions() -> Iterator[Any]:
+    with _serving(_Completions, bodies=[], lock=threading.Lock(), finish_reason="stop") as server:
+        yield server
 
 
 def _client(server: Any) -> VLLMClient:
@@ -253,14 +262,9 @@ class _DevRoutes(BaseHTTPRequestHandler):
 
 @pytest.fixture(params=["0.26.0", "0.32.0"])
 def dev_routes(request: pytest.FixtureRequest) -> Iterator[Any]:
-    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), _DevRoutes)
-    server.release, server.calls, server.version, server.worker_version = request.param, [], "default", None
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    try:
+    state = {"release": request.param, "calls": [], "version": "default", "worker_version": None}
+    with _serving(_DevRoutes, **state) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_the_weight_version_goes_where_the_servers_vllm_keeps_it(dev_routes: Any) -> None:
