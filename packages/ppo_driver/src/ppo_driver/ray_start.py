@@ -65,12 +65,18 @@ def ray_session(config: RunConfig, console: Console) -> Iterator[None]:
 # How long joining a cluster may take: Ray retries an address that answers but is no Ray cluster's
 # (a port of another service) for many minutes. A closed port is refused before, in pre-flight.
 JOIN_TIMEOUT_S = 120.0
+# One of Ray's attempts to reach a GCS at its default timeouts (the connection, its pubsub, the cluster
+# id): about 40 s. Ray's own retry count (RAY_gcs_server_port_wait_time_s) bounds the join as well.
+GCS_ATTEMPT_S = 40.0
+GCS_RETRIES_ENV = "RAY_gcs_server_port_wait_time_s"
 
 
 def join_cluster(config: RunConfig) -> None:
-    """``ray.init(address=ray.address)``, bounded by ``JOIN_TIMEOUT_S``: past it the main thread is
-    interrupted (between Ray's connection attempts), once a second until it leaves ``ray.init`` (an
-    interrupt that lands inside a handler of Ray's is lost there), and the join refused in one line."""
+    """``ray.init(address=ray.address)``, bounded twice: Ray makes at most ``JOIN_TIMEOUT_S /
+    GCS_ATTEMPT_S`` attempts (unless ``RAY_gcs_server_port_wait_time_s`` is set) and then raises; and past
+    ``JOIN_TIMEOUT_S`` the main thread is interrupted (between Ray's connection attempts), once a second
+    until it leaves ``ray.init`` (an interrupt that lands inside Ray's own code can be lost there). Either
+    way the join is refused in one line."""
     gave_up, left = threading.Event(), threading.Event()
 
     def give_up() -> None:
@@ -84,21 +90,44 @@ def join_cluster(config: RunConfig) -> None:
     start = time.monotonic()
     timer.start()
     try:
-        ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
+        with _bounded_gcs_retries():
+            ray.init(address=config.ray.address, log_to_driver=config.logging.worker_logs)
     except KeyboardInterrupt:
         left.set()
         if not gave_up.is_set():
             raise  # the user's Ctrl-C
         with contextlib.suppress(Exception, KeyboardInterrupt):  # an interrupt sent as it left
             ray.shutdown()
-        raise ConfigError(
-            f"invalid config (1 error):\n  - ray.address={config.ray.address!r}: no Ray cluster answered "
-            f"there in {time.monotonic() - start:.0f} s (something listens, but not Ray's GCS); give the "
-            "head node's GCS address (`ray status` on it prints it), or drop --ray-address for a local run"
-        ) from None
+        raise _not_ray(config, start) from None
+    except ConnectionError as exc:  # Ray's attempts ran out
+        if not str(exc).startswith("Failed to connect to Ray cluster"):
+            raise
+        raise _not_ray(config, start) from None
     finally:
         left.set()
         timer.cancel()
+
+
+@contextmanager
+def _bounded_gcs_retries() -> Iterator[None]:
+    """Ray's attempts to reach the GCS, at most ``JOIN_TIMEOUT_S / GCS_ATTEMPT_S`` while joining (Ray
+    reads the variable when it connects); a value the user set is kept."""
+    if GCS_RETRIES_ENV in os.environ:
+        yield
+        return
+    os.environ[GCS_RETRIES_ENV] = str(max(1, round(JOIN_TIMEOUT_S / GCS_ATTEMPT_S)))
+    try:
+        yield
+    finally:
+        os.environ.pop(GCS_RETRIES_ENV, None)
+
+
+def _not_ray(config: RunConfig, start: float) -> ConfigError:
+    return ConfigError(
+        f"invalid config (1 error):\n  - ray.address={config.ray.address!r}: no Ray cluster answered "
+        f"there in {time.monotonic() - start:.0f} s (something listens, but not Ray's GCS); give the "
+        "head node's GCS address (`ray status` on it prints it), or drop --ray-address for a local run"
+    )
 
 
 def session_dir() -> Path | None:
