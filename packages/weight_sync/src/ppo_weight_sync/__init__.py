@@ -33,7 +33,7 @@ from ppo_weight_sync.requests import DestroyRequest, InitRequest, TensorRequest,
 from ppo_weight_sync.sender import WeightSender
 from ppo_weight_sync.transports import Sent, Transport, TransportFactory
 
-__version__ = "0.4.2"
+__version__ = "0.4.3"
 
 __all__ = [
     "FLATTENED_BUCKET",

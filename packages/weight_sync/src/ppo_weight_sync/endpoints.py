@@ -346,7 +346,11 @@ class HttpEngineEndpoint(WeightOpsForwarder[Pending[EngineReply]]):
                 self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix=f"http-{self.name}")
             return self._pool
 
-    def _answer(self, method: str, route: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+    def _answer(
+        self, method: str, route: str, body: dict[str, Any] | None, also: tuple[int, ...] = ()
+    ) -> tuple[int, Any]:
+        """One request's status and body; ``also``: statuses answered as they are besides 2xx and 400
+        (a probe of whether a route exists takes 404)."""
         op = route.strip("/")
         try:
             reply = self._http.request(method, route, body)
@@ -356,7 +360,7 @@ class HttpEngineEndpoint(WeightOpsForwarder[Pending[EngineReply]]):
             raise EngineUnavailableError(self.name, op, f"unreachable: {type(exc).__name__}: {exc}") from exc
         # 400 is SGLang's answer to a refused operation (JSON for the weight operations, text for
         # flush_cache): a refusal, not a dead engine. Anything else outside 2xx is an unusable engine.
-        if not (200 <= reply.status < 300 or reply.status == 400):
+        if not (200 <= reply.status < 300 or reply.status == 400 or reply.status in also):
             raise EngineUnavailableError(self.name, op, f"HTTP {reply.status}: {reply.body!r}")
         return reply.status, reply.body
 

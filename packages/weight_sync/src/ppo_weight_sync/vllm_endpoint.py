@@ -22,7 +22,6 @@ answers the weight operations through ``POST /collective_rpc``. The routes, from
 
 from __future__ import annotations
 
-import http.client
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -118,17 +117,8 @@ class VLLMEngineEndpoint(HttpEngineEndpoint):
                 f"num_gpus={num_gpus} was given: set the engine's GPUs in the config to the server's "
                 "(or relaunch it)"
             )
-        endpoint.version_routes = endpoint._answer_any("GET", "/weight_info")[0] != 404
+        endpoint.version_routes = endpoint._answer("GET", "/weight_info", None, also=(404,))[0] != 404
         return endpoint
-
-    def _answer_any(self, method: str, route: str) -> tuple[int, Any]:
-        """One request's status and body, whatever the status (a probe of a route's existence)."""
-        try:
-            reply = self._http.request(method, route)
-        except (OSError, http.client.HTTPException) as exc:
-            self.close()
-            raise EngineUnavailableError(self.name, route.strip("/"), f"unreachable: {exc}") from exc
-        return reply.status, reply.body
 
     # -- the weight operations, over /collective_rpc --------------------------------------------------
     def rpc(self, method: str, body: Mapping[str, Any]) -> Any:

@@ -171,7 +171,9 @@ class WeightSyncExtension:
             except Exception as exc:  # the group is still in step: a refusal, nothing half-loaded kept
                 return EngineReply.refused(f"vLLM could not load the weights: {exc!r}").to_json()
             reply = EngineReply.ok(f"Loaded {len(pending)} tensors into vLLM.")
-        if version is not None:
+        if (
+            version is not None
+        ):  # not the receiver's: it records one when the tensors arrive, before vLLM loads them
             state["version"] = version
         return reply.to_json()
 
