@@ -187,23 +187,9 @@ def varlen_attention(
         raise ValueError(f"packed attention takes one row of packed samples, got a batch of {query.shape[0]}")
     if dropout:
         raise ValueError("packed attention has no dropout; train with attention_dropout=0")
-    if _flash_dtype(query) is None:
-        return _per_sample_attention(query, key, value, cu_seqlens, scaling), None
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, dim]
     out = causal_within_samples(q, k, v, cu_seqlens, int(kwargs["max_length_q"]), scaling)
     return out.unsqueeze(0), None
-
-
-@torch.compiler.disable
-def _per_sample_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
-) -> torch.Tensor:
-    """``varlen_attention`` without the varlen kernel, ``[1, heads, T, dim]`` in, ``[1, T, heads, dim]``
-    out: one causal SDPA call per sample, run eagerly under ``torch.compile`` (``train.compile_layers``).
-    Its loop is over the samples' lengths read on the host: dynamo broke the layer's graph three times
-    in it and compiled every sliver between the breaks (23 graphs for the tiny model's no-grad and
-    training passes in tests/test_compiled.py, 10 with the loop left out: the layer breaks once, here)."""
-    return block_causal_sdpa(query, key, value, cu_seqlens, scale).transpose(1, 2)
 
 
 def causal_within_samples(
@@ -219,8 +205,7 @@ def causal_within_samples(
     else one causal SDPA call per sample. The transformers models' and megatron's packed attention."""
     half = _flash_dtype(query)
     if half is None:
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, T, dim]
-        return block_causal_sdpa(q, k, v, cu_seqlens, scale)[0].transpose(0, 1)
+        return _per_sample_causal(query, key, value, cu_seqlens, scale)
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (x.to(half).contiguous() for x in (query, key, value))
@@ -231,6 +216,19 @@ def causal_within_samples(
     )
     assert isinstance(out, torch.Tensor)  # no auxiliary outputs asked for
     return out
+
+
+@torch.compiler.disable
+def _per_sample_causal(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """``causal_within_samples`` without the varlen kernel, ``[T, heads, dim]`` in and out: one causal SDPA
+    call per sample, run eagerly under ``torch.compile`` (``train.compile_layers``). Its loop is over the
+    samples' lengths read on the host: dynamo broke the layer's graph three times in it and compiled every
+    sliver between the breaks (23 graphs for the tiny model's no-grad and training passes in
+    tests/test_compiled.py, 10 with the loop left out: the layer breaks once, here)."""
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, T, dim]
+    return block_causal_sdpa(q, k, v, cu_seqlens, scale)[0].transpose(0, 1)
 
 
 def _flash_dtype(query: torch.Tensor) -> torch.dtype | None:
