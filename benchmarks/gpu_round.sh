@@ -162,7 +162,9 @@ while [ $# -gt 0 ]; do
     status) status ;;
     collect)  # one archive: the device tool brings back few files and no deep folders
       tar czf "$OUT/round.tgz" -C "$R" --exclude='*/checkpoints/*' --exclude='*/tensorboard/*' \
-        --exclude='*/model/*' . && ls -la "$OUT/round.tgz" ;;
+        --exclude='*/model/*' .
+      [ $? -le 1 ] || failed=1  # 1: a running job's file changed while read (the archive is whole)
+      ls -la "$OUT/round.tgz" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
